@@ -1,0 +1,1 @@
+"""Entry points only: argparse -> a config dataclass -> library calls."""

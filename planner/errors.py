@@ -1,0 +1,33 @@
+"""The error hierarchy every tandem package raises; messages carry the values and what to do."""
+
+
+class TandemError(Exception):
+    """Base of every error tandem reports to a user (CLI: one line, API: OpenAI-shaped JSON)."""
+
+
+class PlanError(TandemError):
+    """A parallelism plan cannot be made or does not fit the cluster."""
+
+
+class ModelError(TandemError):
+    """A model directory is missing, malformed, or unsupported."""
+
+
+class PeerError(TandemError):
+    """A peer failed to authenticate, answer, or stay alive."""
+
+
+class ChannelError(PeerError):
+    """A frame on an authenticated channel failed to open, parse, or arrive in time."""
+
+
+class EngineError(TandemError):
+    """An engine could not load, generate, or lost one of its ranks or stages."""
+
+
+class QueueFullError(EngineError):
+    """The request queue is full; the client should retry later (HTTP 429)."""
+
+
+class ConfigError(TandemError):
+    """A flag, environment variable, or file given by the operator is invalid."""
