@@ -1,0 +1,51 @@
+"""The `tandem` command: parse flags, configure logging once, dispatch to a subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib import import_module
+
+from planner.errors import TandemError
+
+from .options import env_default
+
+# Subcommand modules, each with register(subparsers) and run(args) -> int.
+SUBCOMMANDS = ("serve", "join", "peers", "plan", "demo_model", "hostfile")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d %(name)s] %(message)s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Serve one language model from a cluster of machines.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=env_default("LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging verbosity [env TANDEM_LOG_LEVEL; default INFO]",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        import_module(f"cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
+    try:
+        return int(args.run(args) or 0)
+    except TandemError as error:
+        print(f"tandem: error: {error}", file=sys.stderr)
+        return getattr(error, "exit_status", 1)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Flag helpers: every flag has a TANDEM_* environment twin, read here and nowhere deeper."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def env_default(name: str, default: Any = None, cast: Callable[[str], Any] = str) -> Any:
+    """The value of TANDEM_<NAME> cast to the flag's type, or `default` when unset."""
+    raw = os.environ.get(f"TANDEM_{name}")
+    if raw is None or raw == "":
+        return default
+    try:
+        return cast(raw)
+    except ValueError as error:
+        raise SystemExit(f"tandem: error: TANDEM_{name}={raw!r} is invalid: {error}") from None
+
+
+def add_flag(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    *,
+    default: Any = None,
+    cast: Callable[[str], Any] = str,
+    help: str,
+    **kwargs: Any,
+) -> None:
+    """Add `--flag` whose default comes from TANDEM_FLAG (dashes become underscores)."""
+    env_name = flag.lstrip("-").replace("-", "_").upper()
+    parser.add_argument(
+        flag,
+        default=env_default(env_name, default, cast),
+        type=cast,
+        help=f"{help} [env TANDEM_{env_name}; default {default}]",
+        **kwargs,
+    )
+
+
+def add_key_flags(parser: argparse.ArgumentParser) -> None:
+    """The cluster key flags shared by serve, join and peers."""
+    add_flag(parser, "--cluster-key", help="the shared cluster key text (tandem-...)")
+    add_flag(parser, "--cluster-key-file", help="a file holding the cluster key")
+
+
+def add_interface_flag(parser: argparse.ArgumentParser) -> None:
+    add_flag(
+        parser,
+        "--interface",
+        help="address zeroconf and the control port bind to (127.0.0.1 keeps everything local)",
+    )

@@ -1,0 +1,68 @@
+"""`tandem plan`: print the decision, every rule checked, and the assignment — no model loaded."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from planner import DecisionInputs, Parallelism, capability_checks, decide
+
+from .options import add_flag, add_interface_flag, add_key_flags
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="dry-run the planner: for given inputs (--world-size) or against the live cluster",
+    )
+    add_flag(parser, "--model", cast=Path, help="model directory (default: the built-in demo model)")
+    add_flag(parser, "--parallelism", default="auto", choices=[p.value for p in Parallelism], help="operator choice")
+    parser.add_argument("--world-size", type=int, help="plan for N machines instead of the live cluster")
+    parser.add_argument("--no-tp-variant", action="store_true", help="pretend the model has no tp variant")
+    parser.add_argument(
+        "--no-distributed-group", action="store_true", help="pretend no distributed group is available"
+    )
+    add_interface_flag(parser)
+    add_key_flags(parser)
+    add_flag(parser, "--discovery-timeout", default=3.0, cast=float, help="seconds to browse for peers")
+    add_flag(parser, "--hostfile", cast=Path, help="static membership instead of zeroconf")
+    add_flag(parser, "--collective", choices=["ring", "jaccl"], help="accept this collective backend for tp")
+    add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
+    add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
+    add_flag(parser, "--cache-dir", default=Path.home() / ".cache" / "tandem", cast=Path, help="demo model cache")
+    add_flag(parser, "--state-dir", default=Path.home() / ".local" / "state" / "tandem", cast=Path, help="node id and cluster key")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .model_source import resolve_model
+
+    facts = resolve_model(args.model, args.cache_dir)
+    if args.world_size is not None:
+        return print_dry_run(args, facts)
+    from .coordinator import plan_live_cluster
+
+    plan, _members = plan_live_cluster(args, facts)
+    for line in plan.describe():
+        print(line)
+    return 2 if plan.refusal else 0
+
+
+def print_dry_run(args: argparse.Namespace, facts) -> int:
+    inputs = DecisionInputs(
+        operator_choice=Parallelism(args.parallelism),
+        world_size=args.world_size,
+        attention_heads=facts.attention_heads,
+        kv_heads=facts.kv_heads,
+        has_tp_variant=facts.has_tp_variant and not args.no_tp_variant,
+        distributed_group_available=not args.no_distributed_group,
+    )
+    print(f"model: {facts.path} ({facts.model_type}, {facts.num_layers} layers, "
+          f"{facts.attention_heads} attention heads, {facts.kv_heads} KV heads)")
+    for check in capability_checks(inputs):
+        print(f"  [{'PASS' if check.passed else 'FAIL'}] {check.name}: {check.detail}")
+    decision = decide(inputs)
+    closed = " (explicit tp failed closed)" if decision.failed_closed else ""
+    print(f"decision: {decision.chosen.value}{closed}")
+    print(f"reason: {decision.reason}")
+    return 0

@@ -1,0 +1,115 @@
+"""`tandem serve`: find the cluster, plan, start the engine, and serve the OpenAI API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner import Parallelism
+from planner.errors import ConfigError
+
+from .options import add_flag, add_interface_flag, add_key_flags
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything `tandem serve` was asked to do, from flags and their TANDEM_* twins."""
+
+    model: Path | None
+    model_id: str | None
+    parallelism: Parallelism
+    host: str
+    port: int
+    queue_size: int
+    max_tokens_cap: int
+    request_timeout_s: float
+    api_key: str | None
+    interface: str | None
+    discovery_timeout_s: float
+    hostfile: Path | None
+    cluster_key: str | None
+    cluster_key_file: Path | None
+    collective: str | None
+    context_tokens: int
+    memory_limit: str | None
+    lost_after_s: float
+    cache_dir: Path
+    state_dir: Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="plan the cluster and serve the OpenAI API")
+    add_flag(parser, "--model", cast=Path, help="model directory (default: the built-in demo model)")
+    add_flag(parser, "--model-id", help="model name clients use (default: the directory name)")
+    add_flag(
+        parser,
+        "--parallelism",
+        default="auto",
+        choices=[p.value for p in Parallelism],
+        help="tp, pp, single, or auto (let the planner choose)",
+    )
+    add_flag(parser, "--host", default="127.0.0.1", help="HTTP bind address")
+    add_flag(parser, "--port", default=DEFAULT_PORT, cast=int, help="HTTP port")
+    add_flag(parser, "--queue-size", default=8, cast=int, help="requests waiting before 429")
+    add_flag(parser, "--max-tokens-cap", default=4096, cast=int, help="largest max_tokens accepted")
+    add_flag(parser, "--request-timeout", default=300.0, cast=float, help="seconds per request")
+    add_flag(parser, "--api-key", help="require `Authorization: Bearer KEY` on /v1")
+    add_interface_flag(parser)
+    add_flag(parser, "--discovery-timeout", default=3.0, cast=float, help="seconds to browse for peers")
+    add_flag(parser, "--hostfile", cast=Path, help="static membership (mlx.launch JSON) instead of zeroconf")
+    add_key_flags(parser)
+    add_flag(
+        parser,
+        "--collective",
+        choices=["ring", "jaccl"],
+        help="accept this collective backend for tp (ring: TCP, for Linux and tests)",
+    )
+    add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
+    add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
+    add_flag(parser, "--lost-after", default=5.0, cast=float, help="seconds of silence before a peer is lost")
+    add_flag(parser, "--cache-dir", default=Path.home() / ".cache" / "tandem", cast=Path, help="demo model cache")
+    add_flag(parser, "--state-dir", default=Path.home() / ".local" / "state" / "tandem", cast=Path, help="node id and cluster key")
+    parser.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    if args.queue_size < 1:
+        raise ConfigError(f"--queue-size must be at least 1, got {args.queue_size}")
+    if args.max_tokens_cap < 1:
+        raise ConfigError(f"--max-tokens-cap must be at least 1, got {args.max_tokens_cap}")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be 1..65535, got {args.port}")
+    return ServeConfig(
+        model=args.model,
+        model_id=args.model_id,
+        parallelism=Parallelism(args.parallelism),
+        host=args.host,
+        port=args.port,
+        queue_size=args.queue_size,
+        max_tokens_cap=args.max_tokens_cap,
+        request_timeout_s=args.request_timeout,
+        api_key=args.api_key,
+        interface=args.interface,
+        discovery_timeout_s=args.discovery_timeout,
+        hostfile=args.hostfile,
+        cluster_key=args.cluster_key,
+        cluster_key_file=args.cluster_key_file,
+        collective=args.collective,
+        context_tokens=args.context_tokens,
+        memory_limit=args.memory_limit,
+        lost_after_s=args.lost_after,
+        cache_dir=args.cache_dir,
+        state_dir=args.state_dir,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from .coordinator import serve
+
+    return serve(config_from_args(args))

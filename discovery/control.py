@@ -1,0 +1,207 @@
+"""Coordinator <-> agent control messages and the secure connection that carries them."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from discovery.framing import ChannelTimeout, connect
+from discovery.secure_channel import SecureChannel
+from planner.errors import ChannelError
+
+logger = logging.getLogger(__name__)
+
+CONTROL_PURPOSE = b"control"
+CONTROL_MAX_BYTES = 1024 * 1024  # control messages are small; a bigger frame is an attack
+LISTEN_BACKLOG = 16
+ERROR_DETAIL_CHARS = 300
+
+
+class _Message(BaseModel):
+    # Wire messages are exact: unknown fields or loose types mean a version mismatch or a bug.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class RdmaDevice(_Message):
+    name: str
+    port_state: str  # as ibv_devinfo prints it, e.g. "PORT_ACTIVE"
+
+
+class Hello(_Message):
+    """Agent -> coordinator, first message: who this node is and what it can do."""
+
+    type: Literal["hello"] = "hello"
+    node_id: str
+    cluster_id: str
+    version: str
+    platform: str
+    memory_total: int = Field(ge=0)
+    memory_available: int = Field(ge=0)
+    backends: list[str]
+    rdma_devices: list[RdmaDevice]
+    control_port: int = Field(ge=0, le=65535)
+    hostname: str
+
+
+class AssignRole(_Message):
+    """Coordinator -> agent: start a worker as a tensor-parallel rank or a pipeline stage."""
+
+    type: Literal["assign_role"] = "assign_role"
+    role: Literal["tp_rank", "pp_stage"]
+    assignment_id: str
+    payload: dict[str, Any]
+
+
+class Ready(_Message):
+    """Agent -> coordinator: the assigned worker is up."""
+
+    type: Literal["ready"] = "ready"
+    assignment_id: str
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class Failed(_Message):
+    """Agent -> coordinator: the assigned worker could not start or died."""
+
+    type: Literal["failed"] = "failed"
+    assignment_id: str
+    reason: str
+
+
+class Heartbeat(_Message):
+    """Agent -> coordinator, periodically: alive, memory, worker state."""
+
+    type: Literal["heartbeat"] = "heartbeat"
+    node_id: str
+    state: str
+    memory_available: int = Field(ge=0)
+    worker_state: str | None = None
+    worker_pid: int | None = None
+    sent_at: float  # seconds since the epoch, sender's clock
+
+
+class Release(_Message):
+    """Coordinator -> agent: stop the worker of `assignment_id` (None: everything)."""
+
+    type: Literal["release"] = "release"
+    assignment_id: str | None = None
+    reason: str
+
+
+Message = Annotated[
+    Hello | AssignRole | Ready | Failed | Heartbeat | Release, Field(discriminator="type")
+]
+_MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def encode(message: Message) -> bytes:
+    """JSON bytes of one control message."""
+    return message.model_dump_json().encode("utf-8")
+
+
+def decode(data: bytes) -> Message:
+    """The control message in `data`; ChannelError for malformed JSON, unknown types or fields."""
+    try:
+        return _MESSAGE_ADAPTER.validate_json(data)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in problem['loc']) or 'message'}: {problem['msg']}"
+            for problem in error.errors(include_url=False, include_input=False)
+        )
+        raise ChannelError(
+            f"malformed control message ({len(data)} bytes): {problems[:ERROR_DETAIL_CHARS]}"
+        ) from None
+
+
+class ControlConnection:
+    """Control messages over one SecureChannel; send is thread-safe, one thread receives."""
+
+    def __init__(self, channel: SecureChannel) -> None:
+        self.channel = channel
+
+    @property
+    def peer_address(self) -> tuple[str, int] | None:
+        return self.channel.peer_address
+
+    @property
+    def cluster_id(self) -> str:
+        return self.channel.cluster_id
+
+    @property
+    def session_id(self) -> bytes:
+        return self.channel.session_id
+
+    @property
+    def closed(self) -> bool:
+        return self.channel.closed
+
+    def send(self, message: Message) -> None:
+        self.channel.send(encode(message))
+
+    def recv(self, timeout_s: float) -> Message:
+        """The next message; ChannelTimeout if none came (still open), ChannelError otherwise."""
+        data = self.channel.recv(timeout_s)
+        try:
+            return decode(data)
+        except ChannelError:
+            # An authenticated peer sent garbage: a bug or a version mismatch, not recoverable.
+            self.channel.close()
+            raise
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> ControlConnection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def control_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 picks a free one (read getsockname())."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as error:
+        sock.close()
+        raise ChannelError(
+            f"cannot listen for control connections on {host}:{port}: {error}"
+        ) from error
+    return sock
+
+
+def dial_control(host: str, port: int, cluster_key: bytes, timeout_s: float) -> ControlConnection:
+    """Connect to a control endpoint and prove the cluster key as the client."""
+    sock = connect(host, port, timeout_s)
+    return ControlConnection(
+        SecureChannel.client(sock, cluster_key, CONTROL_PURPOSE, timeout_s, CONTROL_MAX_BYTES)
+    )
+
+
+def accept_control(
+    listening_sock: socket.socket, cluster_key: bytes, timeout_s: float
+) -> ControlConnection:
+    """Accept one connection and run the server handshake, both within about `timeout_s` each.
+
+    ChannelTimeout when nobody connected in time; ChannelError when the peer failed the
+    handshake (its socket is closed, the listener stays usable). A slow peer holds the caller
+    for up to `timeout_s`: accept in a loop on its own thread.
+    """
+    listening_sock.settimeout(timeout_s)
+    try:
+        sock, _ = listening_sock.accept()
+    except TimeoutError:
+        raise ChannelTimeout(f"no control connection arrived within {timeout_s} s") from None
+    except OSError as error:
+        raise ChannelError(f"accepting a control connection failed: {error}") from error
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return ControlConnection(
+        SecureChannel.server(sock, cluster_key, CONTROL_PURPOSE, timeout_s, CONTROL_MAX_BYTES)
+    )

@@ -1,0 +1,58 @@
+"""create_app(service): the one OpenAI-compatible FastAPI app, plus /health and /v1/cluster."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse
+
+from ..service import Service
+from . import chat, completions
+from .auth import BearerKeyMiddleware
+from .errors import install_error_handlers, model_not_found
+from .prompts import DEFAULT_MAX_PROMPT_TOKENS
+from .schemas import ModelCard, ModelList
+
+
+def create_app(service: Service, *, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> FastAPI:
+    """Build the app around `service`; nothing here touches mlx or blocks the event loop."""
+    if max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be at least 1, got {max_prompt_tokens}")
+    app = FastAPI(title="tandem", summary="One model served by a cluster, OpenAI-compatible.")
+    install_error_handlers(app)
+    if service.limits.api_key:
+        app.add_middleware(BearerKeyMiddleware, api_key=service.limits.api_key)
+    app.include_router(chat.create_router(service, max_prompt_tokens))
+    app.include_router(completions.create_router(service, max_prompt_tokens))
+    app.include_router(create_info_router(service))
+    return app
+
+
+def create_info_router(service: Service) -> APIRouter:
+    router = APIRouter()
+    started = int(time.time())
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=service.model_id, created=started)
+
+    @router.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @router.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id != service.model_id:
+            raise model_not_found(model_id, service.model_id)
+        return model_card()
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        status = service.health()
+        return JSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)
+
+    @router.get("/v1/cluster")
+    async def cluster() -> JSONResponse:
+        return JSONResponse(service.cluster_status())
+
+    return router

@@ -1,0 +1,72 @@
+"""POST /v1/completions: a raw prompt (text or token ids) in, its continuation (or chunks) out."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..service import Service
+from .generation import build_request, check_supported, collect, wait_budget_s
+from .prompts import completion_prompt_tokens
+from .schemas import Completion, CompletionChoice, CompletionRequest, Usage
+from .streaming import EventStreamResponse, stream_generation
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionChunks:
+    """The chunk shapes of a streamed completion; OpenAI sends no opening chunk here."""
+
+    id: str
+    created: int
+    model: str
+
+    def opening(self) -> None:
+        return None
+
+    def content(self, text: str) -> Completion:
+        return self._chunk([CompletionChoice(text=text)])
+
+    def finish(self, reason: str) -> Completion:
+        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
+
+    def usage(self, usage: Usage) -> Completion:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        return Completion(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+
+def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions", response_model=None)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        check_supported(service, body)
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        prompt = completion_prompt_tokens(service.tokenizer, body.prompt, max_prompt_tokens)
+        submission = service.submit(build_request(service, completion_id, body, prompt))
+        if body.stream:
+            writer = CompletionChunks(completion_id, created, service.model_id)
+            events = stream_generation(
+                submission, wait_budget_s(service), writer, body.include_usage()
+            )
+            return EventStreamResponse(events, on_close=submission.cancel)
+        outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
+        choice = CompletionChoice(text=outcome.text, finish_reason=outcome.finish_reason)
+        completion = Completion(
+            id=completion_id,
+            created=created,
+            model=service.model_id,
+            choices=[choice],
+            usage=Usage.counted(outcome.prompt_tokens, outcome.completion_tokens),
+        )
+        return JSONResponse(completion.model_dump())
+
+    return router

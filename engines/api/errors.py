@@ -1,0 +1,156 @@
+"""OpenAI-shaped errors: the APIError exception, its JSON body, and the app's exception handlers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from planner.errors import EngineError, QueueFullError
+
+log = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+# pydantic names union members in error locations ("str", "list[TextPart]"); a user never
+# typed those, so they are dropped from the `param` we report.
+_UNION_TAGS = {"str", "int", "float", "bool"}
+
+
+class APIError(Exception):
+    """An error the API reports as `{"error": {...}}` with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(
+    message: str, *, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def queue_full(error: QueueFullError) -> APIError:
+    return APIError(429, str(error), type="rate_limit_error", code="queue_full")
+
+
+def engine_unavailable(message: str) -> APIError:
+    return APIError(503, message, type=SERVER_ERROR, code="engine_unavailable")
+
+
+def model_not_found(requested: str, served: str) -> APIError:
+    message = f"the model '{requested}' does not exist; this server serves '{served}'"
+    return APIError(404, message, param="model", code="model_not_found")
+
+
+def generation_timeout(message: str) -> APIError:
+    return APIError(504, message, type="timeout_error", code="timeout")
+
+
+def describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """The (message, param) for pydantic errors: the deepest one names the field to fix."""
+    if not errors:
+        return "invalid request", None
+    found = [(_param_of(error.get("loc", ())), error) for error in errors]
+    depth = max(len(path) for path, _ in found)
+    deepest = [(path, error) for path, error in found if len(path) == depth]
+    path = deepest[0][0]
+    param = ".".join(str(part) for part in path) or None
+    first = deepest[0][1]
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "")
+        return f"the request body is not valid JSON: {reason}".rstrip(": "), None
+    if not path:
+        return "the request body must be a JSON object", None
+    messages = dict.fromkeys(_plain_message(error) for p, error in deepest if p == path)
+    return f"invalid value for '{param}': {' or '.join(messages)}", param
+
+
+def _param_of(loc: Sequence[Any]) -> tuple[Any, ...]:
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    return tuple(part for part in parts if not _is_union_tag(part))
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS or part[:1].isupper())
+
+
+def _plain_message(error: Any) -> str:
+    message = str(error.get("msg", "invalid value"))
+    return message.removeprefix("Value error, ")
+
+
+# -- handlers ----------------------------------------------------------------------------------
+
+
+async def handle_api_error(_: Request, error: APIError) -> JSONResponse:
+    return error.response()
+
+
+async def handle_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    message, param = describe_validation(error.errors())
+    return APIError(400, message, param=param, code="invalid_value").response()
+
+
+async def handle_http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    api_error = APIError(
+        error.status_code,
+        str(error.detail),
+        code=codes.get(error.status_code),
+        headers=dict(error.headers or {}),
+    )
+    return api_error.response()
+
+
+async def handle_queue_full(_: Request, error: QueueFullError) -> JSONResponse:
+    return queue_full(error).response()
+
+
+async def handle_engine_error(_: Request, error: EngineError) -> JSONResponse:
+    return engine_unavailable(str(error)).response()
+
+
+async def handle_unexpected(request: Request, error: Exception) -> JSONResponse:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
+    body = error_body("internal server error; see the server log", type=SERVER_ERROR)
+    return JSONResponse(body, status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves the app as OpenAI-shaped JSON, never as a traceback."""
+    # Starlette types handlers as taking `Exception`; each of ours takes the class it is
+    # registered for, which is what Starlette passes.
+    app.add_exception_handler(APIError, handle_api_error)
+    app.add_exception_handler(RequestValidationError, handle_validation_error)
+    app.add_exception_handler(StarletteHTTPException, handle_http_error)
+    app.add_exception_handler(QueueFullError, handle_queue_full)
+    app.add_exception_handler(EngineError, handle_engine_error)
+    app.add_exception_handler(Exception, handle_unexpected)

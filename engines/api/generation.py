@@ -1,0 +1,148 @@
+"""One generation seen from the API: checked parameters, the GenerationRequest, a bounded wait."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from ..base import GenerationRequest, TokenEvent
+from ..runner import Submission
+from ..service import Service, ServiceLimits
+from .errors import APIError, engine_unavailable, generation_timeout, model_not_found
+from .schemas import SamplingFields
+
+# The runner enforces request_timeout_s itself once a request runs; the API waits a little
+# longer so the runner's own message wins, and a hung engine still cannot hold a client forever.
+TIMEOUT_MARGIN_S = 1.0
+DISCONNECT_POLL_S = 0.25
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when the field is omitted
+CLIENT_CLOSED = 499  # nginx's status for "the client went away"
+
+
+class GenerationTimeout(Exception):
+    """No final event arrived within the request's time budget."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A finished non-streaming generation."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def check_supported(service: Service, body: SamplingFields) -> None:
+    """What the schema cannot check: the model this server serves, and n (one choice only)."""
+    if body.model != service.model_id:
+        raise model_not_found(body.model, service.model_id)
+    if body.n is not None and body.n != 1:
+        message = f"only n=1 is supported, got n={body.n}"
+        raise APIError(400, message, param="n", code="invalid_value")
+
+
+def build_request(
+    service: Service, request_id: str, body: SamplingFields, prompt_tokens: tuple[int, ...]
+) -> GenerationRequest:
+    """The engine-agnostic request, with max_tokens checked against the operator's cap."""
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_tokens=prompt_tokens,
+        max_tokens=resolve_max_tokens(body, service.limits),
+        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        stop=body.stop_sequences(),
+        seed=body.seed,
+        timeout_s=service.limits.request_timeout_s,
+    )
+
+
+def resolve_max_tokens(body: SamplingFields, limits: ServiceLimits) -> int:
+    """max_completion_tokens wins over the legacy max_tokens; absent both, the server default."""
+    param, value = "max_completion_tokens", body.max_completion_tokens
+    if value is None:
+        param, value = "max_tokens", body.max_tokens
+    if value is None:
+        return min(limits.default_max_tokens, limits.max_tokens_cap)
+    if not 1 <= value <= limits.max_tokens_cap:
+        raise APIError(
+            400,
+            f"{param} must be between 1 and {limits.max_tokens_cap}, got {value}",
+            param=param,
+            code="invalid_value",
+        )
+    return value
+
+
+def wait_budget_s(service: Service) -> float:
+    return service.limits.request_timeout_s + TIMEOUT_MARGIN_S
+
+
+async def watch_events(
+    submission: Submission, timeout_s: float, tick_s: float
+) -> AsyncIterator[TokenEvent | None]:
+    """Yield the submission's events, and None after every `tick_s` of silence.
+
+    Raises GenerationTimeout when the final event has not come within `timeout_s`. However
+    the caller stops iterating (timeout, disconnect, error), an unfinished submission is
+    cancelled so the engine moves on to the next request.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    events = aiter(submission.events())
+    step: asyncio.Future[TokenEvent] | None = None
+    finished = False
+    try:
+        while not finished:
+            step = asyncio.ensure_future(anext(events))
+            while not step.done():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise GenerationTimeout(f"no result within {timeout_s:g} s")
+                await asyncio.wait({step}, timeout=min(tick_s, remaining))
+                if not step.done():
+                    yield None
+            event = step.result()
+            finished = event.finish_reason is not None
+            yield event
+    finally:
+        if step is not None and not step.done():
+            step.cancel()
+        if not finished:
+            submission.cancel()
+
+
+def failure_of(event: TokenEvent) -> APIError:
+    """The API error for a final event that is not "stop" or "length"."""
+    message = event.error or f"the generation ended with '{event.finish_reason}'"
+    if "timed out" in message:  # the runner's deadline; TokenEvent has no error kind yet
+        return generation_timeout(message)
+    return engine_unavailable(message)
+
+
+async def collect(
+    submission: Submission, timeout_s: float, is_disconnected: Callable[[], Awaitable[bool]]
+) -> Outcome:
+    """Gather a whole generation; cancel it when the client goes away or time runs out."""
+    parts: list[str] = []
+    try:
+        async with aclosing(watch_events(submission, timeout_s, DISCONNECT_POLL_S)) as events:
+            async for event in events:
+                if event is None:
+                    if await is_disconnected():
+                        raise APIError(CLIENT_CLOSED, "the client closed the request")
+                    continue
+                parts.append(event.text)
+                if event.finish_reason in ("stop", "length"):
+                    text = "".join(parts)
+                    return Outcome(
+                        text, event.finish_reason, event.prompt_tokens, event.completion_tokens
+                    )
+                if event.finish_reason is not None:
+                    raise failure_of(event)
+    except GenerationTimeout as error:
+        raise generation_timeout(f"request timed out: {error}") from None
+    raise engine_unavailable("the engine ended the generation without a final event")

@@ -1,0 +1,174 @@
+"""One pipeline stage's share of a model: load only its layers and run exactly their forward pass."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+from planner.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+# mlx-lm architectures (module names under mlx_lm.models) whose forward pass is exactly
+# embed_tokens -> layers(h, mask, cache) -> norm -> lm_head | tied embeddings, which is what
+# StageModel reproduces. Checked against mlx-lm 0.32.2; "mistral" loads as "llama".
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "olmo2", "internlm3")
+
+
+class StageModel:
+    """The modules one stage needs: its layers, plus embeddings (first) or norm and head (last).
+
+    Built by `load()`; the other layers' weights are never read from disk.
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: range,
+        total_layers: int,
+        blocks: list[nn.Module],
+        embed_tokens: nn.Module | None,
+        norm: nn.Module | None,
+        head: nn.Module | None,
+        tied_head: bool,
+        sliding_window: int | None,
+        cache_template: list[Any],
+        model_type: str,
+        peak_memory_bytes: int,
+    ) -> None:
+        self.layers = layers
+        self.total_layers = total_layers
+        self.blocks = blocks
+        self.embed_tokens = embed_tokens
+        self.norm = norm
+        self.head = head
+        self.tied_head = tied_head
+        self.sliding_window = sliding_window
+        self.model_type = model_type
+        self.peak_memory_bytes = peak_memory_bytes
+        self._cache_template = cache_template
+
+    @property
+    def is_first(self) -> bool:
+        return self.layers.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layers.stop == self.total_layers
+
+    @classmethod
+    def load(cls, model_path: Path, layers: range, is_last: bool) -> StageModel:
+        """Load the weights of `layers` (and the embeddings / head when this stage needs them)."""
+        model_path = Path(model_path)
+        mx.reset_peak_memory()
+        try:
+            model, _ = load_model(model_path, lazy=True)
+        except (OSError, ValueError, KeyError) as error:
+            raise EngineError(f"cannot load model {model_path}: {error}") from error
+        architecture = type(model).__module__.rsplit(".", 1)[-1]
+        if architecture not in SUPPORTED_ARCHITECTURES or not _has_llama_layout(model):
+            model_type = getattr(model, "model_type", architecture)
+            raise EngineError(
+                f"model type {model_type!r} ({model_path}) is not supported by the pipeline "
+                f"engine; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        inner = model.model
+        total = len(inner.layers)
+        if not (0 <= layers.start < layers.stop <= total) or layers.step != 1:
+            raise EngineError(
+                f"stage layer range [{layers.start}, {layers.stop}) is not inside the model's "
+                f"{total} layers ({model_path})"
+            )
+        if is_last != (layers.stop == total):
+            raise EngineError(
+                f"stage [{layers.start}, {layers.stop}) is_last={is_last} contradicts the "
+                f"model's {total} layers: the last stage ends at layer {total}"
+            )
+        tied = bool(getattr(model.args, "tie_word_embeddings", False)) or not hasattr(
+            model, "lm_head"
+        )
+        is_first = layers.start == 0
+        blocks = [inner.layers[index] for index in layers]
+        embed = inner.embed_tokens if (is_first or (is_last and tied)) else None
+        norm = inner.norm if is_last else None
+        head = (None if tied else model.lm_head) if is_last else None
+        cache_template = make_prompt_cache(model)[layers.start : layers.stop]
+        kept = [module for module in (*blocks, embed, norm, head) if module is not None]
+        # Evaluating only the kept modules reads only their tensors from the safetensors files.
+        mx.eval([module.parameters() for module in kept])
+        del model, inner
+        stage = cls(
+            layers=layers,
+            total_layers=total,
+            blocks=blocks,
+            embed_tokens=embed,
+            norm=norm,
+            head=head,
+            tied_head=tied,
+            sliding_window=getattr(getattr(blocks[0], "args", None), "sliding_window", None),
+            cache_template=cache_template,
+            model_type=architecture,
+            peak_memory_bytes=int(mx.get_peak_memory()),
+        )
+        log.info(
+            "loaded layers [%d, %d) of %d from %s (%s), peak memory %.1f MB",
+            layers.start,
+            layers.stop,
+            total,
+            model_path,
+            architecture,
+            stage.peak_memory_bytes / 1e6,
+        )
+        return stage
+
+    def make_cache(self) -> list[Any]:
+        """A fresh KV cache for this stage's layers (one request)."""
+        return copy.deepcopy(self._cache_template)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Token ids (1, L) -> hidden states (1, L, D); first stage only."""
+        if not self.is_first or self.embed_tokens is None:
+            raise EngineError(f"stage [{self.layers.start}, {self.layers.stop}) has no embeddings")
+        return self.embed_tokens(tokens)
+
+    def forward(self, hidden: mx.array, cache: list[Any]) -> mx.array:
+        """Run this stage's layers over hidden states (1, L, D), updating `cache` in place."""
+        masks: dict[bool, Any] = {}
+        for block, layer_cache in zip(self.blocks, cache, strict=True):
+            sliding = bool(getattr(block, "use_sliding", False))
+            if sliding not in masks:
+                # Same call as the full model; every layer's cache has the same offset.
+                if sliding:
+                    masks[sliding] = create_attention_mask(
+                        hidden, layer_cache, window_size=self.sliding_window
+                    )
+                else:
+                    masks[sliding] = create_attention_mask(hidden, layer_cache)
+            hidden = block(hidden, masks[sliding], cache=layer_cache)
+        return hidden
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Hidden states (1, L, D) -> log-probabilities of the next token (1, V); last stage only."""
+        if self.norm is None:
+            raise EngineError(f"stage [{self.layers.start}, {self.layers.stop}) has no output head")
+        out = self.norm(hidden)  # (1, L, D)
+        if self.tied_head:
+            out = self.embed_tokens.as_linear(out)  # (1, L, V)
+        else:
+            out = self.head(out)
+        logits = out[:, -1, :]  # (1, V)
+        # As mlx-lm's generate_step: samplers see log-probabilities.
+        return logits - mx.logsumexp(logits, keepdims=True)
+
+
+def _has_llama_layout(model: nn.Module) -> bool:
+    inner = getattr(model, "model", None)
+    return all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm"))

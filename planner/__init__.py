@@ -1,0 +1,46 @@
+"""The pure planner: which parallelism to run, how layers split, and whether it fits."""
+
+from planner.allocation import allocate_layers
+from planner.cluster_plan import ClusterPlan, NodeResources, StageAssignment, plan_cluster
+from planner.decision import (
+    Decision,
+    DecisionInputs,
+    Parallelism,
+    RuleCheck,
+    can_shard,
+    capability_checks,
+    decide,
+)
+from planner.errors import PlanError
+from planner.memory import (
+    ModelShape,
+    NodeFit,
+    format_bytes,
+    format_pair,
+    single_need,
+    stage_need,
+    tp_need_per_rank,
+)
+
+__all__ = [
+    "ClusterPlan",
+    "Decision",
+    "DecisionInputs",
+    "ModelShape",
+    "NodeFit",
+    "NodeResources",
+    "Parallelism",
+    "PlanError",
+    "RuleCheck",
+    "StageAssignment",
+    "allocate_layers",
+    "can_shard",
+    "capability_checks",
+    "decide",
+    "format_bytes",
+    "format_pair",
+    "plan_cluster",
+    "single_need",
+    "stage_need",
+    "tp_need_per_rank",
+]

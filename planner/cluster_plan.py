@@ -1,0 +1,302 @@
+"""Planning for the live cluster: the decision rules, then memory fit on every node."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from planner.allocation import allocate_layers
+from planner.decision import (
+    GROUP_RULE,
+    Decision,
+    DecisionInputs,
+    Parallelism,
+    RuleCheck,
+    capability_checks,
+    decide,
+)
+from planner.errors import PlanError
+from planner.memory import (
+    DEFAULT_CONTEXT_TOKENS,
+    DEFAULT_HEADROOM,
+    ModelShape,
+    NodeFit,
+    format_bytes,
+    format_pair,
+    single_need,
+    stage_need,
+    tp_need_per_rank,
+)
+
+JACCL = "jaccl"
+RING = "ring"
+COLLECTIVES = (JACCL, RING)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeResources:
+    """One cluster member as discovery reports it; list order is rank order, 0 coordinates."""
+
+    node_id: str
+    address: str
+    memory_bytes: int
+    backends: tuple[str, ...]  # collective backends it can join, e.g. ("jaccl", "ring")
+
+
+@dataclass(frozen=True, slots=True)
+class StageAssignment:
+    """The contiguous layer range one node runs as a pipeline stage, and its memory fit."""
+
+    node_id: str
+    layers: range
+    need_bytes: int
+    available_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.available_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterPlan:
+    """What will run where, every rule that led there, and a refusal when it does not fit."""
+
+    decision: Decision
+    checks: tuple[RuleCheck, ...]
+    ranks: tuple[str, ...]  # node ids in rank order (tp, pp) or the coordinator alone (single)
+    stages: tuple[StageAssignment, ...]  # pp only
+    fits: tuple[NodeFit, ...]
+    refusal: str | None = None
+    backend: str | None = None  # the collective tp ranks join; None unless tp
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form; layer ranges become [start, stop]."""
+        return {
+            "decision": {
+                "chosen": self.decision.chosen.value,
+                "reason": self.decision.reason,
+                "failed_closed": self.decision.failed_closed,
+            },
+            "checks": [
+                {"name": check.name, "passed": check.passed, "detail": check.detail}
+                for check in self.checks
+            ],
+            "ranks": list(self.ranks),
+            "stages": [
+                {
+                    "node_id": stage.node_id,
+                    "layers": [stage.layers.start, stage.layers.stop],
+                    "need_bytes": stage.need_bytes,
+                    "available_bytes": stage.available_bytes,
+                    "fits": stage.fits,
+                }
+                for stage in self.stages
+            ],
+            "fits": [
+                {
+                    "node_id": fit.node_id,
+                    "need_bytes": fit.need_bytes,
+                    "available_bytes": fit.available_bytes,
+                    "fits": fit.fits,
+                }
+                for fit in self.fits
+            ],
+            "refusal": self.refusal,
+            "backend": self.backend,
+        }
+
+    def describe(self) -> list[str]:
+        """Human lines for `tandem plan`: rules, the choice and why, then who runs what."""
+        lines = [f"{'PASS' if c.passed else 'FAIL'} {c.name}: {c.detail}" for c in self.checks]
+        closed = " [failed closed]" if self.decision.failed_closed else ""
+        lines.append(f"chosen: {self.decision.chosen.value}{closed} ({self.decision.reason})")
+        if self.backend is not None:
+            lines.append(f"collective backend: {self.backend}")
+        if self.stages:
+            for index, stage in enumerate(self.stages):
+                first, last = stage.layers.start, stage.layers.stop - 1
+                need, has = format_pair(stage.need_bytes, stage.available_bytes)
+                lines.append(
+                    f"stage {index} {stage.node_id}: layers {first}-{last} "
+                    f"({len(stage.layers)} layers), needs {need}, has {has}"
+                )
+        else:
+            for rank, fit in enumerate(self.fits):
+                lines.append(f"rank {rank} {fit.describe()}")
+        if self.refusal is not None:
+            lines.append(f"refused: {self.refusal}")
+        return lines
+
+
+def _validate(nodes: Sequence[NodeResources], collective: str | None) -> None:
+    if not nodes:
+        raise PlanError("cannot plan with no nodes: the coordinator itself must be listed")
+    seen: set[str] = set()
+    for node in nodes:
+        if node.node_id in seen:
+            raise PlanError(f"node id {node.node_id!r} appears twice; every node needs its own id")
+        seen.add(node.node_id)
+        if node.memory_bytes <= 0:
+            raise PlanError(
+                f"node {node.node_id} reports {node.memory_bytes} bytes of memory; must be > 0"
+            )
+    if collective is not None and collective not in COLLECTIVES:
+        raise PlanError(f"unknown collective {collective!r}; expected one of {list(COLLECTIVES)}")
+
+
+def _coverage(nodes: Sequence[NodeResources], backend: str) -> tuple[bool, str]:
+    missing = [node.node_id for node in nodes if backend not in node.backends]
+    have = len(nodes) - len(missing)
+    detail = f"{backend} on {have}/{len(nodes)} nodes"
+    if missing:
+        detail += f" (missing on {', '.join(missing)})"
+    return not missing, detail
+
+
+def _choose_backend(
+    nodes: Sequence[NodeResources], collective: str | None
+) -> tuple[str | None, RuleCheck]:
+    """JACCL everywhere is always usable; the TCP ring only when the operator accepted it."""
+    jaccl_ok, jaccl_detail = _coverage(nodes, JACCL)
+    if collective == RING:
+        ring_ok, ring_detail = _coverage(nodes, RING)
+        detail = f"{ring_detail}; {jaccl_detail}"
+        if ring_ok:
+            return RING, RuleCheck("collective backend", True, detail)
+        return (JACCL if jaccl_ok else None), RuleCheck("collective backend", jaccl_ok, detail)
+    if not jaccl_ok and collective is None:
+        jaccl_detail += "; the ring backend is used only when accepted (collective=ring)"
+    return (JACCL if jaccl_ok else None), RuleCheck("collective backend", jaccl_ok, jaccl_detail)
+
+
+def _list_fits(fits: Sequence[NodeFit]) -> str:
+    parts = []
+    for fit in fits:
+        short = fit.need_bytes - fit.available_bytes
+        suffix = f" (short by {format_bytes(short)})" if short > 0 else ""
+        parts.append(fit.describe() + suffix)
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sizing:
+    """What every memory check needs, bundled so the three layouts share one signature."""
+
+    shape: ModelShape
+    nodes: tuple[NodeResources, ...]
+    context_tokens: int
+    headroom: float
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(node.node_id for node in self.nodes)
+
+
+def _plan_pp(decision: Decision, checks: tuple[RuleCheck, ...], sizing: _Sizing) -> ClusterPlan:
+    shape, nodes = sizing.shape, sizing.nodes
+    if len(nodes) > shape.num_layers:
+        detail = f"{len(nodes)} stages but the model has {shape.num_layers} layers"
+        too_many = f"pp needs at least one layer per stage: {detail}; use fewer nodes"
+        check = RuleCheck("pp memory", False, detail)
+        return ClusterPlan(decision, (*checks, check), sizing.node_ids, (), (), too_many)
+    ranges = allocate_layers(shape.num_layers, [node.memory_bytes for node in nodes])
+    last = len(nodes) - 1
+    stages = tuple(
+        StageAssignment(
+            node.node_id,
+            layers,
+            stage_need(
+                shape, layers, index == 0, index == last, sizing.context_tokens, sizing.headroom
+            ),
+            node.memory_bytes,
+        )
+        for index, (node, layers) in enumerate(zip(nodes, ranges, strict=True))
+    )
+    fits = tuple(NodeFit(s.node_id, s.need_bytes, s.available_bytes) for s in stages)
+    fit_all = all(fit.fits for fit in fits)
+    check = RuleCheck("pp memory", fit_all, f"layers split by memory: {_list_fits(fits)}")
+    refusal = None if fit_all else f"pipeline stages do not fit: {_list_fits(fits)}"
+    return ClusterPlan(decision, (*checks, check), sizing.node_ids, stages, fits, refusal)
+
+
+def _plan_tp(
+    choice: Parallelism,
+    decision: Decision,
+    checks: tuple[RuleCheck, ...],
+    sizing: _Sizing,
+    backend: str | None,
+) -> ClusterPlan:
+    nodes = sizing.nodes
+    need = tp_need_per_rank(sizing.shape, len(nodes), sizing.context_tokens, sizing.headroom)
+    fits = tuple(NodeFit(node.node_id, need, node.memory_bytes) for node in nodes)
+    smallest = min(nodes, key=lambda node: node.memory_bytes)
+    need_text, has_text = format_pair(need, smallest.memory_bytes)
+    shares = f"equal tp shards need {need_text} per node"
+    has = f"{smallest.node_id} has {has_text}"
+    if all(fit.fits for fit in fits):
+        check = RuleCheck("tp memory", True, f"{shares}; smallest node {has}")
+        return ClusterPlan(decision, (*checks, check), sizing.node_ids, (), fits, None, backend)
+    shortfall = f"{shares} but {has}"
+    checks = (*checks, RuleCheck("tp memory", False, shortfall))
+    if choice is not Parallelism.AUTO:
+        refusal = f"tp does not fit: {shortfall} (per node: {_list_fits(fits)})"
+        return ClusterPlan(decision, checks, sizing.node_ids, (), fits, refusal, backend)
+    # Heterogeneous-cluster fallback: a proportional pipeline may fit where equal shards cannot.
+    reason = f"auto -> pp: {shortfall}; layers split in proportion to memory"
+    plan = _plan_pp(Decision(Parallelism.PP, reason), checks, sizing)
+    if plan.refusal is None:
+        return plan
+    return replace(plan, refusal=f"nothing fits: {shortfall}, and {plan.refusal}")
+
+
+def _plan_single(decision: Decision, checks: tuple[RuleCheck, ...], sizing: _Sizing) -> ClusterPlan:
+    coordinator = sizing.nodes[0]
+    need = single_need(sizing.shape, sizing.context_tokens, sizing.headroom)
+    fit = NodeFit(coordinator.node_id, need, coordinator.memory_bytes)
+    check = RuleCheck("single memory", fit.fits, fit.describe())
+    refusal = None
+    if not fit.fits:
+        need_text, has_text = format_pair(need, coordinator.memory_bytes)
+        short = format_bytes(need - coordinator.memory_bytes)
+        refusal = (
+            f"model needs {need_text} but {coordinator.node_id} has {has_text} (short by {short})"
+        )
+    return ClusterPlan(decision, (*checks, check), (coordinator.node_id,), (), (fit,), refusal)
+
+
+def plan_cluster(
+    choice: Parallelism,
+    shape: ModelShape,
+    nodes: Sequence[NodeResources],
+    collective: str | None = None,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+    headroom: float = DEFAULT_HEADROOM,
+) -> ClusterPlan:
+    """Decide the strategy for these nodes (rank order) and check it fits every node's memory.
+
+    A plan that does not fit comes back with `refusal` set; PlanError means invalid input.
+    """
+    _validate(nodes, collective)
+    choice = Parallelism(choice)
+    backend, backend_check = _choose_backend(nodes, collective)
+    inputs = DecisionInputs(
+        operator_choice=choice,
+        world_size=len(nodes),
+        attention_heads=shape.attention_heads,
+        kv_heads=shape.kv_heads,
+        has_tp_variant=shape.has_tp_variant,
+        distributed_group_available=backend is not None,
+    )
+    decision = decide(inputs)
+    checks: list[RuleCheck] = []
+    for check in capability_checks(inputs):
+        checks.append(check)
+        if check.name == GROUP_RULE:
+            checks.append(backend_check)  # right after the rule it explains
+    sizing = _Sizing(shape, tuple(nodes), context_tokens, headroom)
+    if decision.chosen is Parallelism.TP:
+        return _plan_tp(choice, decision, tuple(checks), sizing, backend)
+    if decision.chosen is Parallelism.PP:
+        return _plan_pp(decision, tuple(checks), sizing)
+    return _plan_single(decision, tuple(checks), sizing)
