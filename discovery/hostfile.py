@@ -130,9 +130,7 @@ def load_hostfile(path: Path) -> Hostfile:
 def validate_hostfile(data: object) -> Hostfile:
     """A Hostfile from parsed JSON, or a ConfigError naming the first rule it breaks."""
     if not isinstance(data, list):
-        raise ConfigError(
-            f"a hostfile is a JSON list of rows, got a JSON {_json_type(data)}"
-        )
+        raise ConfigError(f"a hostfile is a JSON list of rows, got a JSON {_json_type(data)}")
     if not data:
         raise ConfigError("the hostfile has no rows; list at least rank 0")
     entries = tuple(_parse_row(index, row) for index, row in enumerate(data))

@@ -278,7 +278,8 @@ class SecureChannel:
             try:
                 send_frame(self._sock, self._sealer.seal(payload, associated))
             except ChannelError as error:
-                self._fail(str(error))
+                self._check_open()  # close() from another thread interrupted the write
+                self._fail(str(error), logging.INFO)
                 raise
 
     def recv(self, timeout_s: float, associated: bytes = b"") -> bytes:
@@ -288,13 +289,17 @@ class SecureChannel:
             self._check_open()
             try:
                 frame = recv_frame(self._sock, timeout_s, self._max_payload + FRAME_OVERHEAD)
-                return self._opener.open(frame, associated)
             except ChannelTimeout:
                 self._check_open()  # close() from another thread while we waited
                 raise
             except ChannelError as error:
                 self._check_open()
-                self._fail(str(error))
+                self._fail(str(error), logging.INFO)
+                raise
+            try:
+                return self._opener.open(frame, associated)
+            except ChannelError as error:
+                self._fail(str(error), logging.WARNING)  # possible tampering: worth a warning
                 raise
 
     def close(self) -> None:
@@ -319,8 +324,9 @@ class SecureChannel:
         if reason is not None:
             raise ChannelError(f"channel closed ({reason})")
 
-    def _fail(self, reason: str) -> None:
-        logger.warning(
+    def _fail(self, reason: str, level: int) -> None:
+        logger.log(
+            level,
             "closing %s channel with %s: %s",
             self._purpose.decode(errors="replace"),
             _describe(self._peer_address),

@@ -8,6 +8,8 @@ class TandemError(Exception):
 class PlanError(TandemError):
     """A parallelism plan cannot be made or does not fit the cluster."""
 
+    exit_status = 2  # `tandem serve` refusing to start because nothing fits
+
 
 class ModelError(TandemError):
     """A model directory is missing, malformed, or unsupported."""
