@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 # Bump when the bytes written for a given spec change, so cached demo models are rebuilt.
 GENERATOR_VERSION = 1
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tandem"
 
 BOS_TOKEN = "<|begin|>"
 EOS_TOKEN = "<|end|>"
@@ -44,21 +43,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 MAX_POSITIONS = 4096
+DEFAULT_HEAD_DIM = 32
 PRINTABLE = frozenset(string.ascii_letters + string.digits + string.punctuation + " \n")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_THETA = {"llama": 10000.0, "qwen3": 1000000.0}
 RMS_NORM_EPS = {"llama": 1e-5, "qwen3": 1e-6}
-# Element size and safetensors dtype tag of each supported weight dtype.
-DTYPES = {"float32": (4, "F32"), "bfloat16": (2, "BF16"), "float16": (2, "F16")}
+# The safetensors tag of each weight dtype a demo model can be written in.
+DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
-# Initial scales. Unit-variance embeddings and fan-in-scaled linears keep every layer's
-# contribution comparable to the residual stream, so the output depends on the whole
-# context and greedy decoding wanders instead of repeating one token.
+# Initial scales, tuned by measuring distinct tokens in greedy generations: unit-variance
+# embeddings and fan-in-scaled linears with gain 2 make every layer's contribution outweigh
+# the residual stream, so the output depends on the whole context and greedy decoding
+# wanders instead of repeating one token. Logits get a standard deviation of HEAD_GAIN.
 EMBEDDING_STD = 1.0
-LINEAR_GAIN = 1.0
+LINEAR_GAIN = 2.0
 HEAD_GAIN = 4.0
-TIED_EMBEDDING_STD = 0.3
+TIED_EMBEDDING_STD = 0.6
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +70,9 @@ class DemoSpec:
     layers: int = 4
     heads: int = 8
     kv_heads: int = 4
-    hidden: int = 256
+    hidden: int | None = None  # None: heads * head_dim (so any head count just works)
     intermediate: int | None = None  # None: 2 * hidden
-    head_dim: int | None = None  # None: hidden // heads, rounded down to even (RoPE)
+    head_dim: int | None = None  # None: hidden // heads, or DEFAULT_HEAD_DIM without hidden
     vocab: int = 1024  # target size of the trained tokenizer (config.vocab_size = actual size)
     tied: bool | None = None  # None: llama untied, qwen3 tied (as the real families ship)
     seed: int = 0
@@ -82,32 +83,42 @@ class DemoSpec:
             raise ConfigError(f"demo arch {self.arch!r} is not one of {sorted(ARCHITECTURES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"demo dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        for name in ("layers", "heads", "kv_heads", "hidden"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"demo {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("layers", "heads", "kv_heads", "hidden", "head_dim", "intermediate"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"demo {name} must be >= 1, got {value}")
+        # transformers (which loads the tokenizer) refuses configs that break this.
+        if self.hidden_size % self.heads:
+            raise ConfigError(
+                f"demo hidden ({self.hidden_size}) must be a multiple of heads ({self.heads})"
+            )
         if self.heads % self.kv_heads:
             raise ConfigError(
                 f"demo heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
             )
-        if self.head_size < 2 or self.head_size % 2:
+        if self.head_size % 2:
             raise ConfigError(
-                f"demo head_dim must be even and >= 2, got {self.head_size} "
-                f"(hidden {self.hidden}, heads {self.heads}); pass head_dim or a larger hidden"
+                f"demo head_dim must be even (RoPE rotates pairs), got {self.head_size} "
+                f"(hidden {self.hidden_size}, heads {self.heads}); pass head_dim or another hidden"
             )
-        if self.intermediate_size < 1:
-            raise ConfigError(f"demo intermediate must be >= 1, got {self.intermediate}")
         if not 300 <= self.vocab <= 65536:
             raise ConfigError(f"demo vocab must be in 300..65536, got {self.vocab}")
+
+    @property
+    def hidden_size(self) -> int:
+        if self.hidden is not None:
+            return self.hidden
+        return self.heads * (self.head_dim or DEFAULT_HEAD_DIM)
 
     @property
     def head_size(self) -> int:
         if self.head_dim is not None:
             return self.head_dim
-        return self.hidden // self.heads // 2 * 2
+        return self.hidden_size // self.heads
 
     @property
     def intermediate_size(self) -> int:
-        return self.intermediate if self.intermediate is not None else 2 * self.hidden
+        return self.intermediate if self.intermediate is not None else 2 * self.hidden_size
 
     @property
     def tie_embeddings(self) -> bool:
@@ -129,8 +140,11 @@ DEFAULT_SPEC = DemoSpec()
 
 
 def default_demo_path(cache_dir: Path | None = None, spec: DemoSpec = DEFAULT_SPEC) -> Path:
-    """Where the demo model for `spec` lives under `cache_dir` (default ~/.cache/tandem)."""
-    root = cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR
+    """Where the demo model for `spec` lives under `cache_dir` (default ~/.cache/tandem).
+
+    The CLI passes $XDG_CACHE_HOME/tandem when that is set; nothing here reads the environment.
+    """
+    root = cache_dir if cache_dir is not None else Path.home() / ".cache" / "tandem"
     return root / f"demo-{spec.arch}-{spec.digest()}"
 
 
@@ -259,7 +273,7 @@ def _model_config(spec: DemoSpec, vocab_size: int) -> dict:
     return {
         "model_type": spec.arch,
         "architectures": [ARCHITECTURES[spec.arch]],
-        "hidden_size": spec.hidden,
+        "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
         "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads,
@@ -282,18 +296,16 @@ def _make_weights(
 ) -> dict[str, np.ndarray]:
     """Seeded float32 weights in mlx-lm's naming, drawn in one fixed order."""
     rng = np.random.default_rng(spec.seed)
-    hidden, inner, head_dim = spec.hidden, spec.intermediate_size, spec.head_size
+    hidden, inner, head_dim = spec.hidden_size, spec.intermediate_size, spec.head_size
 
     def linear(out_features: int, in_features: int, gain: float = LINEAR_GAIN) -> np.ndarray:
-        scale = gain / np.sqrt(in_features)
-        return (rng.standard_normal((out_features, in_features), dtype=np.float32) * scale).astype(
-            np.float32
-        )
+        weight = rng.standard_normal((out_features, in_features), dtype=np.float32)
+        return weight * np.float32(gain / np.sqrt(in_features))
 
     ones = functools.partial(np.ones, dtype=np.float32)
     embedding_std = TIED_EMBEDDING_STD if spec.tie_embeddings else EMBEDDING_STD
-    embedding = rng.standard_normal((vocab_size, hidden), dtype=np.float32) * embedding_std
-    weights = {"model.embed_tokens.weight": embedding.astype(np.float32)}
+    embedding = rng.standard_normal((vocab_size, hidden), dtype=np.float32)
+    weights = {"model.embed_tokens.weight": embedding * np.float32(embedding_std)}
     for index in range(spec.layers):
         prefix = f"model.layers.{index}"
         weights[f"{prefix}.input_layernorm.weight"] = ones(hidden)
@@ -314,7 +326,9 @@ def _make_weights(
     if spec.tie_embeddings:
         output = weights["model.embed_tokens.weight"]
         # Bring the logits to the spread an untied head gives: std HEAD_GAIN.
-        weights["model.norm.weight"] = signs * (HEAD_GAIN / (embedding_std * np.sqrt(hidden)))
+        weights["model.norm.weight"] = signs * np.float32(
+            HEAD_GAIN / (embedding_std * np.sqrt(hidden))
+        )
     else:
         output = weights["lm_head.weight"] = linear(vocab_size, hidden, HEAD_GAIN)
         weights["model.norm.weight"] = signs
@@ -327,7 +341,7 @@ def _make_weights(
 
 def _write_safetensors(path: Path, tensors: dict[str, np.ndarray], spec: DemoSpec) -> None:
     """Write a safetensors file with sorted names, so equal tensors give equal bytes."""
-    tag = DTYPES[spec.dtype][1]
+    tag = DTYPES[spec.dtype]
     blobs: list[bytes] = []
     header: dict[str, object] = {"__metadata__": {"format": "mlx"}}
     offset = 0

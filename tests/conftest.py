@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny deterministic demo models written once per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engines.demo_model import DemoSpec, ensure_demo_model
+
+# Three heads: a model that tensor parallelism over two ranks cannot split.
+ODD_HEADS = {"heads": 3, "kv_heads": 3}
+
+
+def make_demo_model(tmp_path: Path, **overrides: Any) -> Path:
+    """A demo model for DemoSpec(**overrides) under `tmp_path`, reused if already there."""
+    return ensure_demo_model(Path(tmp_path), DemoSpec(**overrides))
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default demo model (llama, 4 layers, hidden 256, 8 heads, 4 kv heads)."""
+    return make_demo_model(tmp_path_factory.mktemp("demo-default"))
+
+
+@pytest.fixture(scope="session")
+def odd_heads_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A llama demo model with 3 heads and 3 kv heads (hidden 96): not divisible by 2 ranks."""
+    return make_demo_model(tmp_path_factory.mktemp("demo-odd-heads"), **ODD_HEADS)
+
+
+@pytest.fixture(scope="session")
+def demo_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """make_demo_model bound to one session directory: equal overrides share one model."""
+    root = tmp_path_factory.mktemp("demo-models")
+    return lambda **overrides: make_demo_model(root, **overrides)
