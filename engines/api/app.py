@@ -19,7 +19,12 @@ def create_app(service: Service, *, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_
     """Build the app around `service`; nothing here touches mlx or blocks the event loop."""
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be at least 1, got {max_prompt_tokens}")
-    app = FastAPI(title="tandem", summary="One model served by a cluster, OpenAI-compatible.")
+    # strict_content_type off: a JSON body without a Content-Type (curl -d ...) is still read.
+    app = FastAPI(
+        title="tandem",
+        summary="One model served by a cluster, OpenAI-compatible.",
+        strict_content_type=False,
+    )
     install_error_handlers(app)
     if service.limits.api_key:
         app.add_middleware(BearerKeyMiddleware, api_key=service.limits.api_key)

@@ -85,10 +85,12 @@ def describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
     param = ".".join(str(part) for part in path) or None
     first = deepest[0][1]
     if first.get("type") == "json_invalid":
-        reason = first.get("ctx", {}).get("error", "")
-        return f"the request body is not valid JSON: {reason}".rstrip(": "), None
+        reason = first.get("ctx", {}).get("error")
+        return "the request body is not valid JSON" + (f": {reason}" if reason else ""), None
     if not path:
-        return "the request body must be a JSON object", None
+        return "the request body must be a JSON object (Content-Type: application/json)", None
+    if first.get("type") == "missing":
+        return f"'{param}' is required", param
     messages = dict.fromkeys(_plain_message(error) for p, error in deepest if p == path)
     return f"invalid value for '{param}': {' or '.join(messages)}", param
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from ..runner import Submission
 from ..service import Service, ServiceLimits
 from .errors import APIError, engine_unavailable, generation_timeout, model_not_found
 from .schemas import SamplingFields
+
+log = logging.getLogger(__name__)
 
 # The runner enforces request_timeout_s itself once a request runs; the API waits a little
 # longer so the runner's own message wins, and a hung engine still cannot hold a client forever.
@@ -36,12 +39,16 @@ class Outcome:
 
 
 def check_supported(service: Service, body: SamplingFields) -> None:
-    """What the schema cannot check: the model this server serves, and n (one choice only)."""
+    """What the schema cannot check: the model this server serves, n (one choice only), and
+    that a tokenizer is there (none until the first engine has loaded)."""
     if body.model != service.model_id:
         raise model_not_found(body.model, service.model_id)
     if body.n is not None and body.n != 1:
         message = f"only n=1 is supported, got n={body.n}"
         raise APIError(400, message, param="n", code="invalid_value")
+    if service.tokenizer is None:
+        reason = f": {service.state_reason}" if service.state_reason else ""
+        raise engine_unavailable(f"the model is not loaded yet ({service.state}{reason})")
 
 
 def build_request(
@@ -84,14 +91,16 @@ def wait_budget_s(service: Service) -> float:
 async def watch_events(
     submission: Submission, timeout_s: float, tick_s: float
 ) -> AsyncIterator[TokenEvent | None]:
-    """Yield the submission's events, and None after every `tick_s` of silence.
+    """Yield the submission's events, and a None tick every `tick_s` however busy the stream.
 
+    The ticks let the caller look at the client (gone?) or keep the connection alive.
     Raises GenerationTimeout when the final event has not come within `timeout_s`. However
     the caller stops iterating (timeout, disconnect, error), an unfinished submission is
     cancelled so the engine moves on to the next request.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    next_tick = loop.time() + tick_s
     events = aiter(submission.events())
     step: asyncio.Future[TokenEvent] | None = None
     finished = False
@@ -99,12 +108,14 @@ async def watch_events(
         while not finished:
             step = asyncio.ensure_future(anext(events))
             while not step.done():
-                remaining = deadline - loop.time()
-                if remaining <= 0:
+                now = loop.time()
+                if now >= deadline:
                     raise GenerationTimeout(f"no result within {timeout_s:g} s")
-                await asyncio.wait({step}, timeout=min(tick_s, remaining))
-                if not step.done():
+                if now >= next_tick:
+                    next_tick = now + tick_s
                     yield None
+                    continue
+                await asyncio.wait({step}, timeout=min(next_tick, deadline) - now)
             event = step.result()
             finished = event.finish_reason is not None
             yield event
@@ -112,6 +123,10 @@ async def watch_events(
         if step is not None and not step.done():
             step.cancel()
         if not finished:
+            log.info(
+                "request %s abandoned before it finished; cancelling it",
+                submission.request.request_id,
+            )
             submission.cancel()
 
 

@@ -65,11 +65,12 @@ def _plain_transcript(conversation: list[dict[str, str]]) -> str:
 def _checked(tokens: Any, max_prompt_tokens: int, param: str) -> tuple[int, ...]:
     ids = tuple(int(token) for token in tokens)
     if not ids:
-        raise APIError(400, "the prompt is empty", param=param, code="invalid_value")
+        raise APIError(400, f"'{param}' gives an empty prompt", param=param, code="invalid_value")
     if len(ids) > max_prompt_tokens:
         raise APIError(
             400,
-            f"the prompt has {len(ids)} tokens; this server accepts at most {max_prompt_tokens}",
+            f"'{param}' comes to {len(ids)} prompt tokens; this server accepts at most "
+            f"{max_prompt_tokens}",
             param=param,
             code="context_length_exceeded",
         )

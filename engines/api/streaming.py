@@ -77,11 +77,16 @@ async def stream_generation(
         opening = writer.opening()
         if opening is not None:
             yield encode_event(opening)
+        quiet = True  # nothing sent since the last tick
         async with aclosing(watch_events(submission, timeout_s, KEEPALIVE_S)) as events:
             async for event in events:
                 if event is None:
-                    yield KEEPALIVE
-                elif event.finish_reason in ("stop", "length"):
+                    if quiet:
+                        yield KEEPALIVE
+                    quiet = True
+                    continue
+                quiet = False
+                if event.finish_reason in ("stop", "length"):
                     if event.text:
                         yield encode_event(writer.content(event.text))
                     yield encode_event(writer.finish(event.finish_reason))

@@ -1,0 +1,198 @@
+"""The official openai client against a real uvicorn server on 127.0.0.1 (demo model)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engines.api import create_app
+from engines.runner import EngineRunner
+from engines.service import Service, ServiceLimits
+from engines.single import SingleEngine
+
+MODEL_ID = "tandem-demo"
+API_KEY = "test-key"
+LONG = 3000  # tokens: several seconds of generation, so a disconnect lands mid-request
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say something."},
+]
+
+
+@pytest.fixture(scope="module")
+def runner(demo_model_dir: Any) -> Iterator[EngineRunner]:
+    runner = EngineRunner(SingleEngine(demo_model_dir), queue_size=4)
+    runner.start(load_timeout_s=120)
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def base_url(runner: EngineRunner) -> Iterator[str]:
+    service = Service(
+        model_id=MODEL_ID,
+        tokenizer=runner.engine.tokenizer,
+        limits=ServiceLimits(api_key=API_KEY),
+        runner=runner,
+        state="ok",
+        cluster_status=lambda: {"strategy": "single"},
+    )
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket
+    config = uvicorn.Config(create_app(service), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        listener.close()
+        assert not thread.is_alive(), "uvicorn did not stop"
+
+
+@pytest.fixture
+def client(base_url: str, runner: EngineRunner) -> Iterator[openai.OpenAI]:
+    wait_idle(runner)
+    with openai.OpenAI(
+        base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30
+    ) as client:
+        yield client
+
+
+def wait_idle(runner: EngineRunner, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while runner.current is not None or runner.queued:
+        assert time.monotonic() < deadline, "the runner did not become idle"
+        time.sleep(0.01)
+
+
+def wait_busy(runner: EngineRunner, timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while runner.current is None:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
+    return runner.current
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [model.id for model in models] == [MODEL_ID]
+    assert models.data[0].owned_by == "tandem"
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+
+
+def test_chat(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, max_tokens=10, temperature=0
+    )
+    assert completion.id.startswith("chatcmpl-")
+    assert completion.object == "chat.completion"
+    [choice] = completion.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason == "length"
+    assert completion.usage.completion_tokens == 10
+    total = completion.usage.prompt_tokens + completion.usage.completion_tokens
+    assert completion.usage.total_tokens == total
+
+
+def test_chat_stream(client: openai.OpenAI) -> None:
+    plain = client.chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, max_tokens=10, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_completions(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model=MODEL_ID, prompt="The quick brown", max_tokens=8, temperature=0
+    )
+    assert completion.id.startswith("cmpl-")
+    assert completion.choices[0].text
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 8
+    stream = client.completions.create(
+        model=MODEL_ID, prompt="The quick brown", max_tokens=8, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert text == completion.choices[0].text
+
+
+def test_errors_reach_the_client_typed(client: openai.OpenAI, base_url: str) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=0)
+    assert bad.value.param == "max_tokens"
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0) as intruder:
+        with pytest.raises(openai.AuthenticationError):
+            intruder.models.list()
+    assert httpx.get(f"{base_url}/health", timeout=5).status_code == 200
+
+
+def test_closing_a_stream_cancels_the_generation(
+    client: openai.OpenAI, runner: EngineRunner
+) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, max_tokens=LONG, stream=True
+    )
+    chunks = iter(stream)
+    next(chunks)  # the role chunk
+    next(chunks)  # generation is under way
+    submission = wait_busy(runner)
+    stream.close()
+    wait_idle(runner, timeout_s=2.0)  # the full request would take several seconds
+    assert submission.cancelled.is_set()
+
+
+def test_abandoned_request_is_cancelled(base_url: str, runner: EngineRunner) -> None:
+    outcome: list[BaseException] = []
+
+    def ask_impatiently() -> None:
+        with openai.OpenAI(
+            base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=0.5
+        ) as impatient:
+            try:
+                impatient.completions.create(model=MODEL_ID, prompt="Once", max_tokens=LONG)
+            except openai.APITimeoutError as error:  # the client hangs up after 0.5 s
+                outcome.append(error)
+
+    asker = threading.Thread(target=ask_impatiently)
+    asker.start()
+    submission = wait_busy(runner)
+    asker.join(timeout=10)
+    assert outcome, "the client should have timed out"
+    wait_idle(runner, timeout_s=2.0)  # the full request would take several seconds
+    assert submission.cancelled.is_set()
