@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
@@ -26,6 +27,7 @@ def create_app(service: Service, *, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_
         strict_content_type=False,
     )
     install_error_handlers(app)
+    app.add_middleware(FormBodyAsJsonMiddleware)
     if service.limits.api_key:
         app.add_middleware(BearerKeyMiddleware, api_key=service.limits.api_key)
     app.include_router(chat.create_router(service, max_prompt_tokens))
@@ -61,3 +63,21 @@ def create_info_router(service: Service) -> APIRouter:
         return JSONResponse(service.cluster_status())
 
     return router
+
+
+class FormBodyAsJsonMiddleware:
+    """`curl -d '{...}'` labels a JSON body as a form; every body here is JSON, so read it so."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            scope = dict(scope)
+            scope["headers"] = [
+                (name, b"application/json")
+                if name == b"content-type" and value.startswith(b"application/x-www-form-urlencoded")
+                else (name, value)
+                for name, value in scope["headers"]
+            ]
+        await self.app(scope, receive, send)

@@ -1,0 +1,193 @@
+"""Wiring for `tandem serve` and live `tandem plan`: key, membership, supervisor, HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+from planner import ClusterPlan, NodeResources, Parallelism
+from planner.errors import PlanError
+
+from .serve import ServeConfig
+
+log = logging.getLogger(__name__)
+
+KEY_FILE = "cluster.key"
+HOSTFILE_CONTROL_PORT = 52300  # agents named in a hostfile listen here (tandem join --control-port)
+DEMO_MODEL_ID = "tandem-demo"
+
+
+def resolve_cluster_key(
+    key_text: str | None, key_file: Path | None, state_dir: Path, create: bool
+) -> tuple[bytes | None, bool]:
+    """(key, created): the explicit key, the key file, or the one stored in the state dir."""
+    from discovery.cluster_key import load_key_file, load_or_create_key, parse_key
+
+    if key_text:
+        return parse_key(key_text), False
+    if key_file is not None:
+        return load_key_file(key_file), False
+    stored = state_dir / KEY_FILE
+    if create:
+        return load_or_create_key(stored)
+    return (load_key_file(stored), False) if stored.exists() else (None, False)
+
+
+def join_command(key: bytes, interface: str | None) -> str:
+    from discovery.cluster_key import format_key
+
+    flags = f" --interface {interface}" if interface else ""
+    return f"tandem join --cluster-key {format_key(key)}{flags}"
+
+
+def coordinator_resources(node_id: str, memory_limit: str | None) -> NodeResources:
+    """This machine as a planner node: its available memory (capped) and collective backends."""
+    from discovery.capabilities import parse_memory_size, probe_capabilities
+
+    limit = parse_memory_size(memory_limit) if memory_limit else None
+    capabilities = probe_capabilities(memory_limit=limit)
+    return NodeResources(
+        node_id=node_id,
+        address="",
+        memory_bytes=capabilities.memory_available,
+        backends=capabilities.backends,
+    )
+
+
+def coordinator_address(interface: str | None, members: list[Any]) -> str:
+    """Where the other members reach this machine (ring rank 0, pipeline return hop)."""
+    if interface and not ipaddress.ip_address(interface).is_unspecified:
+        return interface
+    if members:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((members[0].address, 9))  # UDP connect picks a route; sends nothing
+            return str(probe.getsockname()[0])
+    return "127.0.0.1"
+
+
+def open_membership(
+    key: bytes,
+    interface: str | None,
+    discovery_timeout_s: float,
+    hostfile: Path | None,
+    lost_after_s: float = 5.0,
+    supervisor: Any = None,
+):
+    """Discover (zeroconf or hostfile) and verify the cluster's agents."""
+    from discovery.membership import Membership
+
+    membership = Membership(
+        key,
+        interface=interface,
+        lost_after_s=lost_after_s,
+        on_member_lost=supervisor.on_member_lost if supervisor else None,
+        on_assignment_failed=supervisor.on_assignment_failed if supervisor else None,
+    )
+    addresses = None
+    if hostfile is not None:
+        from discovery.hostfile import load_hostfile
+
+        entries = load_hostfile(hostfile).entries[1:]  # rank 0 is this coordinator
+        addresses = [(entry.ips[0] if entry.ips else entry.ssh, HOSTFILE_CONTROL_PORT) for entry in entries]
+    members = membership.discover(discovery_timeout_s, addresses=addresses)
+    for member in members:
+        status = "verified" if member.verified else f"NOT verified ({member.reason})"
+        log.info("peer %s at %s:%d: %s", member.node_id, member.address, member.port, status)
+    return membership
+
+
+def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan, list[Any]]:
+    """`tandem plan` without --world-size: discover, verify, plan; nothing is started."""
+    from engines.supervisor import PlanSettings
+    from planner import plan_cluster
+
+    key, _ = resolve_cluster_key(args.cluster_key, args.cluster_key_file, args.state_dir, create=False)
+    nodes = [coordinator_resources(f"{socket.gethostname()}-coordinator", args.memory_limit)]
+    members: list[Any] = []
+    if key is not None:
+        membership = open_membership(key, args.interface, args.discovery_timeout, args.hostfile)
+        try:
+            members = membership.members()
+            nodes += membership.to_resources()
+        finally:
+            membership.close()
+    settings = PlanSettings(Parallelism(args.parallelism), args.collective, args.context_tokens, 1)
+    for member in members:
+        verified = "verified" if member.verified else f"unverified: {member.reason}"
+        print(f"peer {member.node_id} {member.address}:{member.port} {verified}")
+    plan = plan_cluster(
+        settings.choice, facts.to_shape(), nodes,
+        collective=settings.collective, context_tokens=settings.context_tokens,
+    )
+    return plan, members
+
+
+def serve(config: ServeConfig) -> int:
+    """Plan, launch, and serve until interrupted; exit status 2 when nothing fits."""
+    import uvicorn
+
+    from engines.api.app import create_app
+    from engines.launch import LaunchSettings
+    from engines.service import Service, ServiceLimits
+    from engines.supervisor import ClusterSupervisor, PlanSettings
+
+    from .model_source import resolve_model
+
+    facts = resolve_model(config.model, config.cache_dir)
+    model_id = config.model_id or (DEMO_MODEL_ID if config.model is None else facts.path.name)
+    wants_cluster = config.parallelism != Parallelism.SINGLE
+    key, created = resolve_cluster_key(
+        config.cluster_key, config.cluster_key_file, config.state_dir, create=wants_cluster
+    )
+    if wants_cluster and key is not None:
+        if created:
+            log.info("created a cluster key in %s", config.state_dir / KEY_FILE)
+        log.info("on every other machine run:  %s", join_command(key, config.interface))
+    node_id = f"{socket.gethostname()}-coordinator"
+    coordinator = coordinator_resources(node_id, config.memory_limit)
+    service = Service(
+        model_id=model_id,
+        tokenizer=None,
+        limits=ServiceLimits(
+            max_tokens_cap=config.max_tokens_cap,
+            default_max_tokens=min(256, config.max_tokens_cap),
+            request_timeout_s=config.request_timeout_s,
+            api_key=config.api_key,
+        ),
+    )
+    supervisor = ClusterSupervisor(
+        service,
+        facts,
+        PlanSettings(config.parallelism, config.collective, config.context_tokens, config.queue_size),
+        launch_settings=None,  # set below, once the members (and so our address) are known
+        coordinator=lambda: coordinator,
+    )
+    membership = None
+    if wants_cluster and key is not None:
+        membership = open_membership(
+            key, config.interface, config.discovery_timeout_s, config.hostfile,
+            config.lost_after_s, supervisor,
+        )
+        supervisor.membership = membership
+    address = coordinator_address(config.interface, membership.members() if membership else [])
+    supervisor.launch_settings = LaunchSettings(
+        model_path=facts.path, cluster_key=key, coordinator_address=address
+    )
+    service.cluster_status = supervisor.status
+    try:
+        try:
+            supervisor.start()
+        except PlanError as error:
+            raise PlanError(f"refusing to serve: {error}") from error
+        app = create_app(service, max_prompt_tokens=config.context_tokens)
+        log.info("serving %s on http://%s:%d/v1", model_id, config.host, config.port)
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    finally:
+        supervisor.close()
+        if membership is not None:
+            membership.close()
+    return 0

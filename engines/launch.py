@@ -1,0 +1,162 @@
+"""Turn a ClusterPlan into a running Engine: start agents' workers, then the coordinator's part."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from planner import ClusterPlan, Parallelism
+from planner.errors import EngineError, PeerError
+
+from .base import Engine
+
+log = logging.getLogger(__name__)
+
+TP_ROLE = "tp_rank"
+PP_ROLE = "pp_stage"
+DEFAULT_RING_PORT_BASE = 52400  # ranks on other machines listen on base + rank
+
+
+class MembershipLike(Protocol):
+    """The part of discovery.membership.Membership that launching needs."""
+
+    def assign(self, node_id: str, role: str, payload: dict[str, Any]) -> str: ...
+    def wait_ready(self, assignment_id: str, timeout_s: float) -> Any: ...
+    def release_all(self, reason: str = ...) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSettings:
+    """What every engine needs beyond the plan."""
+
+    model_path: Path
+    cluster_key: bytes | None
+    coordinator_address: str  # where other members reach this machine
+    ready_timeout_s: float = 120.0
+    token_timeout_s: float = 10.0
+    ring_port_base: int = DEFAULT_RING_PORT_BASE
+
+
+def build_engine(
+    plan: ClusterPlan,
+    settings: LaunchSettings,
+    membership: MembershipLike | None,
+    addresses: dict[str, str],
+) -> Engine:
+    """Create the engine the plan chose; remote workers are assigned before returning.
+
+    `addresses` maps node id -> address; the coordinator's entry is where others reach it.
+    The returned engine is not loaded yet: EngineRunner.start() calls load() on its thread,
+    which for tp/pp also waits for the remote workers to meet it.
+    """
+    chosen = plan.decision.chosen
+    if chosen == Parallelism.SINGLE:
+        from .single import SingleEngine
+
+        return SingleEngine(settings.model_path)
+    if membership is None or settings.cluster_key is None:
+        raise EngineError(f"a {chosen.value} plan needs cluster membership and a cluster key")
+    if chosen == Parallelism.TP:
+        return _build_tensor_parallel(plan, settings, membership, addresses)
+    return _build_pipeline(plan, settings, membership, addresses)
+
+
+def _build_tensor_parallel(
+    plan: ClusterPlan,
+    settings: LaunchSettings,
+    membership: MembershipLike,
+    addresses: dict[str, str],
+) -> Engine:
+    from .tensor_parallel.engine import TensorParallelEngine
+    from .tensor_parallel.group import ring_specs
+
+    rank_addresses = [addresses[node_id] for node_id in plan.ranks]
+    ports = [_ring_port(address, rank, settings) for rank, address in enumerate(rank_addresses)]
+    specs = ring_specs(rank_addresses, ports, settings.model_path)
+    for rank, node_id in enumerate(plan.ranks[1:], start=1):
+        membership.assign(node_id, TP_ROLE, specs[rank])
+    log.info("tp: %d ranks on %s", len(specs), ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports)))
+    return TensorParallelEngine(
+        settings.model_path, specs[0], token_timeout_s=settings.token_timeout_s
+    )
+
+
+def _build_pipeline(
+    plan: ClusterPlan,
+    settings: LaunchSettings,
+    membership: MembershipLike,
+    addresses: dict[str, str],
+) -> Engine:
+    from discovery.cluster_key import format_key
+
+    from .pipeline.engine import EncryptedPipelineEngine
+
+    return_port = free_port(settings.coordinator_address)
+    next_hop = (settings.coordinator_address, return_port)
+    remote: list[dict[str, Any]] = []
+    # Start from the last stage: each stage must know where the next one listens.
+    for index in range(len(plan.stages) - 1, 0, -1):
+        stage = plan.stages[index]
+        address = addresses[stage.node_id]
+        spec = {
+            "model_path": str(settings.model_path),
+            "layers": [stage.layers.start, stage.layers.stop],
+            "is_last": index == len(plan.stages) - 1,
+            "listen_host": address,
+            "listen_port": 0,
+            "next_host": next_hop[0],
+            "next_port": next_hop[1],
+            "cluster_key": format_key(settings.cluster_key),
+            "read_timeout_s": settings.token_timeout_s,
+        }
+        assignment = membership.assign(stage.node_id, PP_ROLE, spec)
+        try:
+            ready = membership.wait_ready(assignment, settings.ready_timeout_s)
+        except PeerError as error:
+            raise EngineError(f"pipeline stage {index} on {stage.node_id} failed: {error}") from error
+        next_hop = (address, int(ready.detail["port"]))
+        remote.insert(0, {"host": next_hop[0], "port": next_hop[1]})
+    first = plan.stages[0]
+    log.info("pp: %d stages %s", len(plan.stages), [list((s.layers.start, s.layers.stop)) for s in plan.stages])
+    return EncryptedPipelineEngine(
+        settings.model_path,
+        first.layers,
+        remote,
+        return_listen_host=settings.coordinator_address,
+        cluster_key=settings.cluster_key,
+        token_timeout_s=settings.token_timeout_s,
+        return_listen_port=return_port,
+    )
+
+
+def _ring_port(address: str, rank: int, settings: LaunchSettings) -> int:
+    # On loopback every rank shares this machine, so any free port works; elsewhere the
+    # remote machine's free ports are unknown here, so ranks use a fixed, configurable base.
+    if _is_loopback(address):
+        return free_port(address)
+    return settings.ring_port_base + rank
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def free_port(host: str) -> int:
+    """A port that was free on `host` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def local_address_towards(remote: str) -> str:
+    """The address this machine uses to reach `remote` (a UDP connect sends no packet)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((remote, 9))
+        return str(probe.getsockname()[0])

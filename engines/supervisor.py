@@ -1,0 +1,237 @@
+"""ClusterSupervisor: plan from the live cluster, run the chosen engine, re-plan when a member dies."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from planner import ClusterPlan, NodeResources, Parallelism, plan_cluster
+from planner.errors import PlanError, TandemError
+
+from .launch import LaunchSettings, build_engine
+from .model_info import ModelFacts
+from .runner import EngineRunner
+from .service import Service
+
+log = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSettings:
+    """The operator's planning choices."""
+
+    choice: Parallelism
+    collective: str | None
+    context_tokens: int
+    queue_size: int
+
+
+class ClusterSupervisor:
+    """Owns the current plan and engine; swaps them into the Service after every (re-)plan.
+
+    A lost member (membership callback) or an unhealthy engine (watch thread) triggers a
+    re-plan on a background thread: in-flight requests end with an error, queued ones are
+    failed, every worker is released, and the survivors are planned and served again.
+    """
+
+    def __init__(
+        self,
+        service: Service,
+        facts: ModelFacts,
+        plan_settings: PlanSettings,
+        launch_settings: LaunchSettings,
+        coordinator: Callable[[], NodeResources],
+        membership: Any | None = None,
+    ) -> None:
+        self.service = service
+        self.facts = facts
+        self.plan_settings = plan_settings
+        self.launch_settings = launch_settings
+        self.coordinator = coordinator
+        self.membership = membership
+        self.plan: ClusterPlan | None = None
+        self.replans = 0
+        self.last_replan_reason = ""
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._replan_wanted = threading.Event()
+        self._retired: EngineRunner | None = None  # swapped out, closed by the re-plan
+        self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def make_plan(self) -> ClusterPlan:
+        """Plan over the coordinator plus every verified, connected member (pure planner)."""
+        nodes = [self.coordinator()]
+        if self.membership is not None:
+            nodes += self.membership.to_resources()
+        return plan_cluster(
+            self.plan_settings.choice,
+            self.facts.to_shape(),
+            nodes,
+            collective=self.plan_settings.collective,
+            context_tokens=self.plan_settings.context_tokens,
+        )
+
+    def start(self) -> ClusterPlan:
+        """First plan and engine; raises PlanError (refusal) or EngineError (launch failed)."""
+        plan = self.make_plan()
+        if plan.refusal:
+            raise PlanError(plan.refusal)
+        self._launch(plan)
+        self._watcher.start()
+        return plan
+
+    def _launch(self, plan: ClusterPlan) -> None:
+        self.plan = plan
+        decision = plan.decision
+        log.info("plan: %s — %s", decision.chosen.value, decision.reason)
+        for line in plan.describe():
+            log.info("  %s", line)
+        addresses = {self.coordinator().node_id: self.launch_settings.coordinator_address}
+        if self.membership is not None:
+            addresses |= {m.node_id: m.address for m in self.membership.members()}
+        try:
+            engine = build_engine(plan, self.launch_settings, self.membership, addresses)
+            runner = EngineRunner(engine, self.plan_settings.queue_size)
+            runner.start(load_timeout_s=self.launch_settings.ready_timeout_s)
+        except TandemError:
+            self._release_workers("launch failed")
+            raise
+        self.service.tokenizer = engine.tokenizer
+        self.service.swap_runner(runner, "ok", decision.reason)
+
+    # -- failure handling --------------------------------------------------------------------
+
+    def on_member_lost(self, node_id: str, reason: str) -> None:
+        """Membership callback (background thread): re-plan if the member was in the plan."""
+        plan = self.plan
+        if plan is None or plan.decision.chosen == Parallelism.SINGLE:
+            return
+        in_plan = node_id in plan.ranks or any(s.node_id == node_id for s in plan.stages)
+        if in_plan:
+            self.request_replan(f"member {node_id} lost: {reason}")
+
+    def on_assignment_failed(self, node_id: str, assignment_id: str, reason: str) -> None:
+        self.on_member_lost(node_id, f"its worker failed: {reason}")
+
+    def request_replan(self, reason: str) -> None:
+        with self._lock:
+            if self._replan_wanted.is_set() or self._closed.is_set():
+                return
+            self.last_replan_reason = reason
+            self._replan_wanted.set()
+        log.warning("re-planning: %s", reason)
+        runner = self.service.runner
+        self.service.swap_runner(None, "degraded", reason)
+        self._retired = runner
+        if runner is not None:
+            abort = getattr(runner.engine, "abort", None)
+            if abort is not None:
+                abort(reason)  # unblocks a generation stuck on the dead member at once
+
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            runner = self.service.runner
+            if runner is not None and not runner.engine.healthy():
+                self.request_replan(f"{runner.engine.info().strategy} engine became unhealthy")
+            if self._replan_wanted.is_set():
+                self._replan()
+
+    def _replan(self) -> None:
+        old_runner, self._retired = self._retired, None
+        if old_runner is not None:
+            old_runner.close()
+        self._release_workers(self.last_replan_reason)
+        while not self._closed.is_set():
+            try:
+                plan = self.make_plan()
+                if plan.refusal:
+                    raise PlanError(plan.refusal)
+                self._launch(plan)
+                self.replans += 1
+                self._replan_wanted.clear()
+                log.info("serving again after re-plan #%d as %s", self.replans, plan.decision.chosen.value)
+                return
+            except TandemError as error:
+                log.error("re-plan failed: %s; retrying", error)
+                self.service.swap_runner(None, "degraded", f"re-plan failed: {error}")
+                if self._closed.wait(2.0):
+                    return
+
+    def _release_workers(self, reason: str) -> None:
+        if self.membership is not None:
+            self.membership.release_all(reason)
+            time.sleep(0.2)  # let agents stop their workers before ports are reused
+
+    # -- status and shutdown -----------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The /v1/cluster body: decision, rules, assignment, members, model facts."""
+        plan = self.plan
+        runner = self.service.runner
+        body: dict[str, Any] = {
+            "state": self.service.state,
+            "state_reason": self.service.state_reason,
+            "operator_choice": self.plan_settings.choice.value,
+            "collective": self.plan_settings.collective,
+            "replans": self.replans,
+            "last_replan_reason": self.last_replan_reason,
+            "plan": plan.to_dict() if plan else None,
+            "strategy": plan.decision.chosen.value if plan else None,
+            "reason": plan.decision.reason if plan else None,
+            "world_size": 1 + len(self.membership.to_resources()) if self.membership else 1,
+            "engine": _engine_info(runner),
+            "coordinator": _resources_dict(self.coordinator()),
+            "members": self._members(),
+            "model": self.facts.to_dict(),
+        }
+        return body
+
+    def _members(self) -> list[dict[str, Any]]:
+        if self.membership is None:
+            return []
+        return [
+            {
+                "node_id": m.node_id,
+                "address": f"{m.address}:{m.port}",
+                "state": m.state,
+                "verified": m.verified,
+                "reason": m.reason,
+                "memory_available": m.memory_available,
+                "backends": list(m.hello.backends) if m.hello else [],
+                "last_heartbeat_age_s": m.last_heartbeat_age_s,
+                "worker_state": m.worker_state,
+            }
+            for m in self.membership.members()
+        ]
+
+    def close(self) -> None:
+        self._closed.set()
+        runner = self.service.runner
+        self.service.swap_runner(None, "stopping", "server is shutting down")
+        if runner is not None:
+            runner.close()
+        self._release_workers("coordinator shutting down")
+
+
+def _engine_info(runner: EngineRunner | None) -> dict[str, Any] | None:
+    if runner is None:
+        return None
+    info = runner.engine.info()
+    return {"strategy": info.strategy, "world_size": info.world_size, **info.detail}
+
+
+def _resources_dict(node: NodeResources) -> dict[str, Any]:
+    return {
+        "node_id": node.node_id,
+        "address": node.address,
+        "memory_available": node.memory_bytes,
+        "backends": list(node.backends),
+    }
