@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import signal
 import threading
 from pathlib import Path
@@ -12,6 +13,8 @@ from planner.errors import ConfigError
 from .options import add_flag, add_interface_flag, add_key_flags, env_default
 
 ROLE_SEPARATOR = "="
+# A well-known port lets a hostfile name agents without ports; zeroconf advertises any port.
+DEFAULT_CONTROL_PORT = 52300
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,13 +29,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--control-port",
         dest="control_port",
         type=int,
-        default=env_default("CONTROL_PORT", 0, int),
-        help="control port the coordinator dials; 0 picks a free one, which zeroconf "
-        "advertises [env TANDEM_CONTROL_PORT; default 0]",
+        default=env_default("CONTROL_PORT", DEFAULT_CONTROL_PORT, int),
+        help="control port the coordinator dials (hostfiles assume the default); 0 picks a "
+        "free one, which zeroconf advertises "
+        f"[env TANDEM_CONTROL_PORT; default {DEFAULT_CONTROL_PORT}]",
     )
-    add_flag(parser, "--state-dir", default=default_state_dir(), cast=Path, help="where the node id lives")
+    add_flag(
+        parser,
+        "--state-dir",
+        default=default_state_dir(),
+        cast=Path,
+        help="where the node id lives",
+    )
     add_flag(parser, "--memory-limit", help="report at most this much memory, e.g. 512M or 8G")
-    add_flag(parser, "--heartbeat-interval", default=1.0, cast=float, help="seconds between heartbeats")
+    add_flag(
+        parser, "--heartbeat-interval", default=1.0, cast=float, help="seconds between heartbeats"
+    )
     add_flag(
         parser,
         "--lost-after",
@@ -69,6 +81,19 @@ def read_cluster_key(args: argparse.Namespace, required: bool) -> bytes | None:
     return None
 
 
+def check_interface(interface: str | None) -> None:
+    """--interface must be an IPv4 address (zeroconf binds to addresses, not names)."""
+    if not interface:
+        return
+    try:
+        ipaddress.IPv4Address(interface)
+    except ValueError:
+        raise ConfigError(
+            f"--interface wants this machine's IPv4 address (e.g. 192.168.1.20 or 127.0.0.1), "
+            f"got {interface!r}"
+        ) from None
+
+
 def parse_role_modules(entries: list[str]) -> dict[str, str]:
     """{'tp_rank': 'my.module'} from ['tp_rank=my.module']."""
     table: dict[str, str] = {}
@@ -84,6 +109,7 @@ def config_from_args(args: argparse.Namespace):  # -> AgentConfig (imported lazi
     from discovery.agent import DEFAULT_ROLE_MODULES, AgentConfig
     from discovery.capabilities import parse_memory_size
 
+    check_interface(args.interface)
     if not 0 <= args.control_port < 65536:
         raise ConfigError(f"--port must be 0..65535, got {args.control_port}")
     if args.heartbeat_interval <= 0 or args.lost_after <= args.heartbeat_interval:
@@ -124,10 +150,12 @@ def run(args: argparse.Namespace) -> int:
         agent.start()
         capabilities = agent.capabilities
         assert capabilities is not None
+        available = format_memory_size(capabilities.memory_available)
+        total = format_memory_size(capabilities.memory_total)
+        # Scripts (and tests/helpers_cluster.py) wait for this line.
         print(
             f"tandem join: node {agent.node_id} ready on {agent.bind_host}:{agent.control_port} "
-            f"(cluster {agent.cluster_id}, memory {format_memory_size(capabilities.memory_available)}"
-            f" of {format_memory_size(capabilities.memory_total)} available, "
+            f"(cluster {agent.cluster_id}, memory {available} of {total} available, "
             f"backends {','.join(capabilities.backends)})",
             flush=True,
         )

@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 
-from .join import read_cluster_key
+from .join import check_interface, read_cluster_key
 from .options import add_flag, add_interface_flag, add_key_flags
 
-COLUMNS = ("NODE", "ADDRESS", "CLUSTER", "MEMORY (avail/total)", "BACKENDS", "RDMA", "VERSION", "STATUS")
+COLUMNS = (
+    "NODE",
+    "ADDRESS",
+    "CLUSTER",
+    "MEMORY (avail/total)",
+    "BACKENDS",
+    "RDMA",
+    "VERSION",
+    "STATUS",
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,14 +30,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_interface(args.interface)
     key = read_cluster_key(args, required=False)
     rows = discover_rows(args.interface or None, args.discovery_timeout, key)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
-        print(f"no tandem agents answered within {args.discovery_timeout} s "
-              f"on {args.interface or 'all interfaces'}")
+        print(
+            f"no tandem agents answered within {args.discovery_timeout} s "
+            f"on {args.interface or 'all interfaces'}"
+        )
         return 0
     print_table([[format_cell(column, row) for column in COLUMNS] for row in rows])
     return 0
@@ -49,7 +61,9 @@ def discover_rows(interface: str | None, timeout_s: float, key: bytes | None) ->
     rows = []
     for member in members:
         record = member.record
-        cluster_id = member.hello.cluster_id if member.hello else (record.cluster_id if record else "")
+        cluster_id = (
+            member.hello.cluster_id if member.hello else (record.cluster_id if record else "")
+        )
         cluster = "match" if cluster_id == our_cluster else f"other ({cluster_id or '?'})"
         status = "verified" if member.state == "connected" else f"{member.state}: {member.reason}"
         if member.hello is not None:
@@ -67,8 +81,12 @@ def discover_rows(interface: str | None, timeout_s: float, key: bytes | None) ->
         elif record is not None:
             row = record_row(record, cluster=cluster, status=status)
         else:
-            row = {"node_id": member.node_id, "address": f"{member.address}:{member.port}",
-                   "cluster": "?", "status": status}
+            row = {
+                "node_id": member.node_id,
+                "address": f"{member.address}:{member.port}",
+                "cluster": "?",
+                "status": status,
+            }
         rows.append(row)
     return rows
 
@@ -93,9 +111,17 @@ def format_cell(column: str, row: dict) -> str:
     if column == "MEMORY (avail/total)":
         if "memory_total" not in row:
             return "-"
-        return f"{format_memory_size(row['memory_available'])}/{format_memory_size(row['memory_total'])}"
-    key = {"NODE": "node_id", "ADDRESS": "address", "CLUSTER": "cluster", "BACKENDS": "backends",
-           "RDMA": "rdma", "VERSION": "version", "STATUS": "status"}[column]
+        available, total = row["memory_available"], row["memory_total"]
+        return f"{format_memory_size(available)}/{format_memory_size(total)}"
+    key = {
+        "NODE": "node_id",
+        "ADDRESS": "address",
+        "CLUSTER": "cluster",
+        "BACKENDS": "backends",
+        "RDMA": "rdma",
+        "VERSION": "version",
+        "STATUS": "status",
+    }[column]
     value = row.get(key, "-")
     if isinstance(value, list):
         return ",".join(value) or "-"
@@ -103,6 +129,10 @@ def format_cell(column: str, row: dict) -> str:
 
 
 def print_table(cells: list[list[str]]) -> None:
-    widths = [max(len(line[index]) for line in [list(COLUMNS), *cells]) for index in range(len(COLUMNS))]
+    widths = [
+        max(len(line[index]) for line in [list(COLUMNS), *cells]) for index in range(len(COLUMNS))
+    ]
     for line in [list(COLUMNS), *cells]:
-        print("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip())
+        print(
+            "  ".join(text.ljust(width) for text, width in zip(line, widths, strict=True)).rstrip()
+        )

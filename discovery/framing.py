@@ -41,6 +41,9 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
         raise ChannelError(f"sending a {len(payload)}-byte frame failed: {error}") from error
 
 
+BODY_TIMEOUT_S = 10.0  # the longest a started frame may take to finish arriving
+
+
 def recv_frame(sock: socket.socket, timeout_s: float, max_size: int = MAX_FRAME_BYTES) -> bytes:
     """Read one frame within `timeout_s`; the length is checked against `max_size` first.
 
@@ -58,7 +61,10 @@ def recv_frame(sock: socket.socket, timeout_s: float, max_size: int = MAX_FRAME_
     if length > max_size:
         raise ChannelError(f"frame length {length} exceeds the limit of {max_size} bytes")
     body = bytearray(length)
-    received, closed = _read_into(sock, memoryview(body), deadline, "frame body")
+    # A frame whose header arrived gets its own deadline for the body, so a header landing
+    # just before a short poll timeout is not mistaken for a stalled peer.
+    body_deadline = max(deadline, time.monotonic() + BODY_TIMEOUT_S)
+    received, closed = _read_into(sock, memoryview(body), body_deadline, "frame body")
     if received < length:
         _raise_short(received, length, closed, timeout_s, "frame body")
     return bytes(body)

@@ -1,4 +1,4 @@
-"""The `_tandem._tcp.local.` zeroconf record: its TXT fields, advertising it, and browsing for it."""
+"""The `_tandem._tcp.local.` zeroconf record: its TXT fields, advertising and browsing it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from zeroconf import (
+    DNSQuestionType,
     InterfaceChoice,
     IPVersion,
     NonUniqueNameException,
@@ -26,7 +27,11 @@ logger = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_tandem._tcp.local."
 TXT_VERSION = "1"
-RESOLVE_TIMEOUT_MS = 1500
+ANY_ADDRESS = "0.0.0.0"
+RESOLVE_TIMEOUT_MS = 3000
+# Ask for multicast answers: several processes share port 5353 (on one machine, or in tests),
+# and a unicast (QU) answer reaches only one of them, not necessarily the one that asked.
+QUESTION_TYPE = DNSQuestionType.QM
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +56,18 @@ class PeerRecord:
 
 def open_zeroconf(interface: str | None) -> Zeroconf:
     """A Zeroconf bound to one IPv4 address, or to every interface when interface is None."""
-    interfaces = [interface] if interface else InterfaceChoice.All
+    interfaces = [interface] if interface and interface != ANY_ADDRESS else InterfaceChoice.All
     try:
         return Zeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
     except OSError as error:
-        raise ConfigError(f"cannot start zeroconf on interface {interface or 'all'}: {error}") from error
+        raise ConfigError(
+            f"cannot start zeroconf on interface {interface or 'all'}: {error}"
+        ) from error
 
 
 def advertised_addresses(interface: str | None) -> list[str]:
     """The addresses an agent announces: its interface, or every non-loopback IPv4 address."""
-    if interface and interface != "0.0.0.0":
+    if interface and interface != ANY_ADDRESS:
         return [interface]
     addresses = [address for address in get_all_addresses() if not address.startswith("127.")]
     return addresses or ["127.0.0.1"]
@@ -155,22 +162,38 @@ def browse_records(zeroconf: Zeroconf, timeout_s: float) -> list[PeerRecord]:
             else:
                 names.add(name)
 
-    browser = ServiceBrowser(zeroconf, SERVICE_TYPE, handlers=[on_change])
+    browser = ServiceBrowser(
+        zeroconf, SERVICE_TYPE, handlers=[on_change], question_type=QUESTION_TYPE
+    )
     try:
         time.sleep(timeout_s)
     finally:
         browser.cancel()
     with lock:
         found = sorted(names)
-    records = [record for name in found if (record := resolve_record(zeroconf, name))]
+    # Resolve in parallel, so one silent name costs one timeout, not one each.
+    results: dict[str, PeerRecord | None] = {}
+    threads = [
+        threading.Thread(
+            target=lambda n=name: results.__setitem__(n, resolve_record(zeroconf, n)), daemon=True
+        )
+        for name in found
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=RESOLVE_TIMEOUT_MS / 1000 + 1.0)
+    records = [record for name in found if (record := results.get(name))]
     return sorted(records, key=lambda record: record.node_id)
 
 
 def resolve_record(zeroconf: Zeroconf, name: str) -> PeerRecord | None:
     """The PeerRecord behind one service name, or None when it does not resolve or parse."""
     info = ServiceInfo(SERVICE_TYPE, name)
-    if not info.request(zeroconf, RESOLVE_TIMEOUT_MS):
-        logger.debug("service %s did not resolve in %d ms", name, RESOLVE_TIMEOUT_MS)
+    if not info.load_from_cache(zeroconf) and not info.request(
+        zeroconf, RESOLVE_TIMEOUT_MS, question_type=QUESTION_TYPE
+    ):
+        logger.info("service %s did not resolve in %d ms", name, RESOLVE_TIMEOUT_MS)
         return None
     addresses = tuple(info.parsed_addresses(IPVersion.V4Only))
     try:
@@ -216,4 +239,3 @@ class Advertisement:
             self._zeroconf.unregister_service(info)
         except Exception as error:  # noqa: BLE001 - shutdown must go on whatever zeroconf says
             logger.warning("could not unregister zeroconf service %s: %s", info.name, error)
-
