@@ -208,6 +208,7 @@ class ClusterSupervisor:
                 "backends": list(m.hello.backends) if m.hello else [],
                 "last_heartbeat_age_s": m.last_heartbeat_age_s,
                 "worker_state": m.worker_state,
+                "worker_pid": m.worker_pid,
             }
             for m in self.membership.members()
         ]

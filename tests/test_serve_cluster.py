@@ -1,0 +1,209 @@
+"""End to end: `tandem serve` + `tandem join` processes on 127.0.0.1 plan, serve, and re-plan."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import APIError, OpenAI
+
+from engines.base import GenerationRequest
+from engines.runner import EngineRunner
+from engines.single import SingleEngine
+from tests.conftest import make_demo_model
+from tests.helpers_cluster import AgentPool
+from tests.helpers_serve import ServeProcess, start_serve
+
+pytestmark = pytest.mark.cluster
+
+PROMPTS = ([5, 60, 61, 62, 63], [7, 100, 200, 300, 41, 42, 43, 44], [9, 500, 17])
+MAX_TOKENS = 48
+ERROR_WITHIN_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def six_head_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 heads / 3 KV heads (divisible by 3), 6 layers: tp over 3 and uneven pp splits work."""
+    return make_demo_model(tmp_path_factory.mktemp("six"), layers=6, heads=6, kv_heads=3)
+
+
+def single_outputs(model: Path) -> list[str]:
+    """What SingleEngine says for PROMPTS, through the same runner and detokenizer as serve."""
+    engine = SingleEngine(model)
+    runner = EngineRunner(engine)
+    runner.start()
+
+    async def generate(prompt: list[int]) -> str:
+        submission = runner.submit(GenerationRequest("ref", tuple(prompt), MAX_TOKENS))
+        return "".join([event.text async for event in submission.events()])
+
+    try:
+        return [asyncio.run(generate(prompt)) for prompt in PROMPTS]
+    finally:
+        runner.close()
+
+
+def completions(server: ServeProcess, model_id: str) -> list[str]:
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
+    texts = []
+    for prompt in PROMPTS:
+        reply = client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        texts.append(reply.choices[0].text)
+    return texts
+
+
+def stream_until_error(server: ServeProcess, model_id: str, kill_pid: int) -> float:
+    """Start a long stream, kill `kill_pid` after the first tokens; seconds until the error."""
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    stream = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "go on"}],
+        max_tokens=4000, temperature=0, stream=True,
+    )
+    killed_at = None
+    try:
+        for count, chunk in enumerate(stream):
+            if count == 5:
+                os.kill(kill_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                pytest.fail(f"stream finished normally ({chunk.choices[0].finish_reason})")
+    except APIError:
+        pass
+    assert killed_at is not None, "the stream ended before the kill"
+    return time.monotonic() - killed_at
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[AgentPool]:
+    agents = AgentPool(tmp_path / "agents")
+    try:
+        yield agents
+    finally:
+        agents.stop_all()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[ServeProcess]]:
+    started: list[ServeProcess] = []
+    try:
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+def worker_pid(server: ServeProcess, node_id: str) -> int:
+    for member in server.cluster()["members"]:
+        if member["node_id"] == node_id and member.get("worker_pid"):
+            return int(member["worker_pid"])
+    pytest.fail(f"no worker pid for {node_id}: {server.cluster()['members']}")
+
+
+def test_unequal_agents_pick_memory_proportional_pp_identical_to_single(
+    six_head_model: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
+) -> None:
+    big = pool.start("big", memory_limit="200M", real_roles=True)
+    small = pool.start("small", memory_limit="8M", real_roles=True)
+    server = start_serve(
+        tmp_path, six_head_model, pool.cluster_key,
+        ["--parallelism", "auto", "--collective", "ring", "--memory-limit", "200M",
+         "--model-id", "six"],
+    )
+    servers.append(server)
+    cluster = server.cluster()
+    assert cluster["strategy"] == "pp", cluster["reason"]
+    assert "memory" in cluster["reason"]
+    stages = cluster["plan"]["stages"]
+    assert len(stages) == 3
+    layers = {stage["node_id"]: stage["layers"] for stage in stages}
+    assert layers[small.node_id][1] - layers[small.node_id][0] < (
+        layers[big.node_id][1] - layers[big.node_id][0]
+    )
+    assert completions(server, "six") == single_outputs(six_head_model)
+
+    elapsed = stream_until_error(server, "six", worker_pid(server, small.node_id))
+    assert elapsed < ERROR_WITHIN_S
+    wait_for(lambda: server.get("/health")[1].get("status") == "ok", 60, "serving again")
+    assert server.cluster()["replans"] >= 1
+    assert completions(server, "six") == single_outputs(six_head_model)
+
+
+def test_explicit_tp_with_indivisible_heads_fails_closed_to_single(
+    odd_heads_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
+) -> None:
+    pool.start("peer", real_roles=True)
+    server = start_serve(
+        tmp_path, odd_heads_model_dir, pool.cluster_key,
+        ["--parallelism", "tp", "--collective", "ring", "--model-id", "odd"],
+    )
+    servers.append(server)
+    cluster = server.cluster()
+    assert cluster["strategy"] == "single"
+    assert cluster["plan"]["decision"]["failed_closed"] is True
+    assert "attention heads 3 do not divide evenly across worldSize=2" in cluster["reason"]
+    assert "failing closed" in server.log_text() or "fail" in server.log_text()
+    assert completions(server, "odd") == single_outputs(odd_heads_model_dir)
+
+
+def test_auto_with_indivisible_heads_falls_back_to_pp(
+    odd_heads_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
+) -> None:
+    pool.start("peer", real_roles=True)
+    server = start_serve(
+        tmp_path, odd_heads_model_dir, pool.cluster_key,
+        ["--parallelism", "auto", "--collective", "ring", "--model-id", "odd"],
+    )
+    servers.append(server)
+    cluster = server.cluster()
+    assert cluster["strategy"] == "pp"
+    assert "attention heads 3" in cluster["reason"]
+    assert completions(server, "odd") == single_outputs(odd_heads_model_dir)
+
+
+def test_serve_refuses_with_exit_2_when_nothing_fits(demo_model_dir: Path, tmp_path: Path) -> None:
+    server = start_serve(
+        tmp_path, demo_model_dir, "tandem-" + "A" * 43,
+        ["--parallelism", "single", "--memory-limit", "1M"], wait=False,
+    )
+    assert server.process.wait(timeout=60) == 2
+    assert "needs" in server.log_text() and "has" in server.log_text()
+
+
+def test_tp_over_ring_matches_single_and_replans_after_a_rank_dies(
+    demo_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
+) -> None:
+    agent = pool.start("rank1", real_roles=True)
+    server = start_serve(
+        tmp_path, demo_model_dir, pool.cluster_key,
+        ["--parallelism", "tp", "--collective", "ring", "--model-id", "demo"],
+    )
+    servers.append(server)
+    cluster = server.cluster()
+    assert cluster["strategy"] == "tp", cluster["reason"]
+    assert cluster["engine"]["world_size"] == 2
+    assert completions(server, "demo") == single_outputs(demo_model_dir)
+
+    elapsed = stream_until_error(server, "demo", worker_pid(server, agent.node_id))
+    assert elapsed < ERROR_WITHIN_S
+    wait_for(lambda: server.get("/health")[1].get("status") == "ok", 60, "serving again")
+    after = server.cluster()
+    assert after["replans"] >= 1
+    assert "lost" in after["last_replan_reason"] or "unhealthy" in after["last_replan_reason"]
+    assert completions(server, "demo")  # answered after the re-plan
