@@ -162,7 +162,13 @@ def serve(config: ServeConfig) -> int:
     supervisor = ClusterSupervisor(
         service,
         facts,
-        PlanSettings(config.parallelism, config.collective, config.context_tokens, config.queue_size),
+        PlanSettings(
+            config.parallelism,
+            config.collective,
+            config.context_tokens,
+            config.queue_size,
+            config.rediscover_interval_s,
+        ),
         launch_settings=None,  # set below, once the members (and so our address) are known
         coordinator=lambda: coordinator,
     )

@@ -39,6 +39,7 @@ class ServeConfig:
     context_tokens: int
     memory_limit: str | None
     lost_after_s: float
+    rediscover_interval_s: float
     cache_dir: Path
     state_dir: Path
 
@@ -73,6 +74,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
     add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
     add_flag(parser, "--lost-after", default=5.0, cast=float, help="seconds of silence before a peer is lost")
+    add_flag(
+        parser,
+        "--rediscover-interval",
+        default=10.0,
+        cast=float,
+        help="seconds between looks for agents that joined later (while idle; 0 = never)",
+    )
     add_flag(parser, "--cache-dir", default=Path.home() / ".cache" / "tandem", cast=Path, help="demo model cache")
     add_flag(parser, "--state-dir", default=Path.home() / ".local" / "state" / "tandem", cast=Path, help="node id and cluster key")
     parser.set_defaults(run=run)
@@ -104,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         context_tokens=args.context_tokens,
         memory_limit=args.memory_limit,
         lost_after_s=args.lost_after,
+        rediscover_interval_s=args.rediscover_interval,
         cache_dir=args.cache_dir,
         state_dir=args.state_dir,
     )

@@ -20,6 +20,7 @@ from .service import Service
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.5
+REDISCOVER_BROWSE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,7 @@ class PlanSettings:
     collective: str | None
     context_tokens: int
     queue_size: int
+    rediscover_interval_s: float = 10.0  # 0 disables looking for agents that join later
 
 
 class ClusterSupervisor:
@@ -137,12 +139,34 @@ class ClusterSupervisor:
                 abort(reason)  # unblocks a generation stuck on the dead member at once
 
     def _watch(self) -> None:
+        next_discovery = time.monotonic() + self.plan_settings.rediscover_interval_s
         while not self._closed.wait(WATCH_INTERVAL_S):
             runner = self.service.runner
             if runner is not None and not runner.engine.healthy():
                 self.request_replan(f"{runner.engine.info().strategy} engine became unhealthy")
             if self._replan_wanted.is_set():
                 self._replan()
+            elif self._discovery_due(next_discovery, runner):
+                next_discovery = time.monotonic() + self.plan_settings.rediscover_interval_s
+                self._adopt_new_members()
+
+    def _discovery_due(self, due_at: float, runner: EngineRunner | None) -> bool:
+        # Only while idle: adopting a member re-plans, which would cut a running request.
+        idle = runner is not None and runner.current is None and runner.queued == 0
+        enabled = self.membership is not None and self.plan_settings.rediscover_interval_s > 0
+        return enabled and idle and time.monotonic() >= due_at
+
+    def _adopt_new_members(self) -> None:
+        """Agents that joined after start-up: re-plan when they change the plan."""
+        try:
+            self.membership.discover(REDISCOVER_BROWSE_S)
+            plan = self.make_plan()
+        except TandemError as error:
+            log.debug("re-discovery failed: %s", error)
+            return
+        if plan.refusal is None and _assignment(plan) != _assignment(self.plan):
+            members = 1 + len(self.membership.to_resources())
+            self.request_replan(f"membership changed: {members} verified node(s) now")
 
     def _replan(self) -> None:
         old_runner, self._retired = self._retired, None
@@ -220,6 +244,14 @@ class ClusterSupervisor:
         if runner is not None:
             runner.close()
         self._release_workers("coordinator shutting down")
+
+
+def _assignment(plan: ClusterPlan | None) -> tuple[Any, ...]:
+    """What a plan runs where; two plans with equal assignments need no re-plan."""
+    if plan is None:
+        return ()
+    stages = tuple((s.node_id, s.layers.start, s.layers.stop) for s in plan.stages)
+    return (plan.decision.chosen, tuple(plan.ranks), stages)
 
 
 def _engine_info(runner: EngineRunner | None) -> dict[str, Any] | None:

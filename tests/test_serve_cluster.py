@@ -207,3 +207,20 @@ def test_tp_over_ring_matches_single_and_replans_after_a_rank_dies(
     assert after["replans"] >= 1
     assert "lost" in after["last_replan_reason"] or "unhealthy" in after["last_replan_reason"]
     assert completions(server, "demo")  # answered after the re-plan
+
+
+def test_an_agent_that_joins_later_is_adopted(
+    demo_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
+) -> None:
+    server = start_serve(
+        tmp_path, demo_model_dir, pool.cluster_key,
+        ["--parallelism", "auto", "--rediscover-interval", "2", "--model-id", "demo"],
+    )
+    servers.append(server)
+    assert server.cluster()["strategy"] == "single"
+    agent = pool.start("late", real_roles=True)
+    wait_for(lambda: server.cluster()["strategy"] == "pp", 45, "the late agent to be planned in")
+    wait_for(lambda: server.get("/health")[1].get("status") == "ok", 60, "serving again")
+    stages = server.cluster()["plan"]["stages"]
+    assert [stage["node_id"] for stage in stages][-1] == agent.node_id
+    assert completions(server, "demo") == single_outputs(demo_model_dir)
