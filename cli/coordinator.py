@@ -112,7 +112,12 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
         membership = open_membership(key, args.interface, args.discovery_timeout, args.hostfile)
         try:
             members = membership.members()
-            nodes += membership.to_resources()
+            # An agent busy with the running `serve` is still verified: plan as if it were free.
+            nodes += [
+                NodeResources(m.node_id, m.address, m.memory_available, tuple(m.hello.backends))
+                for m in members
+                if m.verified and m.hello is not None
+            ]
         finally:
             membership.close()
     settings = PlanSettings(Parallelism(args.parallelism), args.collective, args.context_tokens, 1)

@@ -104,6 +104,8 @@ def format_bytes(n: int, unit: str | None = None) -> str:
 def format_pair(first: int, second: int) -> tuple[str, str]:
     """Two sizes in the same unit (the larger one's), so "1.2 MB vs 0.9 MB" reads at a glance."""
     unit = byte_unit(max(abs(first), abs(second)))
+    if min(abs(first), abs(second)) * 100 < max(abs(first), abs(second)):
+        return format_bytes(first), format_bytes(second)  # "0.0 GB" would hide the small one
     return format_bytes(first, unit), format_bytes(second, unit)
 
 
