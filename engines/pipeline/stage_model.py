@@ -1,4 +1,4 @@
-"""One pipeline stage's share of a model: load only its layers and run exactly their forward pass."""
+"""One pipeline stage's share of a model: load only its layers and run exactly their forward."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_model
+from mlx_lm.utils import MODEL_REMAPPING, load_config, load_model
 
 from planner.errors import EngineError
 
@@ -34,6 +34,7 @@ class StageModel:
         *,
         layers: range,
         total_layers: int,
+        hidden_size: int,
         blocks: list[nn.Module],
         embed_tokens: nn.Module | None,
         norm: nn.Module | None,
@@ -46,6 +47,7 @@ class StageModel:
     ) -> None:
         self.layers = layers
         self.total_layers = total_layers
+        self.hidden_size = hidden_size
         self.blocks = blocks
         self.embed_tokens = embed_tokens
         self.norm = norm
@@ -68,17 +70,25 @@ class StageModel:
     def load(cls, model_path: Path, layers: range, is_last: bool) -> StageModel:
         """Load the weights of `layers` (and the embeddings / head when this stage needs them)."""
         model_path = Path(model_path)
+        try:
+            model_type = str(load_config(model_path).get("model_type"))
+        except (OSError, ValueError) as error:
+            raise EngineError(f"cannot read the model config in {model_path}: {error}") from error
+        architecture = MODEL_REMAPPING.get(model_type, model_type)
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise EngineError(
+                f"model type {model_type!r} ({model_path}) is not supported by the pipeline "
+                f"engine; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         mx.reset_peak_memory()
         try:
             model, _ = load_model(model_path, lazy=True)
         except (OSError, ValueError, KeyError) as error:
             raise EngineError(f"cannot load model {model_path}: {error}") from error
-        architecture = type(model).__module__.rsplit(".", 1)[-1]
-        if architecture not in SUPPORTED_ARCHITECTURES or not _has_llama_layout(model):
-            model_type = getattr(model, "model_type", architecture)
+        if not _has_llama_layout(model):
             raise EngineError(
-                f"model type {model_type!r} ({model_path}) is not supported by the pipeline "
-                f"engine; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"model type {model_type!r} ({model_path}) lacks model.embed_tokens / layers / "
+                f"norm, which the pipeline engine needs"
             )
         inner = model.model
         total = len(inner.layers)
@@ -104,10 +114,12 @@ class StageModel:
         kept = [module for module in (*blocks, embed, norm, head) if module is not None]
         # Evaluating only the kept modules reads only their tensors from the safetensors files.
         mx.eval([module.parameters() for module in kept])
+        hidden_size = int(model.args.hidden_size)
         del model, inner
         stage = cls(
             layers=layers,
             total_layers=total,
+            hidden_size=hidden_size,
             blocks=blocks,
             embed_tokens=embed,
             norm=norm,
@@ -156,7 +168,7 @@ class StageModel:
         return hidden
 
     def logits(self, hidden: mx.array) -> mx.array:
-        """Hidden states (1, L, D) -> log-probabilities of the next token (1, V); last stage only."""
+        """Hidden (1, L, D) -> log-probabilities of the next token (1, V); last stage only."""
         if self.norm is None:
             raise EngineError(f"stage [{self.layers.start}, {self.layers.stop}) has no output head")
         out = self.norm(hidden)  # (1, L, D)

@@ -1,0 +1,481 @@
+"""The sealed pipeline on real stage processes: SingleEngine's tokens exactly, and fast failure."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from discovery.cluster_key import format_key, generate_key
+from engines.base import GenerationRequest
+from engines.pipeline.engine import EncryptedPipelineEngine
+from engines.pipeline.stage_model import StageModel
+from engines.pipeline.stage_worker import StageProcess, StageSpec
+from engines.runner import EngineRunner
+from engines.single import SingleEngine
+from planner import allocate_layers
+from planner.errors import ConfigError, EngineError
+
+pytestmark = pytest.mark.cluster
+
+HOST = "127.0.0.1"
+MAX_TOKENS = 64
+PROMPTS = (
+    "Hello there",
+    "The quick brown fox jumps over",
+    "Once upon a time, in a land far away, there lived",
+    "1, 2, 3,",
+)
+LONG_PROMPT = "In the beginning the model read a very long prompt, sentence after sentence. " * 12
+
+
+@dataclass
+class Pipeline:
+    """A loaded engine behind an EngineRunner, its stage workers, and its SingleEngine twin."""
+
+    engine: EncryptedPipelineEngine
+    runner: EngineRunner
+    workers: list[StageProcess]
+    reference: EngineRunner
+    ranges: list[range]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    tokens: list[int]
+    text: str
+    finish: str | None
+    error: str | None
+    completion_tokens: int
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def start_workers(
+    model_dir: Path,
+    ranges: list[range],
+    key: bytes,
+    log_dir: Path,
+    read_timeout_s: float = 10.0,
+) -> tuple[socket.socket, list[StageProcess]]:
+    """The coordinator's return listener and a worker per stage 1.., started last to first."""
+    listener = socket.create_server((HOST, 0))
+    next_port = listener.getsockname()[1]
+    workers: list[StageProcess] = []
+    try:
+        for index in reversed(range(1, len(ranges))):
+            layers = ranges[index]
+            spec = {
+                "model_path": str(model_dir),
+                "layers": [layers.start, layers.stop],
+                "is_last": index == len(ranges) - 1,
+                "listen_host": HOST,
+                "listen_port": 0,
+                "next_host": HOST,
+                "next_port": next_port,
+                "cluster_key": key.hex() if index % 2 else format_key(key),
+                "read_timeout_s": read_timeout_s,
+            }
+            with open(log_dir / f"stage{index}.log", "ab") as log:
+                worker = StageProcess.start(spec, stderr=log, ready_timeout_s=60)
+            workers.insert(0, worker)
+            next_port = worker.port
+    except BaseException:
+        stop_workers(workers)
+        listener.close()
+        raise
+    return listener, workers
+
+
+def stop_workers(workers: list[StageProcess]) -> None:
+    for worker in workers:
+        if worker.popen.poll() is None:
+            os.kill(worker.pid, signal.SIGCONT)  # in case a test froze it
+        worker.stop(timeout_s=5)
+
+
+def make_engine(
+    model_dir: Path,
+    ranges: list[range],
+    key: bytes,
+    listener: socket.socket | None,
+    workers: list[StageProcess],
+    **options: Any,
+) -> EncryptedPipelineEngine:
+    stages = [
+        {"host": HOST, "port": worker.port, "layers": [layers.start, layers.stop]}
+        for worker, layers in zip(workers, ranges[1:], strict=True)
+    ]
+    return EncryptedPipelineEngine(
+        model_dir, ranges[0], stages, HOST, key, return_listener=listener, **options
+    )
+
+
+def run(
+    runner: EngineRunner, request: GenerationRequest, cancel_after: int | None = None
+) -> Outcome:
+    """Submit through the runner and collect the event stream (cancel after N tokens if asked)."""
+
+    async def collect() -> Outcome:
+        submission = runner.submit(request)
+        tokens: list[int] = []
+        texts: list[str] = []
+        async for event in submission.events():
+            if event.token is not None:
+                tokens.append(event.token)
+                if cancel_after is not None and len(tokens) == cancel_after:
+                    submission.cancel()
+            texts.append(event.text)
+            if event.finish_reason is not None:
+                return Outcome(
+                    tokens,
+                    "".join(texts),
+                    event.finish_reason,
+                    event.error,
+                    event.completion_tokens,
+                )
+        raise AssertionError("the event stream ended without a final event")
+
+    return asyncio.run(asyncio.wait_for(collect(), timeout=60))
+
+
+def make_request(
+    runner: EngineRunner, prompt: str, max_tokens: int = MAX_TOKENS, **sampling: Any
+) -> GenerationRequest:
+    tokens = tuple(runner.engine.tokenizer.encode(prompt))
+    return GenerationRequest(
+        request_id=f"test-{prompt[:12]}", prompt_tokens=tokens, max_tokens=max_tokens, **sampling
+    )
+
+
+def assert_same(pipeline: Pipeline, request: GenerationRequest) -> Outcome:
+    expected = run(pipeline.reference, request)
+    got = run(pipeline.runner, request)
+    assert expected.finish in ("stop", "length")
+    assert got.tokens == expected.tokens  # the stream, token for token
+    assert got.text == expected.text  # what a non-streaming response returns
+    assert (got.finish, got.completion_tokens) == (expected.finish, expected.completion_tokens)
+    return got
+
+
+def open_pipeline(
+    model_dir: Path, ranges: list[range], key: bytes, log_dir: Path, **options: Any
+) -> Iterator[Pipeline]:
+    listener, workers = start_workers(model_dir, ranges, key, log_dir)
+    engine = make_engine(model_dir, ranges, key, listener, workers, **options)
+    runner = EngineRunner(engine)
+    reference = EngineRunner(SingleEngine(model_dir))
+    try:
+        runner.start(load_timeout_s=60)
+        reference.start(load_timeout_s=60)
+        yield Pipeline(engine, runner, workers, reference, ranges)
+    finally:
+        runner.close()
+        reference.close()
+        engine.close()
+        stop_workers(workers)
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster_key() -> bytes:
+    return generate_key()
+
+
+@pytest.fixture(scope="module")
+def five_layer_model(demo_model_factory: Any) -> Path:
+    return demo_model_factory(layers=5)
+
+
+@pytest.fixture(scope="module")
+def two_stages(
+    demo_model_dir: Path, cluster_key: bytes, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    """The 4-layer demo model as [0, 2) here and [2, 4) in a worker; default 256-token chunks."""
+    ranges = allocate_layers(4, [8, 8])
+    yield from open_pipeline(
+        demo_model_dir, ranges, cluster_key, tmp_path_factory.mktemp("two-stages")
+    )
+
+
+@pytest.fixture(scope="module")
+def three_stages(
+    five_layer_model: Path, cluster_key: bytes, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    """5 layers over unequal memory: an uneven split, and small chunks so prefill is chunked."""
+    ranges = allocate_layers(5, [20, 6, 6])
+    assert [len(r) for r in ranges] == [3, 1, 1]
+    yield from open_pipeline(
+        five_layer_model, ranges, cluster_key, tmp_path_factory.mktemp("three"), prefill_chunk=16
+    )
+
+
+@pytest.fixture(params=["two_stages", "three_stages"])
+def pipeline(request: pytest.FixtureRequest) -> Pipeline:
+    return request.getfixturevalue(request.param)
+
+
+# -- the same tokens as SingleEngine -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_output_matches_single_engine(pipeline: Pipeline, prompt: str) -> None:
+    outcome = assert_same(pipeline, make_request(pipeline.runner, prompt))
+    assert outcome.completion_tokens > 0
+
+
+def test_long_prompt_is_chunked_and_matches(pipeline: Pipeline) -> None:
+    request = make_request(pipeline.runner, LONG_PROMPT, max_tokens=32)
+    assert len(request.prompt_tokens) > pipeline.engine.prefill_chunk + 1
+    assert_same(pipeline, request)
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "seed"), [(1.0, 1.0, 1234), (0.8, 0.9, 7)])
+def test_seeded_sampling_matches_single_engine(
+    pipeline: Pipeline, temperature: float, top_p: float, seed: int
+) -> None:
+    request = make_request(
+        pipeline.runner, PROMPTS[2], temperature=temperature, top_p=top_p, seed=seed
+    )
+    outcome = assert_same(pipeline, request)
+    greedy = run(pipeline.reference, make_request(pipeline.runner, PROMPTS[2]))
+    assert outcome.tokens != greedy.tokens  # sampling really happened
+
+
+def test_cancel_frees_every_stage_and_the_next_request_is_exact(pipeline: Pipeline) -> None:
+    before = pipeline.engine.stage_status()
+    request = make_request(pipeline.runner, PROMPTS[0], max_tokens=500)
+    cancelled = run(pipeline.runner, request, cancel_after=5)
+    assert cancelled.finish == "cancelled"
+    assert 5 <= len(cancelled.tokens) < 500
+    after = pipeline.engine.stage_status()
+    assert [report["layers"] for report in after] == [[r.start, r.stop] for r in pipeline.ranges]
+    assert all(report["active_requests"] == 0 for report in after)
+    assert [r["served_requests"] for r in after[1:]] == [
+        r["served_requests"] + 1 for r in before[1:]
+    ]
+    assert_same(pipeline, make_request(pipeline.runner, PROMPTS[1]))
+
+
+def test_info_describes_every_stage(three_stages: Pipeline) -> None:
+    info = three_stages.engine.info()
+    assert (info.strategy, info.world_size) == ("pp", 3)
+    stages = info.detail["stages"]
+    assert [stage["layers"] for stage in stages] == [[0, 3], [3, 4], [4, 5]]
+    assert all(stage["peak_memory_bytes"] > 0 for stage in stages)
+    workers = three_stages.workers
+    assert [stage["peak_memory_bytes"] for stage in stages[1:]] == [
+        worker.peak_memory_bytes for worker in workers
+    ]
+    assert three_stages.engine.healthy()
+
+
+def test_reconnect_builds_a_fresh_session(three_stages: Pipeline) -> None:
+    served = [report["served_requests"] for report in three_stages.engine.stage_status()[1:]]
+    three_stages.engine.connect()  # new handshakes, new session keys, request numbers from 1
+    status = three_stages.engine.stage_status()
+    assert [report["served_requests"] for report in status[1:]] == served  # same processes
+    assert_same(three_stages, make_request(three_stages.runner, PROMPTS[3]))
+
+
+def test_wrong_cluster_key_is_refused_and_the_session_survives(
+    two_stages: Pipeline, demo_model_dir: Path
+) -> None:
+    ranges = two_stages.ranges
+    engine = make_engine(demo_model_dir, ranges, generate_key(), None, two_stages.workers)
+    started = time.monotonic()
+    try:
+        with pytest.raises(EngineError, match="prove the cluster key|handshake"):
+            engine.load()
+    finally:
+        engine.close()
+    assert time.monotonic() - started < 10
+    assert two_stages.engine.healthy()
+    assert_same(two_stages, make_request(two_stages.runner, PROMPTS[1], max_tokens=16))
+
+
+def test_out_of_range_sampling_is_refused_before_the_chain(two_stages: Pipeline) -> None:
+    request = make_request(two_stages.runner, PROMPTS[0], temperature=-1.0)
+    with pytest.raises(EngineError, match="temperature -1.0"):
+        next(two_stages.engine.generate_tokens(request))
+    assert two_stages.engine.healthy()
+    assert_same(two_stages, make_request(two_stages.runner, PROMPTS[0], max_tokens=8))
+
+
+# -- losing a stage ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fragile(five_layer_model: Path, cluster_key: bytes, tmp_path: Path) -> Iterator[Any]:
+    """A private 3-stage pipeline a test may kill or freeze; always cleaned up."""
+    ranges = allocate_layers(5, [1, 1, 1])
+    listener, workers = start_workers(five_layer_model, ranges, cluster_key, tmp_path)
+    engine = make_engine(
+        five_layer_model, ranges, cluster_key, listener, workers, token_timeout_s=2.0
+    )
+    try:
+        engine.load()
+        yield engine, workers
+    finally:
+        engine.close()
+        stop_workers(workers)
+
+
+def long_request(engine: EncryptedPipelineEngine) -> GenerationRequest:
+    prompt = tuple(engine.tokenizer.encode(PROMPTS[0]))
+    return GenerationRequest("doomed", prompt, max_tokens=100_000)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killed_stage_fails_the_request_fast(fragile: Any, victim: int) -> None:
+    engine, workers = fragile
+    tokens = engine.generate_tokens(long_request(engine))
+    assert len([next(tokens) for _ in range(5)]) == 5
+    workers[victim].popen.kill()
+    workers[victim].popen.wait(5)
+    started = time.monotonic()
+    with pytest.raises(EngineError, match="pipeline stage lost"):
+        for _ in tokens:
+            assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 10
+    assert not engine.healthy()
+    assert "failure" in engine.info().detail
+    tokens.close()
+    started = time.monotonic()
+    with pytest.raises(EngineError):  # the next request tries to reconnect and cannot
+        next(engine.generate_tokens(long_request(engine)))
+    assert time.monotonic() - started < 12
+
+
+def test_frozen_stage_times_out(fragile: Any) -> None:
+    engine, workers = fragile
+    tokens = engine.generate_tokens(long_request(engine))
+    next(tokens)
+    os.kill(workers[1].pid, signal.SIGSTOP)  # alive but silent: only a timeout catches it
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineError, match="pipeline stage lost"):
+            for _ in tokens:
+                pass
+        assert time.monotonic() - started < engine.token_timeout_s + 3
+        assert not engine.healthy()
+    finally:
+        os.kill(workers[1].pid, signal.SIGCONT)
+
+
+def test_abort_wakes_a_blocked_read(fragile: Any) -> None:
+    engine, workers = fragile
+    engine.token_timeout_s = 60.0
+    tokens = engine.generate_tokens(long_request(engine))
+    next(tokens)
+    os.kill(workers[0].pid, signal.SIGSTOP)
+    timer = threading.Timer(0.5, engine.abort, args=("operator requested a re-plan",))
+    try:
+        started = time.monotonic()
+        timer.start()
+        with pytest.raises(EngineError, match="re-plan"):
+            for _ in tokens:
+                pass
+        assert time.monotonic() - started < 5
+    finally:
+        timer.cancel()
+        os.kill(workers[0].pid, signal.SIGCONT)
+
+
+def test_killed_stage_through_the_runner_reports_an_error(fragile: Any) -> None:
+    engine, workers = fragile
+    runner = EngineRunner(engine)
+    runner.start(load_timeout_s=10)  # load() again: a fresh session
+    try:
+        timer = threading.Timer(0.5, workers[1].popen.kill)
+        timer.start()
+        started = time.monotonic()
+        outcome = run(runner, long_request(engine))
+        timer.join()
+        assert outcome.finish == "error"
+        assert "pipeline stage lost" in (outcome.error or "")
+        assert time.monotonic() - started < 10
+    finally:
+        runner.close()
+
+
+# -- loading and the worker contract -------------------------------------------------------------
+
+
+def test_stages_load_only_their_own_layers(three_stages: Pipeline, five_layer_model: Path) -> None:
+    config = json.loads((five_layer_model / "config.json").read_text())
+    hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    layer_bytes = 4 * (3 * hidden * hidden + 3 * hidden * inner)  # kv heads = heads / 2
+    embedding_bytes = 4 * vocab * hidden
+    middle, last = three_stages.workers  # layers [3, 4) and [4, 5) + norm + head
+    assert layer_bytes <= middle.peak_memory_bytes < 1.2 * layer_bytes
+    assert (
+        layer_bytes + embedding_bytes
+        <= last.peak_memory_bytes
+        < 1.2 * (layer_bytes + embedding_bytes)
+    )
+    stage = StageModel.load(five_layer_model, range(3, 4), is_last=False)
+    assert (stage.embed_tokens, stage.norm, stage.head, len(stage.blocks)) == (None, None, None, 1)
+
+
+def test_unsupported_model_type_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    with pytest.raises(EngineError, match="'gemma2'.*not supported"):
+        StageModel.load(tmp_path, range(0, 1), is_last=False)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layers": [2]}, "invalid field"),
+        ({"cluster_key": "abcd"}, "32 bytes"),
+        ({"cluster_key": "not a key"}, "neither"),
+        ({"next_port": 0}, "invalid ports"),
+        ({"layers": [3, 3]}, "empty"),
+    ],
+)
+def test_stage_spec_rejects_bad_fields(change: dict[str, Any], message: str) -> None:
+    spec = {
+        "model_path": "/m",
+        "layers": [0, 2],
+        "is_last": False,
+        "next_host": HOST,
+        "next_port": 9,
+        "cluster_key": "00" * 32,
+    }
+    assert StageSpec.from_json(json.dumps(spec)).layers == range(0, 2)
+    with pytest.raises(ConfigError, match=message):
+        StageSpec.from_json(json.dumps({**spec, **change}))
+    missing = dict(spec)
+    del missing["next_host"]
+    with pytest.raises(ConfigError, match="next_host"):
+        StageSpec.from_json(json.dumps(missing))
+
+
+def test_worker_reports_failure_on_a_bad_layer_range(
+    five_layer_model: Path, tmp_path: Path
+) -> None:
+    spec = {
+        "model_path": str(five_layer_model),
+        "layers": [3, 9],
+        "is_last": True,
+        "next_host": HOST,
+        "next_port": 9,
+        "cluster_key": generate_key().hex(),
+    }
+    with open(tmp_path / "stage.log", "ab") as log:
+        with pytest.raises(EngineError, match=r"not inside the model's 5 layers"):
+            StageProcess.start(spec, stderr=log, ready_timeout_s=60)
