@@ -40,6 +40,18 @@ class Submission:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
+    async def next_event(self, timeout_s: float) -> TokenEvent | None:
+        """The next event, or None when none came within `timeout_s` (nothing is lost)."""
+        try:
+            return self._events.get_nowait()  # the common case while tokens flow: no timer
+        except asyncio.QueueEmpty:
+            pass
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                return await self._events.get()
+        except TimeoutError:
+            return None
+
     async def events(self) -> AsyncIterator[TokenEvent]:
         """Yield events until the final one; the caller applies its own overall timeout."""
         while True:

@@ -624,3 +624,14 @@ async def test_client_disconnect_cancels_generation(runner: EngineRunner, stream
     await wait_until(lambda: runner.current is None, timeout_s=2.0)
     assert submission.cancelled.is_set()
     assert time.monotonic() - started < 2.0  # far less than the ~7 s the full request takes
+
+
+async def test_curl_style_form_content_type_is_read_as_json(client) -> None:
+    # `curl -d '{...}'` labels the body application/x-www-form-urlencoded.
+    response = await client.post(
+        "/v1/completions",
+        content=b'{"model": "tandem-demo", "prompt": "Hello", "max_tokens": 3, "temperature": 0}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3

@@ -65,6 +65,9 @@ def create_info_router(service: Service) -> APIRouter:
     return router
 
 
+FORM_CONTENT_TYPE = b"application/x-www-form-urlencoded"
+
+
 class FormBodyAsJsonMiddleware:
     """`curl -d '{...}'` labels a JSON body as a form; every body here is JSON, so read it so."""
 
@@ -76,7 +79,7 @@ class FormBodyAsJsonMiddleware:
             scope = dict(scope)
             scope["headers"] = [
                 (name, b"application/json")
-                if name == b"content-type" and value.startswith(b"application/x-www-form-urlencoded")
+                if name == b"content-type" and value.startswith(FORM_CONTENT_TYPE)
                 else (name, value)
                 for name, value in scope["headers"]
             ]

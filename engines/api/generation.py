@@ -101,27 +101,22 @@ async def watch_events(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     next_tick = loop.time() + tick_s
-    events = aiter(submission.events())
-    step: asyncio.Future[TokenEvent] | None = None
     finished = False
     try:
         while not finished:
-            step = asyncio.ensure_future(anext(events))
-            while not step.done():
-                now = loop.time()
-                if now >= deadline:
-                    raise GenerationTimeout(f"no result within {timeout_s:g} s")
-                if now >= next_tick:
-                    next_tick = now + tick_s
-                    yield None
-                    continue
-                await asyncio.wait({step}, timeout=min(next_tick, deadline) - now)
-            event = step.result()
+            now = loop.time()
+            if now >= deadline:
+                raise GenerationTimeout(f"no result within {timeout_s:g} s")
+            if now >= next_tick:
+                next_tick = now + tick_s
+                yield None
+                continue
+            event = await submission.next_event(min(next_tick, deadline) - now)
+            if event is None:
+                continue
             finished = event.finish_reason is not None
             yield event
     finally:
-        if step is not None and not step.done():
-            step.cancel()
         if not finished:
             log.info(
                 "request %s abandoned before it finished; cancelling it",
