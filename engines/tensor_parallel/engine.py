@@ -1,0 +1,348 @@
+"""TensorParallelEngine: the coordinator's side of a tp group, driving the rank-0 worker process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.utils import load_config, load_tokenizer
+
+from planner.errors import EngineError
+
+from ..base import Engine, EngineInfo, GenerationRequest
+from ..sampling import request_seed
+from .group import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+WORKER_MODULE = "engines.tensor_parallel.worker"
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+STDERR_TAIL = 20
+SHUTDOWN_GRACE_S = 5.0
+KILL_GRACE_S = 2.0
+
+
+class TensorParallelEngine(Engine):
+    """Rank 0 runs in a child process so a collective that hangs can always be killed.
+
+    The other ranks are started elsewhere (by the agents, or by tests) with the same
+    worker module; this engine only talks to rank 0, which leads them in lockstep.
+    `on_lost(reason)` is called once when the group is lost (not after `abort`), from the
+    runner thread or the engine's stdout reader thread: it should only schedule work.
+    """
+
+    def __init__(
+        self,
+        model_path: Path | str,
+        rank0_spec: dict[str, Any],
+        on_lost: Callable[[str], None] | None = None,
+        token_timeout_s: float = 10.0,
+        first_token_timeout_s: float = 120.0,
+        load_timeout_s: float = 300.0,
+    ) -> None:
+        self.spec = WorkerSpec.from_dict(rank0_spec)
+        if self.spec.rank != 0:
+            raise ValueError(
+                f"TensorParallelEngine drives rank 0, got a spec for rank {self.spec.rank}"
+            )
+        self.model_path = Path(model_path)
+        self.on_lost = on_lost
+        self.token_timeout_s = token_timeout_s
+        self.first_token_timeout_s = first_token_timeout_s
+        self.load_timeout_s = load_timeout_s
+        self.tokenizer = None
+        self.ready: dict[str, Any] = {}
+        self._process: subprocess.Popen[bytes] | None = None
+        self._messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
+        self._threads: list[threading.Thread] = []
+        self._write_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._lost_reason: str | None = None
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the tokenizer, start rank 0 and wait for the group; a second call is a no-op."""
+        if self.ready:
+            return
+        try:
+            config = load_config(self.model_path)
+            self.tokenizer = load_tokenizer(
+                self.model_path, eos_token_ids=config.get("eos_token_id", None)
+            )
+        except (OSError, ValueError) as error:
+            raise EngineError(f"cannot load tokenizer of {self.model_path}: {error}") from error
+        self._start_worker()
+        self.ready = self._wait_ready()
+        log.info(
+            "tensor-parallel group ready: %d ranks over %s, peak memory per rank %s",
+            self.spec.world_size,
+            self.spec.backend,
+            self.ready.get("rank_peak_memory_bytes"),
+        )
+
+    def _start_worker(self) -> None:
+        environment = dict(os.environ)
+        environment["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(PROJECT_ROOT), environment.get("PYTHONPATH")])
+        )
+        spec = {**self.spec.to_dict(), "model_path": str(self.model_path)}
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", WORKER_MODULE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=environment,
+        )
+        log.info("started tensor-parallel rank 0 worker (pid %d)", self._process.pid)
+        for target, name in (
+            (self._read_stdout, "tp-rank0-stdout"),
+            (self._read_stderr, "tp-rank0-stderr"),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        try:
+            self._write(spec)
+        except (OSError, ValueError) as error:
+            self._kill()
+            raise EngineError(f"cannot hand the spec to the rank 0 worker: {error}") from error
+
+    def _wait_ready(self) -> dict[str, Any]:
+        try:
+            message = self._messages.get(timeout=self.load_timeout_s)
+        except queue.Empty:
+            self._kill()
+            raise EngineError(
+                f"tensor-parallel rank 0 was not ready within {self.load_timeout_s:g} s: are all "
+                f"{self.spec.world_size} ranks started and reachable? last log: {self._last_log()}"
+            ) from None
+        if message is None:
+            raise EngineError(f"tensor-parallel rank 0 failed to start: {self._exit_description()}")
+        if message.get("event") != "ready":
+            self._kill()
+            reason = message.get("reason", message)
+            raise EngineError(f"tensor-parallel group failed to load {self.model_path}: {reason}")
+        return message
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        process = self._process
+        if process is not None and process.poll() is None:
+            try:
+                self._write({"cmd": "shutdown"})
+                process.wait(timeout=SHUTDOWN_GRACE_S)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                log.warning("rank 0 did not shut down within %g s; killing it", SHUTDOWN_GRACE_S)
+        self._kill()
+        for thread in self._threads:
+            if thread is not threading.current_thread():  # on_lost may call close() here
+                thread.join(KILL_GRACE_S)
+
+    # -- generation --------------------------------------------------------------------------
+
+    def generate_tokens(self, request: GenerationRequest) -> Iterator[int]:
+        if self._process is None:
+            raise EngineError("tensor-parallel engine used before load()")
+        self._raise_if_lost()
+        seed = request_seed(request)
+        self._send(
+            {
+                "cmd": "generate",
+                "request_id": request.request_id,
+                "prompt": list(request.prompt_tokens),
+                "max_tokens": request.max_tokens,
+                "temperature": request.temperature,
+                "top_p": request.top_p,
+                "seed": seed,
+            }
+        )
+        finished = False
+        count = 0
+        last_token: int | None = None
+        timeout_s = self.first_token_timeout_s
+        try:
+            while True:
+                message = self._next_message(timeout_s)
+                timeout_s = self.token_timeout_s
+                if "token" in message:
+                    count += 1
+                    last_token = message["token"]
+                    yield last_token
+                elif "done" in message:
+                    finished = True
+                    return
+                elif "error" in message:
+                    finished = True
+                    raise EngineError(
+                        f"tensor-parallel rank 0 refused the request: {message['error']}"
+                    )
+        finally:
+            if not finished and self._lost_reason is None:
+                # The worker ends on its own after EOS or max_tokens; otherwise ask it to stop.
+                ends_itself = last_token in self.eos_token_ids or count >= request.max_tokens
+                self._finish_early(request.request_id, send_stop=not ends_itself)
+
+    def _finish_early(self, request_id: str, send_stop: bool) -> None:
+        """Drain to "done" so the next request never starts while a rank is in this one."""
+        try:
+            if send_stop:
+                self._send({"cmd": "stop", "request_id": request_id})
+            while True:
+                message = self._next_message(self.token_timeout_s)
+                if "done" in message or "error" in message:
+                    return
+        except EngineError as error:  # already marked lost; the runner is closing the generator
+            log.error("while stopping request %s: %s", request_id, error)
+
+    def abort(self, reason: str) -> None:
+        """Kill rank 0 now (any thread): an in-flight generation raises EngineError at once."""
+        self._lose(f"aborted: {reason}", notify=False)
+        self._messages.put(None)
+
+    # -- status ------------------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        process = self._process
+        return (
+            self._lost_reason is None
+            and not self._closed
+            and process is not None
+            and process.poll() is None
+        )
+
+    def info(self) -> EngineInfo:
+        peaks = self.ready.get("rank_peak_memory_bytes") or []
+        active = self.ready.get("rank_active_memory_bytes") or []
+        ranks = []
+        for rank in range(self.spec.world_size):
+            entry: dict[str, Any] = {"rank": rank}
+            if self.spec.hosts:
+                entry["address"] = self.spec.hosts[rank][0]
+            if rank < len(peaks) and rank < len(active):
+                entry["peak_memory_bytes"] = peaks[rank]
+                entry["active_memory_bytes"] = active[rank]
+            ranks.append(entry)
+        detail = {
+            "backend": self.spec.backend,
+            "model_path": str(self.model_path),
+            "sync_every": self.spec.sync_every,
+            "ranks": ranks,
+            "healthy": self.healthy(),
+        }
+        if self._lost_reason is not None:
+            detail["lost_reason"] = self._lost_reason
+        return EngineInfo(strategy="tp", world_size=self.spec.world_size, detail=detail)
+
+    # -- the rank-0 process ------------------------------------------------------------------
+
+    def _send(self, message: dict[str, Any]) -> None:
+        try:
+            self._write(message)
+        except (OSError, ValueError) as error:
+            raise self._lose(f"cannot write to the rank 0 worker: {error}") from error
+
+    def _write(self, message: dict[str, Any]) -> None:
+        assert self._process is not None and self._process.stdin is not None
+        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+        with self._write_lock:
+            self._process.stdin.write(data)
+            self._process.stdin.flush()
+
+    def _next_message(self, timeout_s: float) -> dict[str, Any]:
+        self._raise_if_lost()
+        try:
+            message = self._messages.get(timeout=timeout_s)
+        except queue.Empty:
+            raise self._lose(f"no answer from rank 0 within {timeout_s:g} s") from None
+        if message is None:
+            raise self._lose(self._exit_description())
+        if message.get("event") == "failed":
+            raise self._lose(str(message.get("reason")))
+        return message
+
+    def _raise_if_lost(self) -> None:
+        if self._lost_reason is not None:
+            raise EngineError(f"tensor-parallel rank 0 lost: {self._lost_reason}")
+
+    def _lose(self, reason: str, notify: bool = True) -> EngineError:
+        """Mark the group lost (once), kill rank 0, tell the supervisor; return the error."""
+        with self._state_lock:
+            first = self._lost_reason is None
+            if first:
+                self._lost_reason = reason
+        if first:
+            log.error("tensor-parallel rank 0 lost: %s", reason)
+            self._kill()
+            if notify and self.on_lost is not None:
+                try:
+                    self.on_lost(reason)
+                except Exception:  # the supervisor's bug must not hide the engine error
+                    log.exception("on_lost callback failed")
+        return EngineError(f"tensor-parallel rank 0 lost: {self._lost_reason}")
+
+    def _kill(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.kill()
+        try:
+            process.wait(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.error("rank 0 worker (pid %d) did not exit after SIGKILL", process.pid)
+        if process.stdin is not None:
+            try:
+                process.stdin.close()
+            except OSError:
+                pass
+
+    def _exit_description(self) -> str:
+        code = None
+        if self._process is not None:
+            try:
+                code = self._process.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        return f"the worker process exited (code {code}); last log: {self._last_log()}"
+
+    def _last_log(self) -> str:
+        return self._stderr_tail[-1] if self._stderr_tail else "(none)"
+
+    def _read_stdout(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for raw in self._process.stdout:
+            try:
+                message = json.loads(raw)
+            except ValueError:
+                log.warning("rank 0 wrote a line that is not JSON: %r", raw[:200])
+                continue
+            if not isinstance(message, dict):
+                continue
+            if message.get("event") == "failed" and self.ready and not self._closed:
+                self._lose(str(message.get("reason")))  # tell the supervisor now, even if idle
+            self._messages.put(message)
+        if self.ready and not self._closed:
+            self._lose(self._exit_description())
+        self._messages.put(None)
+
+    def _read_stderr(self) -> None:
+        assert self._process is not None and self._process.stderr is not None
+        for raw in self._process.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            if line:
+                self._stderr_tail.append(line)
+                log.info("rank 0 | %s", line)

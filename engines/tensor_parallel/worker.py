@@ -1,0 +1,392 @@
+"""One tensor-parallel rank as a process: `python -m engines.tensor_parallel.worker`.
+
+stdin:  line 1 is the JSON WorkerSpec; rank 0 then reads commands, one JSON object per line:
+        {"cmd": "generate", "request_id", "prompt", "max_tokens", "temperature", "top_p",
+        "seed"}, {"cmd": "stop", "request_id"?}, {"cmd": "shutdown"}.
+stdout: JSON lines only: {"event": "ready", ...} or {"event": "failed", "reason"} once loaded;
+        rank 0 then answers a generate with {"token": id} lines and {"done": "eos" | "length" |
+        "stopped"}, or {"error", "fatal": false} for a request it refuses.
+stderr: logs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import resource
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import IO, Any, NoReturn
+
+import mlx.core as mx
+from mlx_lm.utils import load_model, load_tokenizer
+
+from .group import WorkerSpec, group_environment
+from .lockstep import (
+    GENERATE,
+    PING,
+    SHUTDOWN,
+    Command,
+    Lockstep,
+    generate_in_lockstep,
+    idle_wait_s,
+)
+
+log = logging.getLogger(__name__)
+
+STOP_MEMORY = 64  # how many stopped generations the reader remembers
+WATCHDOG_POLL_S = 0.25
+
+
+class Output:
+    """The protocol stream: one JSON object per line, written whole under a lock."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def write(self, message: dict[str, Any]) -> None:
+        line = json.dumps(message, separators=(",", ":")) + "\n"
+        with self._lock:
+            self._stream.write(line)
+            self._stream.flush()
+
+
+def open_protocol_output() -> Output:
+    """Keep fd 1 for protocol lines and send anything else printed (Python or C++) to stderr."""
+    protocol_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return Output(os.fdopen(protocol_fd, "w", encoding="utf-8"))
+
+
+class CommandReader:
+    """Reads rank 0's stdin on a thread so the generation loop can poll for "stop".
+
+    Each generate gets a serial number as it is read; a stop names the latest generate
+    (the engine never sends the next generate before the previous one is done), so a
+    repeated request_id can never be stopped by a stop meant for an earlier request.
+    """
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._stream = stream
+        self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._stopped: deque[int] = deque(maxlen=STOP_MEMORY)
+        self._lock = threading.Lock()
+        self._latest: tuple[Any, int] = (None, 0)  # (request_id, serial) of the last generate
+        threading.Thread(target=self._read, name="command-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in self._stream:
+            try:
+                message = json.loads(raw)
+                if not isinstance(message, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as error:
+                self._commands.put({"cmd": "invalid", "reason": f"{error}: {raw[:80]!r}"})
+                continue
+            kind = message.get("cmd")
+            request_id, serial = self._latest
+            if kind == "stop":
+                if message.get("request_id", request_id) == request_id:
+                    with self._lock:
+                        self._stopped.append(serial)
+                continue
+            if kind == "generate":
+                self._latest = (message.get("request_id"), serial + 1)
+                message["serial"] = serial + 1
+            self._commands.put(message)
+        self._commands.put({"cmd": "eof"})
+
+    def next(self, timeout_s: float | None) -> dict[str, Any] | None:
+        """The next command, or None when none came within `timeout_s`."""
+        try:
+            return self._commands.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def stop_requested(self, serial: int) -> bool:
+        with self._lock:
+            return serial in self._stopped
+
+
+class Watchdog:
+    """Kills this process when a collective stalls: mlx collectives have no timeout."""
+
+    def __init__(self, on_expire: Callable[[str], None]) -> None:
+        self._on_expire = on_expire
+        self._deadline: float | None = None
+        self._what = ""
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
+
+    def arm(self, seconds: float, what: str) -> None:
+        with self._lock:
+            self._deadline, self._what = time.monotonic() + seconds, what
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(WATCHDOG_POLL_S)
+            with self._lock:
+                expired = self._deadline is not None and time.monotonic() > self._deadline
+                what = self._what
+            if expired:
+                self._on_expire(f"stalled: {what} made no progress; a peer is frozen or cut off")
+                return
+
+
+def resident_bytes() -> int:
+    """Current RSS on Linux, peak RSS elsewhere (macOS reports ru_maxrss in bytes)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+def check_shardable(model_path: Path, world_size: int) -> None:
+    """Read config.json and refuse, precisely, a model whose heads cannot be split evenly."""
+    config_file = model_path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model directory {model_path} has no config.json")
+    config = json.loads(config_file.read_text())
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads", heads)
+    intermediate = config.get("intermediate_size")
+    sizes = {"attention heads": heads, "KV heads": kv_heads, "intermediate size": intermediate}
+    uneven = {name: n for name, n in sizes.items() if isinstance(n, int) and n % world_size}
+    if uneven:
+        found = ", ".join(f"{n} {name}" for name, n in uneven.items())
+        raise ValueError(
+            f"tensor parallel over {world_size} ranks needs attention heads, KV heads and the "
+            f"MLP size divisible by {world_size}; {model_path} has {found}: use pp or single"
+        )
+
+
+def join_group(spec: WorkerSpec) -> mx.distributed.Group:
+    """Write the hostfile / device matrix, let mlx read it while joining, then delete it."""
+    with tempfile.TemporaryDirectory(prefix=f"tandem-rank{spec.rank}-") as directory:
+        os.environ.update(group_environment(spec, Path(directory)))
+        return mx.distributed.init(backend=spec.backend, strict=True)
+
+
+def load_shard(spec: WorkerSpec) -> tuple[Any, set[int], int | None, mx.distributed.Group]:
+    """Join the group and load this rank's shard with mlx-lm's own `Model.shard`.
+
+    The weights are loaded lazily and evaluated one layer at a time after sharding, so a
+    rank's peak memory stays near its shard instead of the whole model (evaluating every
+    parameter at once, as `sharded_load` does, briefly holds the full tensors).
+    """
+    model_path = Path(spec.model_path)
+    check_shardable(model_path, spec.world_size)
+    group = join_group(spec)
+    if group.size() != spec.world_size or group.rank() != spec.rank:
+        raise ValueError(
+            f"mlx joined rank {group.rank()} of {group.size()}, the spec says "
+            f"{spec.rank} of {spec.world_size}"
+        )
+    log.info("joined %s group as rank %d of %d", spec.backend, spec.rank, spec.world_size)
+    model, config = load_model(model_path, lazy=True)
+    if not hasattr(model, "shard"):
+        raise ValueError(
+            f"mlx-lm's {config.get('model_type')!r} model has no tensor-parallel variant "
+            "(no Model.shard): use pp or single"
+        )
+    model.shard(group)
+    for layer in getattr(model, "layers", []):
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))
+    return model, set(tokenizer.eos_token_ids), config.get("vocab_size"), group
+
+
+def gather_memory(lockstep: Lockstep) -> tuple[list[int], list[int]]:
+    """Every rank's peak and active mlx memory in bytes; the all_sum is the ready barrier."""
+    size, rank = lockstep.world_size, lockstep.rank
+    slots = [0] * (2 * size)
+    slots[rank] = mx.get_peak_memory() // 1024  # KiB keeps 2 TiB inside an int32
+    slots[size + rank] = mx.get_active_memory() // 1024
+    kib = lockstep.sum_across_ranks(slots)
+    return [value * 1024 for value in kib[:size]], [value * 1024 for value in kib[size:]]
+
+
+def parse_request(message: dict[str, Any], spec: WorkerSpec, vocab_size: int | None) -> Command:
+    """Validate a generate command before any rank sees it (a refusal keeps ranks in step)."""
+    if message.get("cmd") != "generate":
+        raise ValueError(message.get("reason", f"unknown command {message.get('cmd')!r}"))
+    prompt = message.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("prompt must be a non-empty list of token ids")
+    limit = vocab_size if isinstance(vocab_size, int) else 2**31
+    if not all(isinstance(token, int) and 0 <= token < limit for token in prompt):
+        raise ValueError(f"prompt token ids must be integers in [0, {limit})")
+    max_tokens = message.get("max_tokens")
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens < 2**31:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    temperature = float(message.get("temperature", 0.0))
+    top_p = float(message.get("top_p", 1.0))
+    seed = message.get("seed", 0)
+    if temperature < 0 or not 0 <= top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 <= top_p <= 1, got {temperature}, {top_p}")
+    if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return Command(GENERATE, tuple(prompt), max_tokens, seed, temperature, top_p, spec.sync_every)
+
+
+@dataclass
+class Rank:
+    """One loaded rank: rank 0 leads (stdin -> broadcasts -> stdout), the others follow."""
+
+    spec: WorkerSpec
+    lockstep: Lockstep
+    model: Any
+    eos: set[int]
+    vocab_size: int | None
+    output: Output
+    watchdog: Watchdog
+
+    def lead(self) -> None:
+        """Rank 0: turn stdin commands into broadcasts; a PING goes out when none came in time."""
+        reader = CommandReader(sys.stdin.buffer)
+        pings = 0
+        deadline = time.monotonic() + idle_wait_s(0, self.spec.heartbeat_s)
+        while True:
+            timeout_s = max(0.0, deadline - time.monotonic()) if self.spec.heartbeat_s else None
+            message = reader.next(timeout_s)
+            if message is None:
+                command = Command(PING)
+            elif message.get("cmd") in ("shutdown", "eof"):
+                log.info("shutting the group down (%s)", message["cmd"])
+                self.lockstep.broadcast_command(Command(SHUTDOWN))
+                return
+            else:
+                try:
+                    command = parse_request(message, self.spec, self.vocab_size)
+                except (TypeError, ValueError) as error:
+                    refusal = {"error": str(error), "fatal": False}
+                    self.output.write({**refusal, "request_id": message.get("request_id")})
+                    continue  # nothing was broadcast: the other ranks keep their schedule
+            pings = pings + 1 if command.kind == PING else 0
+            command = replace(command, wait_after_s=idle_wait_s(pings, self.spec.heartbeat_s))
+            self.watchdog.arm(self.spec.stall_timeout_s, "a header broadcast")
+            self.lockstep.broadcast_command(command)
+            self.watchdog.disarm()
+            if command.kind == GENERATE:
+                assert message is not None
+                stop = partial(reader.stop_requested, message["serial"])
+                reason = self.generate(command, self.emit, stop)
+                self.output.write({"done": reason, "request_id": message.get("request_id")})
+            deadline = time.monotonic() + command.wait_after_s
+
+    def follow(self) -> None:
+        """Ranks > 0: wait for rank 0's next command and run it on this shard."""
+        while True:
+            if self.spec.heartbeat_s:  # rank 0 pings at least every heartbeat_s while idle
+                self.watchdog.arm(self.spec.stall_timeout_s, "waiting for rank 0")
+            command = self.lockstep.broadcast_command()
+            self.watchdog.disarm()
+            if command.kind == SHUTDOWN:
+                log.info("rank 0 shut the group down")
+                return
+            if command.kind == GENERATE:
+                self.generate(command, lambda _: None, lambda: False)
+            time.sleep(command.wait_after_s)
+
+    def emit(self, token: int) -> None:
+        self.output.write({"token": token})
+
+    def generate(
+        self, command: Command, on_token: Callable[[int], None], stop: Callable[[], bool]
+    ) -> str:
+        def step(token: int) -> None:
+            self.watchdog.arm(self.spec.stall_timeout_s, "a decode step")
+            on_token(token)
+
+        try:
+            return generate_in_lockstep(self.model, command, self.lockstep, self.eos, step, stop)
+        finally:
+            self.watchdog.disarm()
+
+
+def exit_when_stdin_closes() -> None:
+    """Ranks > 0: the agent keeps stdin open while it lives; EOF means it is gone."""
+    for _ in sys.stdin.buffer:
+        pass
+    log.info("stdin closed: the agent is gone, exiting")
+    os._exit(0)  # the main thread may be blocked in a collective
+
+
+def run(spec: WorkerSpec, output: Output) -> int:
+    def fail(reason: str) -> NoReturn:
+        log.error("rank %d failed: %s", spec.rank, reason)
+        output.write({"event": "failed", "rank": spec.rank, "reason": reason})
+        os._exit(1)  # the main thread may be stuck in a collective that cannot be interrupted
+
+    watchdog = Watchdog(fail)
+    if spec.rank != 0:
+        threading.Thread(target=exit_when_stdin_closes, name="stdin-watch", daemon=True).start()
+    started = time.monotonic()
+    try:
+        model, eos, vocab_size, group = load_shard(spec)
+        lockstep = Lockstep(group)
+        peaks, active = gather_memory(lockstep)
+    except Exception as error:  # every load failure becomes one "failed" line
+        fail(f"{type(error).__name__}: {error}")
+    output.write(
+        {
+            "event": "ready",
+            "rank": spec.rank,
+            "world_size": spec.world_size,
+            "peak_memory_bytes": mx.get_peak_memory(),
+            "rss_bytes": resident_bytes(),
+            "rank_peak_memory_bytes": peaks,
+            "rank_active_memory_bytes": active,
+            "load_s": round(time.monotonic() - started, 3),
+        }
+    )
+    try:
+        rank = Rank(spec, lockstep, model, eos, vocab_size, output, watchdog)
+        if spec.rank == 0:
+            rank.lead()
+        else:
+            rank.follow()
+    except Exception as error:  # a lost peer, a divergence: the group is unusable
+        fail(f"{type(error).__name__}: {error}")
+    return 0
+
+
+def main() -> int:
+    output = open_protocol_output()
+    raw = sys.stdin.buffer.readline()
+    try:
+        spec = WorkerSpec.from_dict(json.loads(raw))
+    except (ValueError, TypeError) as error:
+        output.write({"event": "failed", "reason": f"invalid worker spec: {error}"})
+        return 2
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=spec.log_level,
+        format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    return run(spec, output)
+
+
+if __name__ == "__main__":
+    code = main()
+    logging.shutdown()
+    # Reader threads may sit in a blocking stdin read that interpreter shutdown would trip on.
+    os._exit(code)
