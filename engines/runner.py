@@ -190,7 +190,10 @@ class EngineRunner:
             finish, error = "error", f"internal engine error: {failure}"
             log.exception("request %s crashed the engine step", request.request_id)
         finally:
-            tokens.close()
+            try:
+                tokens.close()  # tells remote ranks/stages to stop; must not kill this thread
+            except Exception:
+                log.exception("request %s: closing the generation failed", request.request_id)
         if finish in ("length", "stop") and not matched:
             detokenizer.finalize()
             tail, _ = stop_filter.feed(detokenizer.last_segment)
