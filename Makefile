@@ -18,8 +18,11 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Benchmarks are separate from the tests; each rewrites its own section of docs/benchmarks.md.
 bench: $(STAMP)
-	$(BIN)/tandem bench
+	$(BIN)/python -m tests.bench.bench_single
+	$(BIN)/python -m tests.bench.bench_tensor_parallel
+	$(BIN)/python -m tests.bench.bench_pipeline
 
 lint: $(STAMP)
 	$(BIN)/ruff check planner engines discovery cli tests

@@ -29,43 +29,31 @@ from discovery.control import (
     dial_control,
 )
 from discovery.framing import ChannelTimeout
+from discovery.members import BUSY, CLOSED, CONNECTED, LOST, UNVERIFIED, Link, Member
 from discovery.zeroconf_service import PeerRecord, browse_records, open_zeroconf
 from planner import NodeResources
 from planner.errors import ChannelError, PeerError
 
+# Member and its states are imported from here too.
+__all__ = [
+    "BUSY",
+    "CLOSED",
+    "CONNECTED",
+    "LOST",
+    "UNVERIFIED",
+    "AssignmentResult",
+    "Member",
+    "Membership",
+    "browse_peers",
+]
+
 logger = logging.getLogger(__name__)
 
-CONNECTED = "connected"  # verified, heartbeating, assignable
-BUSY = "busy"  # verified, but serving another coordinator
-LOST = "lost"  # was connected, then went silent or closed
-UNVERIFIED = "unverified"  # other cluster, failed handshake, or unreachable
-CLOSED = "closed"  # this Membership was closed
 COORDINATOR_STATE = "coordinating"
-AGENT_IDLE = "idle"
 RELEASE_POLL_S = 0.05
 
 MemberLostCallback = Callable[[str, str], None]
 AssignmentFailedCallback = Callable[[str, str, str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """A snapshot of one agent as this coordinator knows it."""
-
-    node_id: str
-    address: str
-    port: int
-    state: str
-    verified: bool
-    reason: str  # why it is unverified, busy or lost; empty when connected
-    hello: Hello | None
-    record: PeerRecord | None
-    last_heartbeat_age_s: float | None
-    agent_state: str | None  # the agent's own state: idle / working
-    worker_state: str | None
-    worker_pid: int | None
-    memory_available: int
-    assignment_id: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,60 +66,11 @@ class AssignmentResult:
 
 
 @dataclass(slots=True)
-class _Link:
-    """Mutable bookkeeping for one agent; only touched under Membership._lock."""
-
-    node_id: str
-    address: str
-    port: int
-    state: str
-    reason: str = ""
-    record: PeerRecord | None = None
-    hello: Hello | None = None
-    connection: ControlConnection | None = None
-    last_heard: float | None = None
-    heartbeat: Heartbeat | None = None
-    heartbeat_at: float = 0.0  # local monotonic time the last heartbeat arrived
-    assignment_id: str | None = None
-
-    def snapshot(self, now: float) -> Member:
-        memory = self.hello.memory_available if self.hello else 0
-        if self.heartbeat is not None:
-            memory = self.heartbeat.memory_available
-        elif self.hello is None and self.record is not None:
-            memory = self.record.memory_available
-        return Member(
-            node_id=self.node_id,
-            address=self.address,
-            port=self.port,
-            state=self.state,
-            verified=self.hello is not None,
-            reason=self.reason,
-            hello=self.hello,
-            record=self.record,
-            last_heartbeat_age_s=None if self.last_heard is None else now - self.last_heard,
-            agent_state=self.heartbeat.state if self.heartbeat else None,
-            worker_state=self.heartbeat.worker_state if self.heartbeat else None,
-            worker_pid=self.heartbeat.worker_pid if self.heartbeat else None,
-            memory_available=memory,
-            assignment_id=self.assignment_id,
-        )
-
-
-@dataclass(slots=True)
 class _Pending:
     node_id: str
     done: threading.Event = field(default_factory=threading.Event)
     detail: dict[str, Any] | None = None
     failure: str | None = None
-
-
-def _released(link: _Link, since: float) -> bool:
-    """Whether a released link said "idle" after `since`, or stopped being connected."""
-    if link.state != CONNECTED:
-        return True
-    heartbeat = link.heartbeat
-    return heartbeat is not None and heartbeat.state == AGENT_IDLE and link.heartbeat_at > since
 
 
 def browse_peers(interface: str | None, timeout_s: float) -> list[PeerRecord]:
@@ -167,7 +106,7 @@ class Membership:
         self.on_member_lost = on_member_lost
         self.on_assignment_failed = on_assignment_failed
         self.coordinator_id = coordinator_id
-        self._links: dict[str, _Link] = {}
+        self._links: dict[str, Link] = {}
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -224,7 +163,7 @@ class Membership:
             self._put_unverified(address, port, record, problem)
             return
         assert isinstance(hello, Hello)
-        link = _Link(hello.node_id, address, port, CONNECTED, record=record, hello=hello)
+        link = Link(hello.node_id, address, port, CONNECTED, record=record, hello=hello)
         if isinstance(first, Release):  # the agent serves another coordinator
             connection.close()
             link.state, link.reason = BUSY, first.reason
@@ -259,9 +198,9 @@ class Membership:
     ) -> None:
         name = record.node_id if record else f"{address}:{port}"
         logger.info("member %s unverified: %s", name, reason)
-        self._put(_Link(name, address, port, UNVERIFIED, reason=reason, record=record))
+        self._put(Link(name, address, port, UNVERIFIED, reason=reason, record=record))
 
-    def _put(self, link: _Link) -> bool:
+    def _put(self, link: Link) -> bool:
         """Record a link; False (and nothing recorded) once closed or when a connected link
         for the same node already exists."""
         with self._lock:
@@ -285,7 +224,7 @@ class Membership:
 
     # -- background: receiving, heartbeats, loss ----------------------------------------------
 
-    def _receive(self, link: _Link, connection: ControlConnection) -> None:
+    def _receive(self, link: Link, connection: ControlConnection) -> None:
         # Long waits: close() closes the connection, which wakes recv at once; silence is the
         # heartbeat thread's business.
         while not self._closed.is_set():
@@ -341,7 +280,7 @@ class Membership:
                 except ChannelError as error:
                     self._declare_lost(link, f"heartbeat could not be sent: {error}")
 
-    def _declare_lost(self, link: _Link, reason: str) -> None:
+    def _declare_lost(self, link: Link, reason: str) -> None:
         with self._lock:
             if link.state != CONNECTED or self._closed.is_set():
                 return
@@ -358,7 +297,7 @@ class Membership:
             except Exception:  # noqa: BLE001 - a callback bug must not kill the heartbeat thread
                 logger.exception("on_member_lost callback failed for %s", link.node_id)
 
-    def _assignment_failed(self, link: _Link, message: Failed) -> None:
+    def _assignment_failed(self, link: Link, message: Failed) -> None:
         logger.warning(
             "member %s: assignment %s failed: %s",
             link.node_id,
@@ -485,7 +424,7 @@ class Membership:
         deadline = sent_at + wait_s
         while True:
             with self._lock:
-                waiting = [link.node_id for link in released if not _released(link, sent_at)]
+                waiting = [link.node_id for link in released if not link.has_released(sent_at)]
             if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(RELEASE_POLL_S)

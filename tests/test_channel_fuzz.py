@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from discovery.framing import recv_frame
-from discovery.secure_channel import SessionKeys, _parse_hello, derive_session_keys
+from discovery.sealing import SessionKeys, derive_session_keys
+from discovery.secure_channel import _parse_hello
 from planner.errors import ChannelError
 
 KEY = bytes(range(32))

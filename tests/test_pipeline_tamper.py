@@ -18,7 +18,8 @@ import pytest
 
 from discovery.cluster_key import generate_key
 from discovery.framing import ChannelTimeout
-from discovery.secure_channel import SecureChannel, derive_session_keys
+from discovery.sealing import derive_session_keys
+from discovery.secure_channel import SecureChannel
 from engines.pipeline import wire
 from engines.pipeline.stage_worker import StageProcess
 from engines.pipeline.wire import PURPOSE, Frame, Kind, WireError

@@ -23,14 +23,8 @@ from discovery.cluster_key import (
     parse_key,
 )
 from discovery.framing import ChannelTimeout, recv_frame, send_frame
-from discovery.secure_channel import (
-    COUNTER,
-    MAX_COUNTER,
-    FrameOpener,
-    FrameSealer,
-    SecureChannel,
-    derive_session_keys,
-)
+from discovery.sealing import COUNTER, MAX_COUNTER, FrameOpener, FrameSealer, derive_session_keys
+from discovery.secure_channel import SecureChannel
 from planner.errors import ChannelError, ConfigError
 
 KEY = bytes(range(32))

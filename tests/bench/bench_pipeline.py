@@ -20,7 +20,7 @@ from typing import Any
 
 from discovery.cluster_key import generate_key
 from discovery.framing import connect, recv_frame, send_frame
-from discovery.secure_channel import derive_session_keys
+from discovery.sealing import derive_session_keys
 from engines.base import GenerationRequest
 from engines.demo_model import DemoSpec, write_demo_model
 from engines.pipeline import wire

@@ -1,0 +1,302 @@
+"""A stage's server: accept the previous hop, connect the next, run sealed frames through it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from discovery.framing import connect
+from discovery.secure_channel import SecureChannel
+from engines.sampling import make_request_sampler
+from planner.errors import ChannelError
+
+from . import wire
+from .stage_model import StageModel
+from .wire import PURPOSE, Kind, WireError
+
+if TYPE_CHECKING:  # only for annotations: stage_worker imports this module
+    from .stage_worker import StageSpec
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # how often an idle server notices stop() from another thread
+CONNECT_RETRY_S = 0.1
+MAX_CONNECT_WAIT_S = 5.0
+
+
+class _Session:
+    """One chain session: the sealed hop from the previous stage and the one to the next."""
+
+    def __init__(
+        self, inbound: Any, inbound_sock: socket.socket, outbound: Any, outbound_sock: socket.socket
+    ) -> None:
+        self.inbound = inbound
+        self.inbound_sock = inbound_sock
+        self.outbound = outbound
+        self.outbound_sock = outbound_sock
+        self.previous: range | None = None  # the previous stage's layers, known after SETUP
+        self.next_request = 0  # 0 = SETUP; requests and status roll calls count from 1
+        self.closed = False
+
+    def sockets(self) -> list[socket.socket]:
+        return [] if self.closed else [self.inbound_sock, self.outbound_sock]
+
+    def close(self) -> None:
+        self.closed = True
+        self.inbound.close()
+        self.outbound.close()
+
+
+class EncryptedPipelineServer:
+    """Serves one stage: accept the previous hop, connect the next, run frames until it ends.
+
+    `channel_class` exists only so the benchmark can measure the cost of sealing; everything
+    else uses SecureChannel.
+    """
+
+    def __init__(self, spec: StageSpec, stage: StageModel, channel_class: Any = SecureChannel):
+        self.spec = spec
+        self.stage = stage
+        self._channel_class = channel_class
+        self._listener: socket.socket | None = None
+        self._stopping = False
+        self.active_requests: dict[int, list[Any]] = {}  # request -> KV cache
+        self.served_requests = 0
+        self.sessions = 0
+
+    def bind(self) -> int:
+        """Listen on the spec's host and port; returns the bound port."""
+        listener = socket.create_server((self.spec.listen_host, self.spec.listen_port), backlog=8)
+        self._listener = listener
+        return listener.getsockname()[1]
+
+    def stop(self) -> None:
+        """Ask serve() to return (within IDLE_POLL_S when idle)."""
+        self._stopping = True
+
+    def serve(self, stop_fd: int | None = None) -> None:
+        """Serve sessions until `stop_fd` reaches end of file or stop() is called."""
+        if self._listener is None:
+            self.bind()
+        session: _Session | None = None
+        try:
+            while not self._stopping:
+                watched: list[Any] = [self._listener, *(session.sockets() if session else [])]
+                if stop_fd is not None:
+                    watched.append(stop_fd)
+                readable, _, _ = select.select(watched, [], [], IDLE_POLL_S)
+                if stop_fd is not None and stop_fd in readable and not os.read(stop_fd, 4096):
+                    log.info("stdin closed: the agent went away; exiting")
+                    return
+                if self._listener in readable:
+                    fresh = self._accept()
+                    if fresh is not None:
+                        if session is not None:
+                            log.info("a new session replaces the current one")
+                            session.close()
+                        session = fresh
+                    continue
+                if session is None or session.closed:
+                    session = None
+                    continue
+                if session.outbound_sock in readable:
+                    log.info("the next hop closed its connection; ending the session")
+                    session.close()
+                elif session.inbound_sock in readable:
+                    if _at_end_of_stream(session.inbound_sock):
+                        log.info("the previous hop closed the session")
+                        session.close()
+                    else:
+                        self._serve_frame(session)
+                if session.closed:
+                    session = None
+        finally:
+            if session is not None:
+                session.close()
+            if self._listener is not None:
+                self._listener.close()
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def _accept(self) -> _Session | None:
+        try:
+            sock, address = self._listener.accept()
+        except OSError as error:
+            log.warning("accept failed: %s", error)
+            return None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        timeout = self.spec.read_timeout_s
+        try:
+            inbound = self._channel_class.server(sock, self.spec.cluster_key, PURPOSE, timeout)
+        except ChannelError as error:
+            log.warning("rejected a connection from %s:%s: %s", *address[:2], error)
+            return None
+        try:
+            outbound_sock = _connect_with_retry(
+                self.spec.next_host, self.spec.next_port, min(timeout, MAX_CONNECT_WAIT_S)
+            )
+            outbound = self._channel_class.client(
+                outbound_sock, self.spec.cluster_key, PURPOSE, timeout
+            )
+        except ChannelError as error:
+            log.warning(
+                "cannot reach the next hop %s:%d: %s",
+                self.spec.next_host,
+                self.spec.next_port,
+                error,
+            )
+            inbound.close()
+            return None
+        self.sessions += 1
+        log.info(
+            "session %d: %s:%s -> this stage -> %s:%d",
+            self.sessions,
+            *address[:2],
+            self.spec.next_host,
+            self.spec.next_port,
+        )
+        return _Session(inbound, sock, outbound, outbound_sock)
+
+    def _serve_frame(self, session: _Session) -> None:
+        """Handle the next idle-time frame (SETUP, BEGIN, STATUS); any failure ends the session."""
+        try:
+            if session.previous is None:
+                frame = wire.receive(
+                    session.inbound,
+                    self.spec.read_timeout_s,
+                    0,
+                    wire.SETUP_SENDER,
+                    0,
+                    (Kind.SETUP,),
+                )
+                self._roll_call(session, frame, setup=True)
+                return
+            request = session.next_request
+            frame = wire.receive(
+                session.inbound,
+                self.spec.read_timeout_s,
+                request,
+                session.previous,
+                0,
+                (Kind.BEGIN, Kind.STATUS),
+            )
+            session.next_request += 1
+            if frame.kind is Kind.STATUS:
+                self._roll_call(session, frame, setup=False)
+            else:
+                self._run_request(session, frame)
+        except ChannelError as error:  # includes WireError and timeouts
+            log.warning("rejecting the session: %s", error)
+            session.close()
+        except Exception:  # a bug or an mlx failure must not kill the stage process
+            log.exception("stage failure; closing the session")
+            session.close()
+
+    def _roll_call(self, session: _Session, frame: wire.Frame, setup: bool) -> None:
+        """SETUP or STATUS: append this stage's report and pass it on (the last one answers)."""
+        reports = frame.document().get("reports")
+        if not isinstance(reports, list) or not reports or len(reports) > 1024:
+            raise WireError(f"{frame.kind.name} frame has no list of stage reports")
+        report: dict[str, Any] = {
+            "layers": [self.stage.layers.start, self.stage.layers.stop],
+            "peak_memory_bytes": self.stage.peak_memory_bytes,
+            "active_requests": len(self.active_requests),
+            "served_requests": self.served_requests,
+        }
+        if setup:
+            previous = _report_layers(reports[-1])
+            if previous.stop != self.stage.layers.start:
+                report["problem"] = (
+                    f"the previous stage ends at layer {previous.stop} but this stage starts "
+                    f"at {self.stage.layers.start}"
+                )
+            session.previous = previous
+            session.next_request = 1
+        # Request 0 (SETUP and its READY) binds SETUP_SENDER: no one knows the ranges before it.
+        sender = wire.SETUP_SENDER if setup else self.stage.layers
+        kind = Kind.READY if self.spec.is_last else frame.kind
+        document = {"reports": [*reports, report]}
+        wire.send(session.outbound, wire.document_frame(kind, frame.request, 0, document), sender)
+
+    def _run_request(self, session: _Session, begin: wire.Frame) -> None:
+        """Serve one request: HIDDEN frames until END; the last stage samples and answers."""
+        request = begin.request
+        sampling = wire.Sampling.of(begin.document())
+        me, previous, timeout = self.stage.layers, session.previous, self.spec.read_timeout_s
+        if not self.spec.is_last:
+            wire.send(session.outbound, begin, me)
+        sampler = None
+        if self.spec.is_last:
+            sampler = make_request_sampler(sampling.temperature, sampling.top_p, sampling.seed)
+        cache = self.stage.make_cache()
+        self.active_requests[request] = cache
+        log.debug("request %d (%s) started", request, sampling.label)
+        try:
+            step = 0
+            while True:
+                step += 1
+                frame = wire.receive(
+                    session.inbound, timeout, request, previous, step, (Kind.HIDDEN, Kind.END)
+                )
+                if frame.kind is Kind.END:
+                    if not self.spec.is_last:
+                        wire.send(session.outbound, frame, me)
+                    return
+                hidden = frame.tensor()  # (1, L, D)
+                if hidden.shape[-1] != self.stage.hidden_size:
+                    raise WireError(
+                        f"activation width {hidden.shape[-1]} does not match the model's "
+                        f"hidden size {self.stage.hidden_size}"
+                    )
+                hidden = self.stage.forward(hidden, cache)
+                if not self.spec.is_last:
+                    mx.eval(hidden)
+                    wire.send(
+                        session.outbound, wire.hidden_frame(request, step, hidden, frame.sample), me
+                    )
+                elif frame.sample:
+                    token = sampler(self.stage.logits(hidden))  # (1,)
+                    wire.send(session.outbound, wire.token_frame(request, step, token.item()), me)
+                else:
+                    mx.eval([layer_cache.state for layer_cache in cache])
+        finally:
+            del self.active_requests[request]
+            self.served_requests += 1
+            log.debug("request %d ended", request)
+
+
+def _report_layers(report: Any) -> range:
+    try:
+        start, stop = report["layers"]
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop):
+            raise ValueError
+    except (KeyError, TypeError, ValueError):
+        raise WireError(f"malformed stage report in a roll call: {str(report)[:80]}") from None
+    return range(start, stop)
+
+
+def _at_end_of_stream(sock: socket.socket) -> bool:
+    """True when a readable socket has nothing but end of stream (or an error) to give."""
+    try:
+        return not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
+def _connect_with_retry(host: str, port: int, wait_s: float) -> socket.socket:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return connect(host, port, timeout_s=max(deadline - time.monotonic(), 0.5))
+        except ChannelError:
+            if time.monotonic() + CONNECT_RETRY_S > deadline:
+                raise
+            time.sleep(CONNECT_RETRY_S)
