@@ -1,1 +1,1 @@
-"""Who is in the cluster: zeroconf, hostfiles, capability probes, and the authenticated control channel."""
+"""Who is in the cluster: zeroconf, hostfiles, capability probes, the authenticated channel."""

@@ -116,3 +116,10 @@ def _raise_short(received: int, expected: int, closed: bool, timeout_s: float, w
     raise ChannelError(
         f"timed out after {timeout_s} s with {received} of {expected} bytes of the {what}"
     )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS handed out on `host` a moment ago (loopback clusters, tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])

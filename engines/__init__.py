@@ -1,1 +1,1 @@
-"""What runs the model: the Engine interface, single / tensor-parallel / pipeline engines, and the HTTP API."""
+"""What runs the model: the Engine interface, single / tp / pp engines, and the HTTP API."""

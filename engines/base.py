@@ -77,7 +77,7 @@ class Engine(abc.ABC):
         """False once a rank or stage is lost; /health then reports degraded."""
         return True
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: engines without resources skip it)
         """Release weights, worker processes and sockets. Idempotent."""
 
     @property

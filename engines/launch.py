@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from discovery.framing import free_port
 from planner import ClusterPlan, Parallelism
 from planner.errors import EngineError, PeerError
 
@@ -79,7 +79,8 @@ def _build_tensor_parallel(
     specs = ring_specs(rank_addresses, ports, settings.model_path)
     for rank, node_id in enumerate(plan.ranks[1:], start=1):
         membership.assign(node_id, TP_ROLE, specs[rank])
-    log.info("tp: %d ranks on %s", len(specs), ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports)))
+    endpoints = ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports, strict=True))
+    log.info("tp: %d ranks on %s", len(specs), endpoints)
     return TensorParallelEngine(
         settings.model_path, specs[0], token_timeout_s=settings.token_timeout_s
     )
@@ -117,11 +118,13 @@ def _build_pipeline(
         try:
             ready = membership.wait_ready(assignment, settings.ready_timeout_s)
         except PeerError as error:
-            raise EngineError(f"pipeline stage {index} on {stage.node_id} failed: {error}") from error
+            message = f"pipeline stage {index} on {stage.node_id} failed: {error}"
+            raise EngineError(message) from error
         next_hop = (address, int(ready.detail["port"]))
         remote.insert(0, {"host": next_hop[0], "port": next_hop[1]})
     first = plan.stages[0]
-    log.info("pp: %d stages %s", len(plan.stages), [list((s.layers.start, s.layers.stop)) for s in plan.stages])
+    ranges = [[s.layers.start, s.layers.stop] for s in plan.stages]
+    log.info("pp: %d stages %s", len(plan.stages), ranges)
     return EncryptedPipelineEngine(
         settings.model_path,
         first.layers,
@@ -146,17 +149,3 @@ def _is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return address == "localhost"
-
-
-def free_port(host: str) -> int:
-    """A port that was free on `host` a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
-
-
-def local_address_towards(remote: str) -> str:
-    """The address this machine uses to reach `remote` (a UDP connect sends no packet)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((remote, 9))
-        return str(probe.getsockname()[0])

@@ -46,7 +46,8 @@ class SingleEngine(Engine):
             yield int(token)
 
     def info(self) -> EngineInfo:
-        return EngineInfo(strategy="single", world_size=1, detail={"model_path": str(self.model_path)})
+        detail = {"model_path": str(self.model_path)}
+        return EngineInfo(strategy="single", world_size=1, detail=detail)
 
     def close(self) -> None:
         self.model = None

@@ -1,4 +1,4 @@
-"""ClusterSupervisor: plan from the live cluster, run the chosen engine, re-plan when a member dies."""
+"""ClusterSupervisor: plan the live cluster, run the chosen engine, re-plan when a member dies."""
 
 from __future__ import annotations
 
@@ -181,7 +181,8 @@ class ClusterSupervisor:
                 self._launch(plan)
                 self.replans += 1
                 self._replan_wanted.clear()
-                log.info("serving again after re-plan #%d as %s", self.replans, plan.decision.chosen.value)
+                chosen = plan.decision.chosen.value
+                log.info("serving again after re-plan #%d as %s", self.replans, chosen)
                 return
             except TandemError as error:
                 log.error("re-plan failed: %s; retrying", error)

@@ -45,7 +45,8 @@ class ServeProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"serve exited with {self.process.returncode}:\n{self.log_text()}")
+                code = self.process.returncode
+                raise RuntimeError(f"serve exited with {code}:\n{self.log_text()}")
             try:
                 status, body = self.get("/health")
                 if status == 200 and body.get("status") == "ok":

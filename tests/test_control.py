@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -30,6 +29,7 @@ from discovery.control import (
 from discovery.framing import ChannelTimeout, connect
 from discovery.secure_channel import SecureChannel
 from planner.errors import ChannelError
+from tests.helpers_threads import run_in_thread
 
 KEY = bytes(range(32))
 WAIT_S = 5.0
@@ -136,28 +136,6 @@ def listener() -> Iterator[socket.socket]:
     sock.close()
 
 
-def in_thread(function: Callable[[], object]) -> Callable[[], object]:
-    outcome: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = function()
-        except BaseException as error:  # handed back to the test thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-
-    def join() -> object:
-        thread.join(WAIT_S * 2)
-        assert not thread.is_alive()
-        if "error" in outcome:
-            raise outcome["error"]  # type: ignore[misc]
-        return outcome["value"]
-
-    return join
-
-
 def test_listener_on_port_zero_gets_a_real_port(listener: socket.socket) -> None:
     host, port = listener.getsockname()
     assert host == "127.0.0.1" and port > 0
@@ -165,7 +143,7 @@ def test_listener_on_port_zero_gets_a_real_port(listener: socket.socket) -> None
 
 def test_dial_and_accept_with_the_right_key(listener: socket.socket) -> None:
     port = listener.getsockname()[1]
-    join = in_thread(lambda: accept_control(listener, KEY, WAIT_S))
+    join = run_in_thread(lambda: accept_control(listener, KEY, WAIT_S))
     agent_side = dial_control("127.0.0.1", port, KEY, WAIT_S)
     coordinator_side = join()
     assert isinstance(coordinator_side, ControlConnection)
@@ -181,13 +159,13 @@ def test_dial_and_accept_with_the_right_key(listener: socket.socket) -> None:
 
 def test_dial_with_a_wrong_key_fails_on_both_sides(listener: socket.socket) -> None:
     port = listener.getsockname()[1]
-    join = in_thread(lambda: accept_control(listener, KEY, WAIT_S))
+    join = run_in_thread(lambda: accept_control(listener, KEY, WAIT_S))
     with pytest.raises(ChannelError, match="peer failed to prove the cluster key"):
         dial_control("127.0.0.1", port, generate_key(), WAIT_S)
     with pytest.raises(ChannelError, match="failed to prove the cluster key"):
         join()
     # The listener survives a failed handshake and accepts the next, honest peer.
-    join = in_thread(lambda: accept_control(listener, KEY, WAIT_S))
+    join = run_in_thread(lambda: accept_control(listener, KEY, WAIT_S))
     with dial_control("127.0.0.1", port, KEY, WAIT_S) as honest:
         honest.send(Release(reason="bye"))
         accepted = join()
@@ -198,7 +176,7 @@ def test_dial_with_a_wrong_key_fails_on_both_sides(listener: socket.socket) -> N
 
 def test_a_pipeline_channel_cannot_talk_to_the_control_port(listener: socket.socket) -> None:
     port = listener.getsockname()[1]
-    join = in_thread(lambda: accept_control(listener, KEY, WAIT_S))
+    join = run_in_thread(lambda: accept_control(listener, KEY, WAIT_S))
     with pytest.raises(ChannelError, match="handshake"):
         SecureChannel.client(connect("127.0.0.1", port, WAIT_S), KEY, b"pipeline", WAIT_S)
     with pytest.raises(ChannelError, match="serves b'control'"):
@@ -224,7 +202,7 @@ def test_garbage_from_an_authenticated_peer_closes_the_connection(
     listener: socket.socket,
 ) -> None:
     port = listener.getsockname()[1]
-    join = in_thread(lambda: accept_control(listener, KEY, WAIT_S))
+    join = run_in_thread(lambda: accept_control(listener, KEY, WAIT_S))
     with dial_control("127.0.0.1", port, KEY, WAIT_S) as agent_side:
         coordinator_side = join()
         assert isinstance(coordinator_side, ControlConnection)
@@ -236,7 +214,7 @@ def test_garbage_from_an_authenticated_peer_closes_the_connection(
 
 def test_recv_timeout_keeps_the_connection(listener: socket.socket) -> None:
     port = listener.getsockname()[1]
-    join = in_thread(lambda: accept_control(listener, KEY, WAIT_S))
+    join = run_in_thread(lambda: accept_control(listener, KEY, WAIT_S))
     with dial_control("127.0.0.1", port, KEY, WAIT_S) as agent_side:
         coordinator_side = join()
         assert isinstance(coordinator_side, ControlConnection)

@@ -8,7 +8,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,34 +26,12 @@ from discovery.framing import ChannelTimeout, recv_frame, send_frame
 from discovery.sealing import COUNTER, MAX_COUNTER, FrameOpener, FrameSealer, derive_session_keys
 from discovery.secure_channel import SecureChannel
 from planner.errors import ChannelError, ConfigError
+from tests.helpers_threads import run_in_thread
 
 KEY = bytes(range(32))
 PURPOSE = b"pipeline"
 ASSOCIATED = b"request=req-1;layers=0-15;step=0"
 WAIT_S = 5.0
-
-
-def run_in_thread(function: Callable[[], object]) -> Callable[[], object]:
-    """Start `function` in a thread; the returned callable joins and returns or re-raises."""
-    outcome: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = function()
-        except BaseException as error:  # handed back to the test thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-
-    def join() -> object:
-        thread.join(WAIT_S * 2)
-        assert not thread.is_alive(), "the thread did not finish"
-        if "error" in outcome:
-            raise outcome["error"]  # type: ignore[misc]
-        return outcome["value"]
-
-    return join
 
 
 def connected_pair(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from discovery.framing import free_port
 
 BACKENDS = ("ring", "jaccl")
 # The longest idle gap between the group's header broadcasts: the idle latency a new request
@@ -87,13 +88,6 @@ class WorkerSpec:
         data["hosts"] = [list(row) for row in self.hosts]
         data["ibv_devices"] = [list(row) for row in self.ibv_devices]
         return data
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (for loopback clusters and tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def ring_specs(

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import socket
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from discovery.framing import free_port  # noqa: F401 (re-exported for the benchmarks)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS_DOC = PROJECT_ROOT / "docs" / "benchmarks.md"
@@ -90,13 +91,6 @@ def cpu_ms_per_token(samples: Sequence[Sample]) -> str:
     if any(sample.cpu_s is None for sample in samples):
         return "n/a"
     return f"{median_of(samples, lambda s: s.cpu_s / s.tokens) * 1e3:.2f}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS just handed out on `host` (free now; a benchmark can live with the race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -1,0 +1,113 @@
+"""Shared fixtures and helpers for the API tests: a real SingleEngine on the demo model."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from engines.api import create_app
+from engines.runner import EngineRunner
+from engines.service import Service, ServiceLimits
+from engines.single import SingleEngine
+
+MODEL_ID = "tandem-demo"
+CLUSTER = {"strategy": "single", "members": ["127.0.0.1"], "reason": "world size 1"}
+HELLO = [{"role": "user", "content": "Hello there"}]
+LONG = 3000  # tokens: several seconds of generation on the demo model, to keep the runner busy
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def start_runner(model_dir: Any, queue_size: int) -> EngineRunner:
+    runner = EngineRunner(SingleEngine(model_dir), queue_size=queue_size)
+    runner.start(load_timeout_s=120)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def runner(demo_model_dir: Any) -> Iterator[EngineRunner]:
+    runner = start_runner(demo_model_dir, queue_size=8)
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(autouse=True)
+def idle_runner(request: pytest.FixtureRequest) -> None:
+    # A test that leaves work behind must not slow down (or fill the queue of) the next one.
+    if "runner" in request.fixturenames:
+        wait_idle(request.getfixturevalue("runner"))
+
+
+def wait_idle(runner: EngineRunner, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while runner.current is not None or runner.queued:
+        assert time.monotonic() < deadline, "the runner did not become idle"
+        time.sleep(0.01)
+
+
+def make_service(runner: EngineRunner | None, tokenizer: Any = None, **limits: Any) -> Service:
+    return Service(
+        model_id=MODEL_ID,
+        tokenizer=tokenizer if tokenizer is not None else runner.engine.tokenizer,
+        limits=ServiceLimits(**limits),
+        runner=runner,
+        state="ok",
+        cluster_status=lambda: dict(CLUSTER),
+    )
+
+
+@asynccontextmanager
+async def open_client(service: Service, **app_options: Any) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=create_app(service, **app_options))
+    async with httpx.AsyncClient(transport=transport, base_url="http://tandem.test") as client:
+        yield client
+
+
+@pytest.fixture
+async def client(runner: EngineRunner) -> AsyncIterator[httpx.AsyncClient]:
+    async with open_client(make_service(runner)) as client:
+        yield client
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL_ID, "messages": HELLO, "max_tokens": 12, "temperature": 0, **fields}
+
+
+def completion_body(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL_ID, "prompt": "Once upon", "max_tokens": 12, "temperature": 0, **fields}
+
+
+def parse_sse(text: str) -> list[Any]:
+    """The data payloads of an SSE body, "[DONE]" kept as a string; comments skipped."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block or block.startswith(":"):
+            continue
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(response: httpx.Response, status: int, **expected: Any) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    for key, value in expected.items():
+        assert error[key] == value, (key, error)
+    return error
+
+
+# -- chat --------------------------------------------------------------------------------------
