@@ -1,9 +1,9 @@
-"""The Engine interface: what every engine (single, tp, pp) provides and what the API consumes."""
+"""The Engine interface: a batch of sequences advanced one step at a time, for every engine."""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,15 @@ class TokenEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced for one sequence: a sampled token, or why it was refused."""
+
+    uid: int
+    token: int | None = None
+    error: str | None = None  # set when the engine refused or dropped this sequence alone
+
+
+@dataclass(frozen=True, slots=True)
 class EngineInfo:
     """What /v1/cluster and the startup log say about the running engine."""
 
@@ -49,13 +58,16 @@ class EngineInfo:
 
 
 class Engine(abc.ABC):
-    """Produces tokens for one request at a time; the EngineRunner owns threads and queues.
+    """A batch of sequences, advanced together; the scheduler (engines/runner.py) drives it.
 
-    Lifecycle: `load()` is called once on the runner's worker thread (mlx state is
-    per-thread), then `generate_tokens()` once per request on that same thread, then
-    `close()`. `generate_tokens` yields token ids until the runner stops iterating
-    (EOS, max_tokens, stop sequence, cancel) and closes the generator; it raises
-    EngineError when a rank or stage is lost. It must never block without a timeout.
+    Lifecycle: `load()` once on the scheduler's thread (mlx state is per-thread), then any
+    interleaving of `insert()`, `remove()` and `step()` on that same thread, then `close()`.
+    A sequence joins with `insert(uid, request)` and is prefilled (in chunks) over the
+    following steps; each `step()` returns at most one StepOutput per active sequence (none
+    for a sequence still prefilling). `remove(uids)` drops sequences at once (finished,
+    cancelled, timed out); unknown uids are ignored. `step()` raises EngineError when a rank
+    or stage is lost: every sequence in the batch is then gone. Nothing blocks without a
+    timeout.
     """
 
     #: the mlx_lm TokenizerWrapper used for detokenizing and chat templates
@@ -63,11 +75,19 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def load(self) -> None:
-        """Load weights (and start any worker processes); called on the worker thread."""
+        """Load weights (and start any worker processes); called on the scheduler thread."""
 
     @abc.abstractmethod
-    def generate_tokens(self, request: GenerationRequest) -> Iterator[int]:
-        """Yield sampled token ids for `request` (prefill happens before the first yield)."""
+    def insert(self, uid: int, request: GenerationRequest) -> None:
+        """Add a sequence to the batch; its prefill runs during the next steps."""
+
+    @abc.abstractmethod
+    def remove(self, uids: Sequence[int]) -> None:
+        """Drop sequences from the batch and free their KV caches."""
+
+    @abc.abstractmethod
+    def step(self) -> list[StepOutput]:
+        """Advance every active sequence by one step (decode, or a prefill chunk)."""
 
     @abc.abstractmethod
     def info(self) -> EngineInfo:
@@ -76,6 +96,9 @@ class Engine(abc.ABC):
     def healthy(self) -> bool:
         """False once a rank or stage is lost; /health then reports degraded."""
         return True
+
+    def abort(self, reason: str) -> None:  # noqa: B027 (optional: single has nothing remote)
+        """From any thread: make a blocked step() raise EngineError at once."""
 
     def close(self) -> None:  # noqa: B027 (optional hook: engines without resources skip it)
         """Release weights, worker processes and sockets. Idempotent."""

@@ -1,22 +1,30 @@
-"""EngineRunner: a bounded queue and one worker thread between the asyncio API and an Engine."""
+"""EngineRunner: the continuous-batching scheduler between the asyncio API and an Engine.
+
+One thread owns the engine. Between steps it admits waiting requests into the batch (up to
+`max_batch`), steps the engine once, hands each sequence its token, and removes every
+sequence that finished, was cancelled or timed out — so a request joins and leaves the
+running batch between two decode steps.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 from planner.errors import EngineError, QueueFullError
 
 from .base import Engine, GenerationRequest, TokenEvent
-from .stop_text import StopTextFilter
+from .sequence import ActiveSequence
 
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_SIZE = 8
+DEFAULT_MAX_BATCH = 16
+SHUTTING_DOWN = "server is shutting down"
 
 
 class Submission:
@@ -30,15 +38,23 @@ class Submission:
         self.done = False
 
     def cancel(self) -> None:
-        """Ask the worker to stop at the next token (or skip the request if still queued)."""
+        """Ask the scheduler to drop the sequence at the next step (or skip it if queued)."""
         self.cancelled.set()
 
     def push(self, event: TokenEvent) -> None:
-        """Called from the worker thread: hand the event to the event loop."""
+        """Called from the scheduler thread: hand the event to the event loop."""
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    def fail(self, error: str) -> None:
+        self.push(
+            TokenEvent(
+                finish_reason="error", error=error, prompt_tokens=len(self.request.prompt_tokens)
+            )
+        )
+        self.done = True
 
     async def next_event(self, timeout_s: float) -> TokenEvent | None:
         """The next event, or None when none came within `timeout_s` (nothing is lost)."""
@@ -62,24 +78,39 @@ class Submission:
 
 
 class EngineRunner:
-    """Runs submissions one at a time on a dedicated thread so the event loop never blocks."""
+    """Schedules submissions onto one engine's batch, on a thread of its own."""
 
-    def __init__(self, engine: Engine, queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
-        if queue_size < 1:
-            raise ValueError(f"queue size must be at least 1, got {queue_size}")
+    def __init__(
+        self,
+        engine: Engine,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> None:
+        if queue_size < 1 or max_batch < 1:
+            raise ValueError(
+                f"queue size and max batch must be at least 1, got {queue_size}, {max_batch}"
+            )
         self.engine = engine
         self.queue_size = queue_size
-        self._pending: queue.Queue[Submission | None] = queue.Queue(maxsize=queue_size)
+        self.max_batch = max_batch
+        self._pending: deque[Submission] = deque()
+        self._active: dict[int, ActiveSequence] = {}
+        self._wakeup = threading.Condition()
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
         self._closed = False
-        self.current: Submission | None = None
+        self._next_uid = 0
+        self.steps = 0
         self._thread = threading.Thread(target=self._work, name="engine-runner", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, load_timeout_s: float | None = None) -> None:
-        """Start the worker thread and wait until the engine has loaded (or failed to)."""
+        """Start the scheduler thread and wait until the engine has loaded (or failed to).
+
+        On a time-out the caller must still close() the runner: that aborts the load where
+        the engine can (remote workers) and closes the engine once load() has returned.
+        """
         self._thread.start()
         if not self._loaded.wait(load_timeout_s):
             raise EngineError(f"engine did not load within {load_timeout_s} s")
@@ -87,43 +118,65 @@ class EngineRunner:
             raise self._load_error
 
     def close(self, join_timeout_s: float = 10.0) -> None:
-        """Cancel what is running, drain the queue, stop the thread, close the engine."""
-        if self._closed:
+        """Fail what waits or runs, stop the thread; the thread itself closes the engine.
+
+        The engine is closed only once no step can be running on it: by the scheduler
+        thread on its way out, or here when the thread never started.
+        """
+        with self._wakeup:
+            if self._closed:
+                return
+            self._closed = True
+            waiting = list(self._pending)
+            self._pending.clear()
+            self._wakeup.notify_all()
+        for submission in waiting:
+            submission.fail(SHUTTING_DOWN)
+        if not self._thread.is_alive() and not self._thread.ident:
+            self.engine.close()
             return
-        self._closed = True
-        if self.current is not None:
-            self.current.cancel()
-        while True:
-            try:
-                sub = self._pending.get_nowait()
-            except queue.Empty:
-                break
-            if sub is not None:
-                sub.push(TokenEvent(finish_reason="error", error="server is shutting down"))
-        self._pending.put(None)
+        self.engine.abort(SHUTTING_DOWN)  # a step (or load) blocked on a remote worker returns
         self._thread.join(join_timeout_s)
-        self.engine.close()
+        if self._thread.is_alive():
+            log.warning(
+                "the engine thread is still busy after %g s; it closes the engine when done",
+                join_timeout_s,
+            )
 
     # -- submitting --------------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> Submission:
         """Queue a request; raises QueueFullError at once when the queue is full."""
-        if self._closed:
-            raise EngineError("the engine is shutting down")
         submission = Submission(request, asyncio.get_running_loop())
-        try:
-            self._pending.put_nowait(submission)
-        except queue.Full:
-            raise QueueFullError(
-                f"request queue is full ({self.queue_size} waiting); retry later"
-            ) from None
+        with self._wakeup:
+            if self._closed:
+                raise EngineError("the engine is shutting down")
+            if len(self._pending) >= self.queue_size:
+                raise QueueFullError(
+                    f"request queue is full ({self.max_batch} running, {self.queue_size} "
+                    "waiting); retry later"
+                )
+            self._pending.append(submission)
+            self._wakeup.notify()
         return submission
 
     @property
     def queued(self) -> int:
-        return self._pending.qsize()
+        return len(self._pending)
 
-    # -- the worker thread -------------------------------------------------------------------
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def running(self) -> list[Submission]:
+        """The submissions in the batch now (a snapshot)."""
+        return [sequence.submission for sequence in list(self._active.values())]
+
+    @property
+    def idle(self) -> bool:
+        return not self._active and not self._pending
+
+    # -- the scheduler thread ----------------------------------------------------------------
 
     def _work(self) -> None:
         try:
@@ -131,80 +184,107 @@ class EngineRunner:
         except BaseException as error:  # reported to start(), which re-raises it
             self._load_error = error
             self._loaded.set()
+            self._close_engine()
             return
         self._loaded.set()
-        while True:
-            submission = self._pending.get()
-            if submission is None:
-                return
-            self.current = submission
-            try:
-                self._run(submission)
-            finally:
-                self.current = None
-                submission.done = True
-
-    def _run(self, submission: Submission) -> None:
-        request = submission.request
-        prompt_count = len(request.prompt_tokens)
-        if submission.cancelled.is_set():
-            submission.push(TokenEvent(finish_reason="cancelled", prompt_tokens=prompt_count))
-            return
-        detokenizer = self.engine.tokenizer.detokenizer
-        stop_filter = StopTextFilter(request.stop)
-        eos = self.engine.eos_token_ids
-        deadline = time.monotonic() + request.timeout_s
-        count = 0
-        finish: str | None = None
-        error: str | None = None
-        matched = False
-        tokens = self.engine.generate_tokens(request)
         try:
-            for token in tokens:
-                if submission.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                if token in eos:
-                    finish = "stop"
-                    break
-                count += 1
-                detokenizer.add_token(token)
-                text, matched = stop_filter.feed(detokenizer.last_segment)
-                if text or not matched:
-                    submission.push(TokenEvent(text=text, token=token))
-                if matched:
-                    finish = "stop"
-                    break
-                if count >= request.max_tokens:
-                    finish = "length"
-                    break
-                if time.monotonic() > deadline:
-                    finish, error = "error", f"request timed out after {request.timeout_s:g} s"
-                    break
-            else:
-                finish = "length"
-        except EngineError as failure:
-            finish, error = "error", str(failure)
-            log.error("request %s failed: %s", request.request_id, failure)
-        except Exception as failure:  # an engine bug must not kill the worker thread
-            finish, error = "error", f"internal engine error: {failure}"
-            log.exception("request %s crashed the engine step", request.request_id)
+            while self._admit_or_wait():
+                self._step()
         finally:
-            try:
-                tokens.close()  # tells remote ranks/stages to stop; must not kill this thread
-            except Exception:
-                log.exception("request %s: closing the generation failed", request.request_id)
-        if finish in ("length", "stop") and not matched:
-            detokenizer.finalize()
-            tail, _ = stop_filter.feed(detokenizer.last_segment)
-            tail += stop_filter.flush()
-            if tail:
-                submission.push(TokenEvent(text=tail))
-        submission.push(
-            TokenEvent(
-                finish_reason=finish,
-                error=error,
-                prompt_tokens=prompt_count,
-                completion_tokens=count,
-            )
+            self._fail_active(SHUTTING_DOWN)
+            self._close_engine()
+
+    def _admit_or_wait(self) -> bool:
+        """Move waiting requests into the batch; block while there is nothing to do.
+
+        Returns False once the runner is closed.
+        """
+        with self._wakeup:
+            while not self._closed and not self._pending and not self._active:
+                self._wakeup.wait()
+            if self._closed:
+                return False
+            admitted = []
+            while self._pending and len(self._active) + len(admitted) < self.max_batch:
+                admitted.append(self._pending.popleft())
+        for submission in admitted:
+            self._insert(submission)
+        return True
+
+    def _insert(self, submission: Submission) -> None:
+        if submission.cancelled.is_set():
+            ActiveSequence(-1, submission, self.engine.tokenizer, set()).finish("cancelled")
+            return
+        uid, self._next_uid = self._next_uid, self._next_uid + 1
+        try:
+            self.engine.insert(uid, submission.request)
+        except EngineError as error:
+            submission.fail(str(error))
+            return
+        self._active[uid] = ActiveSequence(
+            uid, submission, self.engine.tokenizer, self.engine.eos_token_ids
         )
+
+    def _step(self) -> None:
+        if not self._active:
+            return
+        try:
+            outputs = self.engine.step()
+        except EngineError as failure:
+            log.error("engine step failed with %d sequences: %s", len(self._active), failure)
+            self._fail_active(str(failure))
+            return
+        except Exception as failure:  # an engine bug must not kill the scheduler thread
+            log.exception("engine step crashed with %d sequences", len(self._active))
+            self._fail_active(f"internal engine error: {failure}")
+            return
+        self.steps += 1
+        ended: list[int] = []
+        for output in outputs:
+            sequence = self._active.get(output.uid)
+            if sequence is None:  # removed earlier; a token already in flight
+                continue
+            if output.error is not None:
+                self._end(sequence, "error", output.error, ended)
+                continue
+            assert output.token is not None
+            reason = sequence.accept(output.token)
+            if reason is not None:
+                self._end(sequence, reason, None, ended)
+        now = time.monotonic()
+        for sequence in list(self._active.values()):
+            expired = sequence.expired(now)
+            if expired is not None:
+                self._end(sequence, *expired, ended)
+        if ended:
+            self._remove(ended)
+
+    def _end(
+        self, sequence: ActiveSequence, reason: str, error: str | None, ended: list[int]
+    ) -> None:
+        if error is not None and reason == "error":
+            log.warning("request %s failed: %s", sequence.request.request_id, error)
+        sequence.finish(reason, error)
+        del self._active[sequence.uid]
+        ended.append(sequence.uid)
+
+    def _remove(self, uids: list[int]) -> None:
+        try:
+            self.engine.remove(uids)
+        except EngineError as failure:  # the next step reports the loss to everyone left
+            log.error("removing %d sequences failed: %s", len(uids), failure)
+
+    def _fail_active(self, error: str) -> None:
+        """Every running sequence ends with `error` (a lost rank or stage takes the batch)."""
+        failed = list(self._active.values())
+        self._active.clear()
+        for sequence in failed:
+            sequence.finish("error", error)
+        if failed:
+            self._remove([sequence.uid for sequence in failed])
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close()
+        except Exception:  # closing must never hide the reason the thread is ending
+            log.exception("closing the engine failed")

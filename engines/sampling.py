@@ -1,4 +1,4 @@
-"""Sampling shared by every engine: the same request gives the same sampler and RNG state."""
+"""Sampling shared by every engine: a request's own seeded sampler, independent of its batch."""
 
 from __future__ import annotations
 
@@ -6,20 +6,51 @@ import secrets
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_top_p
 
 from .base import GenerationRequest
 
 Sampler = Callable[[mx.array], mx.array]
+SEED_BITS = 31
+MASK64 = 2**64 - 1
 
 
 def request_seed(request: GenerationRequest) -> int:
     """The request's seed, or a fresh one; distributed engines share it with every rank."""
-    return request.seed if request.seed is not None else secrets.randbits(31)
+    return request.seed if request.seed is not None else secrets.randbits(SEED_BITS)
+
+
+def mix64(seed: int, counter: int) -> int:
+    """splitmix64 of (seed, counter): well-spread 64-bit keys, equal on every machine."""
+    value = (seed * 0x9E3779B97F4A7C15 + counter + 1) & MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
+    return value ^ (value >> 31)
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
 
 
 def make_request_sampler(temperature: float, top_p: float, seed: int) -> Sampler:
-    """Seed mlx's RNG on this thread and return mlx-lm's sampler (temperature 0 = greedy)."""
-    mx.random.seed(seed)
-    # mlx-lm treats top_p == 0 or 1 as "off"; 1.0 is OpenAI's default.
-    return make_sampler(temp=temperature, top_p=top_p if 0.0 < top_p < 1.0 else 0.0)
+    """A sampler with its own random stream: the n-th draw uses key (seed, n).
+
+    mlx-lm's samplers draw from mlx's global RNG, so a sequence's tokens would depend on
+    which other sequences share its batch; a per-request key keeps a seeded request
+    reproducible inside any batch, and identical on every tensor-parallel rank.
+    """
+    if temperature <= 0:
+        return greedy
+    draws = 0
+    scale = 1.0 / temperature
+    nucleus = 0.0 < top_p < 1.0  # OpenAI's default 1.0 (and 0) mean "off"
+
+    def sample(logprobs: mx.array) -> mx.array:  # (B, V) -> (B,)
+        nonlocal draws
+        key = mx.random.key(mix64(seed, draws))
+        draws += 1
+        if nucleus:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * scale, key=key)
+
+    return sample

@@ -1,54 +1,107 @@
-"""SingleEngine: the whole model on this machine, generated with mlx-lm."""
+"""SingleEngine: the whole model on this machine, continuously batched by mlx-lm."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load as load_model_and_tokenizer
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import BatchGenerator
 
 from planner.errors import EngineError
 
-from .base import Engine, EngineInfo, GenerationRequest
+from .base import Engine, EngineInfo, GenerationRequest, StepOutput
 from .sampling import make_request_sampler, request_seed
 
 log = logging.getLogger(__name__)
 
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per step: bounds how long a newcomer stalls others
+DEFAULT_MAX_BATCH = 16
+
 
 class SingleEngine(Engine):
-    """One process, one model: mlx-lm's own generate_step with a fresh KV cache per request."""
+    """One process, one model: mlx-lm's BatchGenerator and its batched KV caches.
 
-    def __init__(self, model_path: Path) -> None:
+    Every `step()` is one `BatchGenerator.next()`: a decode step for the running sequences,
+    then one prefill chunk for the newcomers, so a long prompt delays the others by one
+    chunk per step instead of its whole prefill.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> None:
         self.model_path = Path(model_path)
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
         self.model = None
         self.tokenizer = None
+        self._generator: BatchGenerator | None = None
+        self._to_generator: dict[int, int] = {}  # our uid -> the generator's uid
+        self._from_generator: dict[int, int] = {}
 
     def load(self) -> None:
         try:
             self.model, self.tokenizer = load_model_and_tokenizer(str(self.model_path))
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
-        log.info("single engine loaded %s", self.model_path)
+        self._generator = BatchGenerator(
+            self.model,
+            completion_batch_size=self.max_batch,
+            prefill_batch_size=self.max_batch,
+            prefill_step_size=self.prefill_chunk,
+        )
+        log.info("single engine loaded %s (batch of up to %d)", self.model_path, self.max_batch)
 
-    def generate_tokens(self, request: GenerationRequest) -> Iterator[int]:
-        if self.model is None:
+    def insert(self, uid: int, request: GenerationRequest) -> None:
+        if self._generator is None:
             raise EngineError("single engine used before load()")
+        if not request.prompt_tokens:
+            raise EngineError("the prompt is empty: a request needs at least one token")
         sampler = make_request_sampler(request.temperature, request.top_p, request_seed(request))
-        prompt = mx.array(request.prompt_tokens, dtype=mx.uint32)
-        cache = make_prompt_cache(self.model)
-        for token, _ in generate_step(
-            prompt, self.model, max_tokens=request.max_tokens, sampler=sampler, prompt_cache=cache
-        ):
-            yield int(token)
+        (generator_uid,) = self._generator.insert(
+            [list(request.prompt_tokens)], max_tokens=[request.max_tokens], samplers=[sampler]
+        )
+        self._to_generator[uid] = generator_uid
+        self._from_generator[generator_uid] = uid
+
+    def remove(self, uids: Sequence[int]) -> None:
+        gone = [self._to_generator.pop(uid) for uid in uids if uid in self._to_generator]
+        for generator_uid in gone:
+            del self._from_generator[generator_uid]
+        if gone and self._generator is not None:
+            self._generator.remove(gone)
+
+    def step(self) -> list[StepOutput]:
+        if self._generator is None:
+            raise EngineError("single engine used before load()")
+        _, responses = self._generator.next()
+        outputs = []
+        for response in responses:
+            uid = self._from_generator.get(response.uid)
+            if uid is None:
+                continue
+            outputs.append(StepOutput(uid, response.token))
+            if response.finish_reason is not None:  # the generator already dropped it
+                del self._from_generator[response.uid]
+                del self._to_generator[uid]
+        return outputs
 
     def info(self) -> EngineInfo:
-        detail = {"model_path": str(self.model_path)}
+        detail = {
+            "model_path": str(self.model_path),
+            "max_batch": self.max_batch,
+            "prefill_chunk": self.prefill_chunk,
+        }
         return EngineInfo(strategy="single", world_size=1, detail=detail)
 
     def close(self) -> None:
+        if self._generator is not None:
+            self._generator.close()
+        self._generator = None
         self.model = None
         mx.clear_cache()

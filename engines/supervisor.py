@@ -152,7 +152,7 @@ class ClusterSupervisor:
 
     def _discovery_due(self, due_at: float, runner: EngineRunner | None) -> bool:
         # Only while idle: adopting a member re-plans, which would cut a running request.
-        idle = runner is not None and runner.current is None and runner.queued == 0
+        idle = runner is not None and runner.idle
         enabled = self.membership is not None and self.plan_settings.rediscover_interval_s > 0
         return enabled and idle and time.monotonic() >= due_at
 

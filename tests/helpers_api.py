@@ -27,8 +27,8 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def start_runner(model_dir: Any, queue_size: int) -> EngineRunner:
-    runner = EngineRunner(SingleEngine(model_dir), queue_size=queue_size)
+def start_runner(model_dir: Any, queue_size: int, max_batch: int = 16) -> EngineRunner:
+    runner = EngineRunner(SingleEngine(model_dir), queue_size=queue_size, max_batch=max_batch)
     runner.start(load_timeout_s=120)
     return runner
 
@@ -49,7 +49,7 @@ def idle_runner(request: pytest.FixtureRequest) -> None:
 
 def wait_idle(runner: EngineRunner, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while runner.current is not None or runner.queued:
+    while not runner.idle:
         assert time.monotonic() < deadline, "the runner did not become idle"
         time.sleep(0.01)
 

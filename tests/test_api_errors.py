@@ -132,7 +132,7 @@ async def test_bad_input_gets_openai_error(
     assert error["type"] == "invalid_request_error"
     if param is not None:
         assert param in error["message"] or param.split(".")[-1] in error["message"]
-    assert runner.current is None and runner.queued == 0  # nothing reached the engine
+    assert runner.idle  # nothing reached the engine
 
 
 async def test_json_body_needs_no_content_type_but_not_a_wrong_one(
@@ -234,12 +234,12 @@ async def wait_until(condition: Any, timeout_s: float = 10.0) -> None:
 
 
 async def test_queue_full_is_429_while_health_stays_up(demo_model_dir: Any) -> None:
-    runner = start_runner(demo_model_dir, queue_size=1)
+    runner = start_runner(demo_model_dir, queue_size=1, max_batch=1)
     try:
         async with open_client(make_service(runner)) as client:
             long = chat_body(max_tokens=LONG)
             running = asyncio.create_task(client.post(CHAT, json=long))
-            await wait_until(lambda: runner.current is not None)
+            await wait_until(lambda: runner.active == 1)
             waiting = asyncio.create_task(client.post(CHAT, json=long))
             await wait_until(lambda: runner.queued == 1)
             rejected = await client.post(CHAT, json=chat_body())
@@ -272,10 +272,11 @@ async def test_engine_timeout_is_504_or_error_event(runner: EngineRunner) -> Non
     assert set(events[-2]["error"]) == {"message", "type", "param", "code"}
 
 
-async def test_api_deadline_cancels_a_request_stuck_in_the_queue(runner: EngineRunner) -> None:
+async def test_api_deadline_cancels_a_request_stuck_in_the_queue(demo_model_dir: Any) -> None:
+    runner = start_runner(demo_model_dir, queue_size=2, max_batch=1)  # the batch is full
     async with open_client(make_service(runner)) as patient:
         blocker = asyncio.create_task(patient.post(CHAT, json=chat_body(max_tokens=LONG)))
-        await wait_until(lambda: runner.current is not None)
+        await wait_until(lambda: runner.active == 1)
         async with open_client(make_service(runner, request_timeout_s=0.1)) as hurried:
             started = time.monotonic()
             response = await hurried.post(COMPLETIONS, json=completion_body())
@@ -284,14 +285,14 @@ async def test_api_deadline_cancels_a_request_stuck_in_the_queue(runner: EngineR
         assert not blocker.done()  # the long request was running the whole time
         blocker.cancel()
         await asyncio.gather(blocker, return_exceptions=True)
-    await asyncio.to_thread(wait_idle, runner)
+    await asyncio.to_thread(runner.close)
 
 
 async def test_engine_shutdown_fails_requests_with_503(demo_model_dir: Any) -> None:
-    runner = start_runner(demo_model_dir, queue_size=2)
+    runner = start_runner(demo_model_dir, queue_size=2, max_batch=1)
     async with open_client(make_service(runner)) as client:
         running = asyncio.create_task(client.post(CHAT, json=chat_body(max_tokens=LONG)))
-        await wait_until(lambda: runner.current is not None)
+        await wait_until(lambda: runner.active == 1)
         streamed = asyncio.create_task(
             client.post(CHAT, json=chat_body(max_tokens=LONG, stream=True))
         )
@@ -348,13 +349,13 @@ async def test_client_disconnect_cancels_generation(runner: EngineRunner, stream
     gone = asyncio.Event()
     body = chat_body(max_tokens=LONG, stream=stream)
     call = asyncio.create_task(call_then_disconnect(app, CHAT, body, gone))
-    await wait_until(lambda: runner.current is not None)
-    submission = runner.current
+    await wait_until(lambda: runner.active == 1)
+    (submission,) = runner.running()
     await asyncio.sleep(0.2)  # let tokens flow (and, streaming, reach the client)
     gone.set()
     started = time.monotonic()
     await asyncio.wait_for(call, timeout=5)
-    await wait_until(lambda: runner.current is None, timeout_s=2.0)
+    await wait_until(lambda: runner.idle, timeout_s=2.0)
     assert submission.cancelled.is_set()
     assert time.monotonic() - started < 2.0  # far less than the ~7 s the full request takes
 

@@ -76,17 +76,17 @@ def client(base_url: str, runner: EngineRunner) -> Iterator[openai.OpenAI]:
 
 def wait_idle(runner: EngineRunner, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while runner.current is not None or runner.queued:
+    while not runner.idle:
         assert time.monotonic() < deadline, "the runner did not become idle"
         time.sleep(0.01)
 
 
 def wait_busy(runner: EngineRunner, timeout_s: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout_s
-    while runner.current is None:
+    while not runner.active:
         assert time.monotonic() < deadline, "the request never reached the engine"
         time.sleep(0.01)
-    return runner.current
+    return runner.running()[0]
 
 
 def test_models_list(client: openai.OpenAI) -> None:
