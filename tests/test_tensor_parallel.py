@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import json
 import os
 import signal
@@ -31,16 +29,26 @@ from engines.tensor_parallel import (
 )
 from engines.tensor_parallel.group import group_environment
 from engines.tensor_parallel.lockstep import (
-    GENERATE,
+    STEP,
     Command,
     DivergenceError,
+    Insert,
     Lockstep,
     check_sync,
     decode_header,
+    decode_payload,
     encode_header,
-    generate_in_lockstep,
+    encode_payload,
 )
+from engines.tensor_parallel.shard_batch import ShardBatch
 from planner.errors import EngineError
+from tests.helpers_engine import (
+    make_request,
+    run_all,
+    run_one,
+    start_batch,
+    step_until_error,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 WORKER = [sys.executable, "-m", "engines.tensor_parallel.worker"]
@@ -106,69 +114,6 @@ def close_cluster(cluster: Cluster) -> None:
     stop_processes(cluster.ranks)
 
 
-@dataclass
-class Outcome:
-    tokens: list[int]
-    text: str
-    finish: str | None
-    error: str | None
-    events: int
-
-
-async def collect(
-    runner: EngineRunner, request: GenerationRequest, cancel_after: int = 0
-) -> Outcome:
-    submission = runner.submit(request)
-    tokens: list[int] = []
-    text, events = "", 0
-    async for event in submission.events():
-        events += 1
-        if event.token is not None:
-            tokens.append(event.token)
-            if len(tokens) == cancel_after:
-                submission.cancel()
-        text += event.text
-        if event.finish_reason is not None:
-            return Outcome(tokens, text, event.finish_reason, event.error, events)
-    raise AssertionError("the event stream ended without a final event")
-
-
-def run_all(runner: EngineRunner, requests: list[GenerationRequest]) -> list[Outcome]:
-    """Queue every request at once on `runner` and wait for all of them."""
-
-    async def gather() -> list[Outcome]:
-        return list(
-            await asyncio.wait_for(asyncio.gather(*(collect(runner, r) for r in requests)), 60)
-        )
-
-    return asyncio.run(gather())
-
-
-def run_one(runner: EngineRunner, request: GenerationRequest, cancel_after: int = 0) -> Outcome:
-    return asyncio.run(asyncio.wait_for(collect(runner, request, cancel_after), 60))
-
-
-def request(
-    runner: EngineRunner, prompt: str, max_tokens: int, **options: Any
-) -> GenerationRequest:
-    tokens = tuple(runner.engine.tokenizer.encode(prompt))
-    return GenerationRequest(f"r-{prompt[:8]}-{max_tokens}", tokens, max_tokens, **options)
-
-
-def drain_until_error(
-    engine: TensorParallelEngine, prompt: tuple[int, ...], tokens: Iterator[int] | None = None
-) -> EngineError:
-    """Consume `tokens`, then fresh requests (one may end by EOS first), until EngineError."""
-    fresh = (engine.generate_tokens(GenerationRequest(f"x{n}", prompt, 10_000)) for n in range(3))
-    try:
-        for generation in itertools.chain([tokens] if tokens else [], fresh):
-            for _ in generation:
-                pass
-    except EngineError as error:
-        return error
-    raise AssertionError("the lost rank never turned into an EngineError")
-
-
 # -- fixtures ------------------------------------------------------------------------------
 
 
@@ -208,8 +153,8 @@ def _engine_stays_healthy(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def test_greedy_output_equals_single_token_for_token(tp_runner, single_runner):
     for prompt in PROMPTS:
-        expected = run_one(single_runner, request(single_runner, prompt, 64))
-        got = run_one(tp_runner, request(tp_runner, prompt, 64))
+        expected = run_one(single_runner, make_request(single_runner.engine, prompt, 64))
+        got = run_one(tp_runner, make_request(tp_runner.engine, prompt, 64))
         assert got.tokens == expected.tokens, prompt
         assert (got.text, got.finish) == (expected.text, expected.finish)
         assert len(got.tokens) >= 16  # the comparison means something
@@ -219,33 +164,39 @@ def test_greedy_output_equals_single_token_for_token(tp_runner, single_runner):
 def test_seeded_sampling_equals_single(tp_runner, single_runner):
     for seed in (7, 1234):
         options = {"temperature": 1.0, "top_p": 0.9, "seed": seed}
-        expected = run_one(single_runner, request(single_runner, PROMPTS[0], 32, **options))
-        got = run_one(tp_runner, request(tp_runner, PROMPTS[0], 32, **options))
+        expected = run_one(
+            single_runner, make_request(single_runner.engine, PROMPTS[0], 32, **options)
+        )
+        got = run_one(tp_runner, make_request(tp_runner.engine, PROMPTS[0], 32, **options))
         assert got.tokens == expected.tokens
-    greedy = run_one(single_runner, request(single_runner, PROMPTS[0], 32))
+    greedy = run_one(single_runner, make_request(single_runner.engine, PROMPTS[0], 32))
     assert got.tokens != greedy.tokens  # sampling really sampled
 
 
 def test_early_stops_leave_every_rank_ready_for_the_next_request(tp_runner, single_runner):
-    full = run_one(single_runner, request(single_runner, PROMPTS[1], 64))
+    full = run_one(single_runner, make_request(single_runner.engine, PROMPTS[1], 64))
     assert len(full.tokens) >= 40
 
-    short = run_one(tp_runner, request(tp_runner, PROMPTS[1], 3))
+    short = run_one(tp_runner, make_request(tp_runner.engine, PROMPTS[1], 3))
     assert (short.tokens, short.finish) == (full.tokens[:3], "length")
 
     # A stop string that first appears around the 20th token: the runner stops mid-sync-window.
     position = len(tp_runner.engine.tokenizer.decode(full.tokens[:20]))
     stop = full.text[position : position + 3]
-    expected = run_one(single_runner, request(single_runner, PROMPTS[1], 64, stop=(stop,)))
-    stopped = run_one(tp_runner, request(tp_runner, PROMPTS[1], 64, stop=(stop,)))
+    expected = run_one(
+        single_runner, make_request(single_runner.engine, PROMPTS[1], 64, stop=(stop,))
+    )
+    stopped = run_one(tp_runner, make_request(tp_runner.engine, PROMPTS[1], 64, stop=(stop,)))
     assert stopped.finish == expected.finish == "stop"
     assert stopped.text == expected.text == full.text[: full.text.find(stop)]
 
-    cancelled = run_one(tp_runner, request(tp_runner, PROMPTS[1], 5_000), cancel_after=5)
+    cancelled = run_one(
+        tp_runner, make_request(tp_runner.engine, PROMPTS[1], 5_000), cancel_after=5
+    )
     assert cancelled.finish == "cancelled"
     assert cancelled.tokens[:5] == full.tokens[:5]
 
-    after = run_one(tp_runner, request(tp_runner, PROMPTS[1], 64))
+    after = run_one(tp_runner, make_request(tp_runner.engine, PROMPTS[1], 64))
     assert after.tokens == full.tokens
 
 
@@ -256,8 +207,10 @@ def test_queued_requests_are_all_answered_correctly(tp_runner, single_runner):
         (PROMPTS[2], 24, {}),
         (PROMPTS[0], 8, {"temperature": 0.7, "top_p": 0.5, "seed": 9}),
     ]
-    expected = [run_one(single_runner, request(single_runner, p, n, **o)) for p, n, o in specs]
-    got = run_all(tp_runner, [request(tp_runner, p, n, **o) for p, n, o in specs])
+    expected = [
+        run_one(single_runner, make_request(single_runner.engine, p, n, **o)) for p, n, o in specs
+    ]
+    got = run_all(tp_runner, [make_request(tp_runner.engine, p, n, **o) for p, n, o in specs])
     assert [g.tokens for g in got] == [e.tokens for e in expected]
     assert all(g.finish in ("length", "stop") for g in got)
 
@@ -265,8 +218,10 @@ def test_queued_requests_are_all_answered_correctly(tp_runner, single_runner):
 def test_a_refused_request_keeps_the_group(tp_runner, single_runner):
     refused = run_one(tp_runner, GenerationRequest("bad", (10**6,), 8))
     assert refused.finish == "error" and "token ids" in refused.error
-    expected = run_one(single_runner, request(single_runner, PROMPTS[2], 8))
-    assert run_one(tp_runner, request(tp_runner, PROMPTS[2], 8)).tokens == expected.tokens
+    expected = run_one(single_runner, make_request(single_runner.engine, PROMPTS[2], 8))
+    assert (
+        run_one(tp_runner, make_request(tp_runner.engine, PROMPTS[2], 8)).tokens == expected.tokens
+    )
 
 
 def test_info_describes_every_rank(cluster):
@@ -277,19 +232,46 @@ def test_info_describes_every_rank(cluster):
     assert all(rank["address"].startswith("127.0.0.1:") for rank in info.detail["ranks"])
 
 
-# -- losing a rank (each test owns its cluster) --------------------------------------------
+def test_a_batch_of_eight_equals_each_request_alone(tp_runner, single_runner):
+    """Mixed sampling, stop strings, a cancel and a timeout in one batch; greedy rows exact."""
+    reference = run_one(single_runner, make_request(single_runner.engine, PROMPTS[1], 48))
+    stop = reference.text[len(reference.text) // 2 :][:3]
+    specs = [
+        (PROMPTS[0], 40, {}),
+        (PROMPTS[1], 48, {}),
+        (PROMPTS[2], 12, {}),
+        (PROMPTS[0], 24, {"temperature": 1.0, "top_p": 0.9, "seed": 3}),
+        (PROMPTS[1], 48, {"stop": (stop,)}),
+        (PROMPTS[2], 30, {"temperature": 0.7, "seed": 11}),
+        (PROMPTS[1], 5_000, {}),  # cancelled after 4 tokens
+        (PROMPTS[0], 100_000, {"timeout_s": 1.0}),
+    ]
+    requests = [make_request(tp_runner.engine, p, n, **o) for p, n, o in specs]
+    alone = [run_one(single_runner, r) for r in requests[:6]]
+    got = run_all(tp_runner, requests, cancel_after={6: 4})
+    for index in range(6):
+        assert got[index].tokens == alone[index].tokens, index
+        assert (got[index].finish, got[index].text) == (alone[index].finish, alone[index].text)
+        assert got[index].completion_tokens == len(got[index].tokens)
+        assert got[index].prompt_tokens == len(requests[index].prompt_tokens)
+    assert got[4].finish == "stop" and stop not in got[4].text
+    assert got[6].finish == "cancelled" and got[6].tokens[:4] == reference.tokens[:4]
+    assert got[7].finish == "error" and "timed out" in got[7].error
+    after = run_one(tp_runner, make_request(tp_runner.engine, PROMPTS[1], 48))
+    assert after.tokens == reference.tokens
 
 
-def test_killing_rank_1_mid_generation_raises_quickly(demo_model_dir):
+# -- losing a rank while a batch of 8 decodes (each test owns its cluster) --------------------
+
+
+def test_killing_rank_1_mid_batch_raises_quickly(demo_model_dir):
     cluster = open_cluster(demo_model_dir)
     try:
         prompt = tuple(cluster.engine.tokenizer.encode(PROMPTS[0]))
-        tokens = cluster.engine.generate_tokens(GenerationRequest("a", prompt, 10_000))
-        assert len([next(tokens) for _ in range(4)]) == 4
+        start_batch(cluster.engine, prompt, size=8, steps=4)
         cluster.ranks[0].kill()
-        started = time.monotonic()
-        error = drain_until_error(cluster.engine, prompt, tokens)
-        assert time.monotonic() - started < 10
+        error, seconds = step_until_error(cluster.engine)
+        assert seconds < 10
         assert "tensor-parallel rank 0 lost" in str(error)
         assert not cluster.engine.healthy()
         assert len(cluster.lost) == 1 and "connection" in cluster.lost[0]
@@ -297,18 +279,16 @@ def test_killing_rank_1_mid_generation_raises_quickly(demo_model_dir):
         close_cluster(cluster)
 
 
-def test_abort_unblocks_a_generation_stuck_on_a_frozen_rank(demo_model_dir):
+def test_abort_unblocks_a_batch_stuck_on_a_frozen_rank(demo_model_dir):
     cluster = open_cluster(demo_model_dir, token_timeout_s=30, first_token_timeout_s=30)
     frozen = cluster.ranks[0]
     try:
         prompt = tuple(cluster.engine.tokenizer.encode(PROMPTS[0]))
-        tokens = cluster.engine.generate_tokens(GenerationRequest("a", prompt, 10_000))
-        next(tokens)
+        start_batch(cluster.engine, prompt, size=8, steps=2)
         os.kill(frozen.pid, signal.SIGSTOP)  # its sockets stay open: all_sum blocks, no error
         threading.Timer(1.0, cluster.engine.abort, ["agent lost"]).start()
-        started = time.monotonic()
-        error = drain_until_error(cluster.engine, prompt, tokens)
-        assert time.monotonic() - started < 5  # long before the 30 s token timeout
+        error, seconds = step_until_error(cluster.engine)
+        assert seconds < 5  # long before the 30 s token timeout
         assert "aborted: agent lost" in str(error)
         assert not cluster.engine.healthy()
         assert cluster.lost == []  # the supervisor called abort: no callback back to it
@@ -322,13 +302,11 @@ def test_token_timeout_catches_a_frozen_rank(demo_model_dir):
     frozen = cluster.ranks[0]
     try:
         prompt = tuple(cluster.engine.tokenizer.encode(PROMPTS[0]))
-        tokens = cluster.engine.generate_tokens(GenerationRequest("a", prompt, 10_000))
-        next(tokens)
+        start_batch(cluster.engine, prompt, size=8, steps=2)
         os.kill(frozen.pid, signal.SIGSTOP)
-        started = time.monotonic()
-        error = drain_until_error(cluster.engine, prompt, tokens)
-        assert time.monotonic() - started < 6
-        assert "no answer from rank 0 within" in str(error)
+        error, seconds = step_until_error(cluster.engine)
+        assert seconds < 3.5
+        assert "no answer from rank 0 within 1.5 s" in str(error)
         assert not cluster.engine.healthy() and cluster.lost
     finally:
         os.kill(frozen.pid, signal.SIGKILL)
@@ -349,8 +327,9 @@ def test_an_idle_group_notices_a_rank_whose_agent_went_away(demo_model_dir):
         assert "connection to a peer was lost" in cluster.lost[0]
         assert not cluster.engine.healthy()
         prompt = tuple(cluster.engine.tokenizer.encode(PROMPTS[0]))
+        cluster.engine.insert(0, GenerationRequest("late", prompt, 4))
         with pytest.raises(EngineError, match="rank 0 lost"):
-            list(cluster.engine.generate_tokens(GenerationRequest("late", prompt, 4)))
+            cluster.engine.step()
     finally:
         close_cluster(cluster)
 
@@ -360,18 +339,18 @@ def test_an_idle_group_notices_a_rank_whose_agent_went_away(demo_model_dir):
 
 def test_three_ranks_equal_single(demo_model_factory):
     model_dir = demo_model_factory(heads=6, kv_heads=3, layers=2)
-    single = SingleEngine(model_dir)
-    single.load()
+    single = EngineRunner(SingleEngine(model_dir))
+    single.start(LOAD_TIMEOUT_S)
     cluster = open_cluster(model_dir, world_size=3)
+    tp = EngineRunner(cluster.engine)
+    tp.start(LOAD_TIMEOUT_S)
     try:
-        for prompt in PROMPTS[:2]:
-            tokens = tuple(single.tokenizer.encode(prompt))
-            greedy = GenerationRequest("g", tokens, 24)
-            assert list(cluster.engine.generate_tokens(greedy)) == list(
-                single.generate_tokens(greedy)
-            )
+        requests = [make_request(single.engine, prompt, 24) for prompt in PROMPTS]
+        expected = run_all(single, requests)
+        assert [o.tokens for o in run_all(tp, requests)] == [o.tokens for o in expected]
         assert cluster.engine.info().world_size == 3
     finally:
+        tp.close()
         close_cluster(cluster)
         single.close()
 
@@ -409,40 +388,53 @@ def test_an_invalid_spec_is_reported_on_stdout(tmp_path):
 # -- the lockstep protocol and specs, in-process -------------------------------------------
 
 
-def test_header_round_trips_exact_floats_and_large_seeds():
-    command = Command(GENERATE, (5, 6, 7), 99, 2**63 + 11, 0.7, 0.95, 8, wait_after_s=0.032)
-    decoded = decode_header(encode_header(command))
-    assert decoded.wait_after_s == 0.032
-    assert (decoded.max_tokens, decoded.seed, decoded.temperature, decoded.top_p) == (
-        99,
-        2**63 + 11,
-        0.7,
-        0.95,
+def test_step_commands_round_trip_exact_floats_and_large_seeds():
+    inserts = (
+        Insert(7, (5, 6, 7), 99, 2**63 + 11, 0.7, 0.95),
+        Insert(8, (1,), 3, 0, 0.0, 1.0),
     )
-    assert len(decoded.prompt) == 3 and decoded.sync_every == 8
+    command = Command(STEP, inserts, (2, 4), advance=False, sync=True, wait_after_s=0.032)
+    payload = encode_payload(command)
+    header, words = decode_header(encode_header(command, len(payload)))
+    assert words == len(payload)
+    assert (header.kind, header.advance, header.sync, header.wait_after_s) == (
+        STEP,
+        False,
+        True,
+        0.032,
+    )
+    assert decode_payload(payload) == ((2, 4), inserts)
+    with pytest.raises(EngineError, match="out of step"):
+        decode_payload(payload + [0])
 
 
 def test_sync_detects_diverging_ranks():
-    assert check_sync([1, 42, 42, 42], 3) is True
-    assert check_sync([0, 42, 42, 42], 3) is False
+    check_sync([42, 42, 42])
     with pytest.raises(DivergenceError, match=r"ranks \[2\]"):
-        check_sync([0, 42, 42, 41], 3)
+        check_sync([42, 42, 41])
 
 
-def test_a_stop_takes_effect_at_the_next_sync_point(demo_model_dir):
-    single = SingleEngine(demo_model_dir)
-    single.load()
-    prompt = tuple(single.tokenizer.encode(PROMPTS[1]))
-    lockstep = Lockstep(mx.distributed.init())  # a group of one: the same code path
-    command = lockstep.broadcast_command(Command(GENERATE, prompt, 64, 0, 0.0, 1.0, 8))
-    assert command.prompt == prompt
-    emitted: list[int] = []
-    reason = generate_in_lockstep(
-        single.model, command, lockstep, set(), emitted.append, lambda: len(emitted) >= 3
-    )
-    expected = list(single.generate_tokens(GenerationRequest("s", prompt, 8)))
-    assert (reason, emitted) == ("stopped", expected)
-    single.close()
+def test_a_shard_batch_in_a_group_of_one_equals_single(demo_model_dir, single_runner):
+    """The ranks' batch code path, without a ring: the same tokens as SingleEngine."""
+    engine = single_runner.engine
+    prompts = [tuple(engine.tokenizer.encode(p)) for p in PROMPTS]
+    expected = [
+        run_one(single_runner, GenerationRequest(f"s{i}", p, 16)).tokens
+        for i, p in enumerate(prompts)
+    ]
+    lockstep = Lockstep(mx.distributed.init())  # a group of one: the same broadcasts
+    batch = ShardBatch(engine.model, max_batch=4)
+    inserts = tuple(Insert(i, p, 16) for i, p in enumerate(prompts))
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    command = lockstep.broadcast_command(Command(STEP, inserts))
+    while any(len(tokens) < 16 for tokens in got.values()):
+        for uid, token in batch.apply(command):
+            got[uid].append(token)
+        command = lockstep.broadcast_command(Command(STEP))
+    assert [got[i] for i in range(len(prompts))] == expected
+    batch.apply(Command(STEP, removes=(0, 1, 2), advance=False))
+    assert len(batch) == 0
+    batch.close()
 
 
 def test_specs_for_ring_and_jaccl(tmp_path):

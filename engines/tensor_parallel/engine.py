@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 
 from planner.errors import EngineError
 
-from ..base import Engine, EngineInfo, GenerationRequest
+from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
 from ..sampling import request_seed
 from .group import WorkerSpec
 
@@ -69,6 +69,10 @@ class TensorParallelEngine(Engine):
         self._state_lock = threading.Lock()
         self._lost_reason: str | None = None
         self._closed = False
+        self._inserts: list[dict[str, Any]] = []  # sent with the next step
+        self._removes: list[int] = []
+        self._active: set[int] = set()  # uids the ranks hold
+        self._prefilling: set[int] = set()  # uids with no token yet
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -152,61 +156,68 @@ class TensorParallelEngine(Engine):
             if thread is not threading.current_thread():  # on_lost may call close() here
                 thread.join(KILL_GRACE_S)
 
-    # -- generation --------------------------------------------------------------------------
+    # -- the batch -------------------------------------------------------------------------
 
-    def generate_tokens(self, request: GenerationRequest) -> Iterator[int]:
+    def insert(self, uid: int, request: GenerationRequest) -> None:
         if self._process is None:
             raise EngineError("tensor-parallel engine used before load()")
-        self._raise_if_lost()
-        seed = request_seed(request)
-        self._send(
+        if not request.prompt_tokens:
+            raise EngineError("the prompt is empty: a request needs at least one token")
+        self._inserts.append(
             {
-                "cmd": "generate",
-                "request_id": request.request_id,
+                "uid": uid,
                 "prompt": list(request.prompt_tokens),
                 "max_tokens": request.max_tokens,
                 "temperature": request.temperature,
                 "top_p": request.top_p,
-                "seed": seed,
+                "seed": request_seed(request),
             }
         )
-        finished = False
-        count = 0
-        last_token: int | None = None
-        timeout_s = self.first_token_timeout_s
-        try:
-            while True:
-                message = self._next_message(timeout_s)
-                timeout_s = self.token_timeout_s
-                if "token" in message:
-                    count += 1
-                    last_token = message["token"]
-                    yield last_token
-                elif "done" in message:
-                    finished = True
-                    return
-                elif "error" in message:
-                    finished = True
-                    raise EngineError(
-                        f"tensor-parallel rank 0 refused the request: {message['error']}"
-                    )
-        finally:
-            if not finished and self._lost_reason is None:
-                # The worker ends on its own after EOS or max_tokens; otherwise ask it to stop.
-                ends_itself = last_token in self.eos_token_ids or count >= request.max_tokens
-                self._finish_early(request.request_id, send_stop=not ends_itself)
+        self._prefilling.add(uid)
 
-    def _finish_early(self, request_id: str, send_stop: bool) -> None:
-        """Drain to "done" so the next request never starts while a rank is in this one."""
-        try:
-            if send_stop:
-                self._send({"cmd": "stop", "request_id": request_id})
-            while True:
-                message = self._next_message(self.token_timeout_s)
-                if "done" in message or "error" in message:
-                    return
-        except EngineError as error:  # already marked lost; the runner is closing the generator
-            log.error("while stopping request %s: %s", request_id, error)
+    def remove(self, uids: Sequence[int]) -> None:
+        gone = set(uids)
+        unsent = [entry for entry in self._inserts if entry["uid"] in gone]
+        self._inserts = [entry for entry in self._inserts if entry["uid"] not in gone]
+        self._removes += [uid for uid in gone & self._active]
+        self._active -= gone
+        self._prefilling -= gone
+        if unsent:
+            log.debug("dropped %d inserts before they reached the ranks", len(unsent))
+        if self._removes and not self._active and not self._inserts:
+            # Nothing left to step: tell the ranks now so their KV caches are freed.
+            self._exchange(advance=False)
+
+    def step(self) -> list[StepOutput]:
+        """One lockstep step of the whole batch: send its changes, read its tokens."""
+        if not self._active and not self._inserts:
+            return []
+        answer = self._exchange(advance=True)
+        outputs = [StepOutput(uid, error=reason) for uid, reason in answer["refused"]]
+        for uid, token in answer["tokens"]:
+            if uid in self._active:
+                self._prefilling.discard(uid)
+                outputs.append(StepOutput(uid, token))
+        self._active -= {output.uid for output in outputs if output.error}
+        return outputs
+
+    def _exchange(self, advance: bool) -> dict[str, Any]:
+        """Send one step command to rank 0 and wait for its answer."""
+        self._raise_if_lost()
+        inserts, self._inserts = self._inserts, []
+        removes, self._removes = self._removes, []
+        self._active |= {entry["uid"] for entry in inserts}
+        # Prefill is chunked, but a step that prefills still takes far longer than a decode.
+        slow = advance and bool(self._prefilling)
+        self._send({"cmd": "step", "insert": inserts, "remove": removes, "advance": advance})
+        while True:
+            message = self._next_message(
+                self.first_token_timeout_s if slow else self.token_timeout_s
+            )
+            if "tokens" in message:
+                return message
+            if "error" in message:  # rank 0 could not read the command: an engine bug
+                raise self._lose(f"rank 0 refused a step command: {message['error']}")
 
     def abort(self, reason: str) -> None:
         """Kill rank 0 now (any thread): an in-flight generation raises EngineError at once."""

@@ -15,6 +15,8 @@ BACKENDS = ("ring", "jaccl")
 DEFAULT_HEARTBEAT_S = 0.1
 DEFAULT_SYNC_EVERY = 8
 DEFAULT_STALL_TIMEOUT_S = 30.0
+DEFAULT_MAX_BATCH = 16
+DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,8 @@ class WorkerSpec:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     sync_every: int = DEFAULT_SYNC_EVERY
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    max_batch: int = DEFAULT_MAX_BATCH
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -59,8 +63,11 @@ class WorkerSpec:
                 )
             if not self.jaccl_coordinator:
                 raise ValueError("jaccl backend needs jaccl_coordinator ('ip:port' of rank 0)")
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every must be at least 1, got {self.sync_every}")
+        if self.sync_every < 1 or self.max_batch < 1 or self.prefill_chunk < 1:
+            raise ValueError(
+                f"sync_every, max_batch and prefill_chunk must be at least 1, got "
+                f"{self.sync_every}, {self.max_batch}, {self.prefill_chunk}"
+            )
         if self.heartbeat_s < 0 or self.stall_timeout_s <= 0:
             raise ValueError(
                 f"heartbeat_s must be >= 0 and stall_timeout_s > 0, got "

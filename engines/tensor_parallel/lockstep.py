@@ -1,32 +1,33 @@
-"""The lockstep protocol: rank 0 broadcasts commands through `all_sum`; every rank generates alike.
+"""The lockstep protocol: rank 0 broadcasts each step's batch changes through `all_sum`.
 
 A broadcast is an `all_sum` to which rank 0 contributes the values and every other rank
-zeros. All collectives run on mlx-lm's generation stream, so they stay ordered with the
-`all_sum`s inside the sharded layers that `generate_step` has already queued.
+zeros. Before every step rank 0 sends one header and, when the batch changes, a payload
+listing the removed uids and the inserted sequences (prompt and sampling parameters); every
+rank then makes the same calls on its own shard, so every rank holds the same batch. All
+collectives run on mlx-lm's generation stream, so they stay ordered with the `all_sum`s
+inside the sharded layers that the batch generator has already queued.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step, generation_stream
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import generation_stream
 
 from planner.errors import EngineError
 
-from ..sampling import make_request_sampler
-
-GENERATE = 1
+STEP = 1
 PING = 2
 SHUTDOWN = 3
-COMMAND_NAMES = {GENERATE: "generate", PING: "ping", SHUTDOWN: "shutdown"}
+COMMAND_NAMES = {STEP: "step", PING: "ping", SHUTDOWN: "shutdown"}
 
-# [kind, prompt_len, max_tokens, seed lo/hi, temperature lo/hi, top_p lo/hi, sync_every,
-#  wait_after_us]
-HEADER_SIZE = 11
+# [kind, payload words, advance (step the batch) 0/1, sync after this step 0/1, wait_after_us]
+HEADER_SIZE = 5
+# per inserted sequence: uid, prompt length, max_tokens, seed lo/hi, temperature lo/hi,
+# top_p lo/hi, then the prompt's token ids
+INSERT_FIELDS = 9
 # Idle ranks must not wait inside a collective: mlx's ring (and JACCL) backends busy-poll
 # there, one core per idle rank. Every rank instead sleeps `wait_after` between headers,
 # starting short after real work and doubling up to the heartbeat while idle.
@@ -40,16 +41,26 @@ class DivergenceError(EngineError):
 
 
 @dataclass(frozen=True, slots=True)
-class Command:
-    """What rank 0 asks of every rank; a GENERATE carries the whole request."""
+class Insert:
+    """A sequence joining the batch, exactly as every rank must insert it."""
 
-    kind: int
-    prompt: tuple[int, ...] = ()
-    max_tokens: int = 0
+    uid: int
+    prompt: tuple[int, ...]
+    max_tokens: int
     seed: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
-    sync_every: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """What rank 0 asks of every rank before a step."""
+
+    kind: int
+    inserts: tuple[Insert, ...] = ()
+    removes: tuple[int, ...] = ()
+    advance: bool = True  # False: apply the batch changes only (nothing left to step)
+    sync: bool = False  # compare token checksums after this step
     wait_after_s: float = 0.0  # every rank sleeps this long before the next header
 
 
@@ -63,33 +74,69 @@ def _value(fmt: str, low: int, high: int) -> float | int:
     return struct.unpack(fmt, struct.pack("<ii", low, high))[0]
 
 
-def encode_header(command: Command) -> list[int]:
+def encode_payload(command: Command) -> list[int]:
+    words = [len(command.removes), *command.removes, len(command.inserts)]
+    for insert in command.inserts:
+        words += [
+            insert.uid,
+            len(insert.prompt),
+            insert.max_tokens,
+            *_words("<Q", insert.seed),
+            *_words("<d", insert.temperature),
+            *_words("<d", insert.top_p),
+            *insert.prompt,
+        ]
+    return words
+
+
+def decode_payload(words: list[int]) -> tuple[tuple[int, ...], tuple[Insert, ...]]:
+    """(removed uids, inserts) from a payload; malformed means the ranks are out of step."""
+    try:
+        count = words[0]
+        removes = tuple(words[1 : 1 + count])
+        at = 1 + count
+        inserts = []
+        for _ in range(words[at]):
+            uid, length, max_tokens, s_lo, s_hi, t_lo, t_hi, p_lo, p_hi = words[
+                at + 1 : at + 1 + INSERT_FIELDS
+            ]
+            at += INSERT_FIELDS
+            prompt = tuple(words[at + 1 : at + 1 + length])
+            at += length
+            inserts.append(
+                Insert(
+                    uid,
+                    prompt,
+                    max_tokens,
+                    int(_value("<Q", s_lo, s_hi)),
+                    float(_value("<d", t_lo, t_hi)),
+                    float(_value("<d", p_lo, p_hi)),
+                )
+            )
+    except (IndexError, ValueError) as error:
+        raise EngineError(f"malformed lockstep payload ({error}): ranks are out of step") from None
+    if at + 1 != len(words):
+        raise EngineError("lockstep payload has trailing words: ranks are out of step")
+    return removes, tuple(inserts)
+
+
+def encode_header(command: Command, payload_words: int) -> list[int]:
     return [
         command.kind,
-        len(command.prompt),
-        command.max_tokens,
-        *_words("<Q", command.seed),
-        *_words("<d", command.temperature),
-        *_words("<d", command.top_p),
-        command.sync_every,
+        payload_words,
+        int(command.advance),
+        int(command.sync),
         round(command.wait_after_s * 1e6),
     ]
 
 
-def decode_header(words: list[int]) -> Command:
-    kind, prompt_len, max_tokens, seed_lo, seed_hi, t_lo, t_hi, p_lo, p_hi, sync_every, wait = words
+def decode_header(words: list[int]) -> tuple[Command, int]:
+    """The command (without its payload) and the number of payload words that follow."""
+    kind, payload_words, advance, sync, wait = words
     if kind not in COMMAND_NAMES:
         raise EngineError(f"lockstep header carries unknown command {kind}: ranks are out of step")
-    return Command(
-        kind=kind,
-        prompt=(0,) * prompt_len,  # placeholder length; the tokens follow in their own broadcast
-        max_tokens=max_tokens,
-        seed=int(_value("<Q", seed_lo, seed_hi)),
-        temperature=float(_value("<d", t_lo, t_hi)),
-        top_p=float(_value("<d", p_lo, p_hi)),
-        sync_every=sync_every,
-        wait_after_s=wait / 1e6,
-    )
+    command = Command(kind, advance=bool(advance), sync=bool(sync), wait_after_s=wait / 1e6)
+    return command, payload_words
 
 
 def idle_wait_s(pings_in_a_row: int, heartbeat_s: float) -> float:
@@ -102,16 +149,14 @@ def update_checksum(checksum: int, token: int) -> int:
     return (checksum * CHECKSUM_BASE + token + 1) % CHECKSUM_MODULUS
 
 
-def check_sync(words: list[int], world_size: int) -> bool:
-    """Read a summed sync vector [stop, checksum of rank 0, ..., of rank n-1]; True = stop."""
-    stop, checksums = words[0], words[1:]
+def check_sync(checksums: list[int]) -> None:
+    """Raise DivergenceError unless every rank's checksum equals rank 0's."""
     if len(set(checksums)) != 1:
         differing = [rank for rank, value in enumerate(checksums) if value != checksums[0]]
         raise DivergenceError(
             f"tensor-parallel ranks {differing} sampled different tokens than rank 0 "
             f"(checksums {checksums}); the group must be restarted"
         )
-    return stop != 0
 
 
 class Lockstep:
@@ -135,64 +180,18 @@ class Lockstep:
 
     def broadcast_command(self, command: Command | None = None) -> Command:
         """Rank 0 sends `command`; every other rank blocks here until the next one arrives."""
-        header = encode_header(command) if self.rank == 0 else []
-        received = decode_header(self.broadcast(header, HEADER_SIZE))
-        if received.kind != GENERATE:
+        payload = encode_payload(command) if self.rank == 0 and command.kind == STEP else []
+        header = encode_header(command, len(payload)) if self.rank == 0 else []
+        received, payload_words = decode_header(self.broadcast(header, HEADER_SIZE))
+        if not payload_words:
             return received
-        prompt = command.prompt if command is not None else ()
-        tokens = self.broadcast(list(prompt), len(received.prompt)) if received.prompt else []
-        return replace(received, prompt=tuple(tokens))
+        removes, inserts = decode_payload(self.broadcast(payload, payload_words))
+        return Command(
+            received.kind, inserts, removes, received.advance, received.sync, received.wait_after_s
+        )
 
-    def sync(self, stop: bool, checksum: int) -> bool:
-        """Meet every rank: agree on rank 0's stop flag and compare token checksums."""
-        words = [0] * (1 + self.world_size)
-        if self.rank == 0:
-            words[0] = int(stop)
-        words[1 + self.rank] = checksum
-        return check_sync(self.sum_across_ranks(words), self.world_size)
-
-
-def generate_in_lockstep(
-    model: object,
-    command: Command,
-    lockstep: Lockstep,
-    eos_token_ids: Collection[int],
-    on_token: Callable[[int], None],
-    stop_requested: Callable[[], bool],
-) -> str:
-    """Run one request on this rank's shard; every rank returns the same reason.
-
-    Returns "eos", "length" or "stopped". EOS and max_tokens are decided by every rank
-    from identical tokens; rank 0's stop flag only takes effect at a sync point (every
-    `sync_every` tokens), which is also where a divergence would be caught.
-    """
-    sampler = make_request_sampler(command.temperature, command.top_p, command.seed)
-    prompt = mx.array(command.prompt, dtype=mx.uint32)
-    steps = generate_step(
-        prompt,
-        model,
-        max_tokens=command.max_tokens,
-        sampler=sampler,
-        prompt_cache=make_prompt_cache(model),
-    )
-    checksum = 0
-    reason = "length"
-    try:
-        for count, (token, _) in enumerate(steps, start=1):
-            token = int(token)
-            checksum = update_checksum(checksum, token)
-            on_token(token)
-            if token in eos_token_ids:
-                reason = "eos"
-                break
-            if count >= command.max_tokens:
-                break
-            if count % command.sync_every == 0 and lockstep.sync(stop_requested(), checksum):
-                reason = "stopped"
-                break
-    finally:
-        steps.close()
-    # generate_step queued one more forward pass (with its all_sums) before yielding the
-    # last token; finish it here so the next broadcast cannot overtake it.
-    mx.synchronize(generation_stream)
-    return reason
+    def sync(self, checksum: int) -> None:
+        """Meet every rank and compare token checksums (a divergence ends the group)."""
+        words = [0] * self.world_size
+        words[self.rank] = checksum
+        check_sync(self.sum_across_ranks(words))

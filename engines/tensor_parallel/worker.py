@@ -1,11 +1,11 @@
 """One tensor-parallel rank as a process: `python -m engines.tensor_parallel.worker`.
 
 stdin:  line 1 is the JSON WorkerSpec; rank 0 then reads commands, one JSON object per line:
-        {"cmd": "generate", "request_id", "prompt", "max_tokens", "temperature", "top_p",
-        "seed"}, {"cmd": "stop", "request_id"?}, {"cmd": "shutdown"}.
+        {"cmd": "step", "remove": [uid, ...], "insert": [{"uid", "prompt", "max_tokens",
+        "temperature", "top_p", "seed"}, ...], "advance": true|false}, {"cmd": "shutdown"}.
 stdout: JSON lines only: {"event": "ready", ...} or {"event": "failed", "reason"} once loaded;
-        rank 0 then answers a generate with {"token": id} lines and {"done": "eos" | "length" |
-        "stopped"}, or {"error", "fatal": false} for a request it refuses.
+        rank 0 then answers every step with {"tokens": [[uid, token], ...], "refused":
+        [[uid, reason], ...]}, or {"error", "fatal": false} for a command it cannot read.
 stderr: logs.
 """
 
@@ -20,30 +20,29 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
 import mlx.core as mx
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import load_model
 
 from .group import WorkerSpec, group_environment
 from .lockstep import (
-    GENERATE,
+    COMMAND_NAMES,
     PING,
     SHUTDOWN,
+    STEP,
     Command,
+    Insert,
     Lockstep,
-    generate_in_lockstep,
     idle_wait_s,
 )
+from .shard_batch import ShardBatch
 
 log = logging.getLogger(__name__)
 
-STOP_MEMORY = 64  # how many stopped generations the reader remembers
 WATCHDOG_POLL_S = 0.25
 
 
@@ -70,19 +69,11 @@ def open_protocol_output() -> Output:
 
 
 class CommandReader:
-    """Reads rank 0's stdin on a thread so the generation loop can poll for "stop".
-
-    Each generate gets a serial number as it is read; a stop names the latest generate
-    (the engine never sends the next generate before the previous one is done), so a
-    repeated request_id can never be stopped by a stop meant for an earlier request.
-    """
+    """Reads rank 0's stdin on a thread, so an idle rank 0 can ping the group on time."""
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
         self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._stopped: deque[int] = deque(maxlen=STOP_MEMORY)
-        self._lock = threading.Lock()
-        self._latest: tuple[Any, int] = (None, 0)  # (request_id, serial) of the last generate
         threading.Thread(target=self._read, name="command-reader", daemon=True).start()
 
     def _read(self) -> None:
@@ -92,18 +83,7 @@ class CommandReader:
                 if not isinstance(message, dict):
                     raise ValueError("not a JSON object")
             except ValueError as error:
-                self._commands.put({"cmd": "invalid", "reason": f"{error}: {raw[:80]!r}"})
-                continue
-            kind = message.get("cmd")
-            request_id, serial = self._latest
-            if kind == "stop":
-                if message.get("request_id", request_id) == request_id:
-                    with self._lock:
-                        self._stopped.append(serial)
-                continue
-            if kind == "generate":
-                self._latest = (message.get("request_id"), serial + 1)
-                message["serial"] = serial + 1
+                message = {"cmd": "invalid", "reason": f"{error}: {raw[:80]!r}"}
             self._commands.put(message)
         self._commands.put({"cmd": "eof"})
 
@@ -113,10 +93,6 @@ class CommandReader:
             return self._commands.get(timeout=timeout_s)
         except queue.Empty:
             return None
-
-    def stop_requested(self, serial: int) -> bool:
-        with self._lock:
-            return serial in self._stopped
 
 
 class Watchdog:
@@ -184,7 +160,7 @@ def join_group(spec: WorkerSpec) -> mx.distributed.Group:
         return mx.distributed.init(backend=spec.backend, strict=True)
 
 
-def load_shard(spec: WorkerSpec) -> tuple[Any, set[int], int | None, mx.distributed.Group]:
+def load_shard(spec: WorkerSpec) -> tuple[Any, int | None, mx.distributed.Group]:
     """Join the group and load this rank's shard with mlx-lm's own `Model.shard`.
 
     The weights are loaded lazily and evaluated one layer at a time after sharding, so a
@@ -210,8 +186,7 @@ def load_shard(spec: WorkerSpec) -> tuple[Any, set[int], int | None, mx.distribu
     for layer in getattr(model, "layers", []):
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
-    tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))
-    return model, set(tokenizer.eos_token_ids), config.get("vocab_size"), group
+    return model, config.get("vocab_size"), group
 
 
 def gather_memory(lockstep: Lockstep) -> tuple[list[int], list[int]]:
@@ -224,10 +199,10 @@ def gather_memory(lockstep: Lockstep) -> tuple[list[int], list[int]]:
     return [value * 1024 for value in kib[:size]], [value * 1024 for value in kib[size:]]
 
 
-def parse_request(message: dict[str, Any], spec: WorkerSpec, vocab_size: int | None) -> Command:
-    """Validate a generate command before any rank sees it (a refusal keeps ranks in step)."""
-    if message.get("cmd") != "generate":
-        raise ValueError(message.get("reason", f"unknown command {message.get('cmd')!r}"))
+def parse_insert(message: Any, vocab_size: int | None) -> Insert:
+    """Validate one inserted sequence before any rank sees it (a refusal keeps ranks in step)."""
+    if not isinstance(message, dict):
+        raise ValueError("an insert must be a JSON object")
     prompt = message.get("prompt")
     if not isinstance(prompt, list) or not prompt:
         raise ValueError("prompt must be a non-empty list of token ids")
@@ -244,7 +219,29 @@ def parse_request(message: dict[str, Any], spec: WorkerSpec, vocab_size: int | N
         raise ValueError(f"need temperature >= 0 and 0 <= top_p <= 1, got {temperature}, {top_p}")
     if not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    return Command(GENERATE, tuple(prompt), max_tokens, seed, temperature, top_p, spec.sync_every)
+    return Insert(message["uid"], tuple(prompt), max_tokens, seed, temperature, top_p)
+
+
+def parse_step(
+    message: dict[str, Any], vocab_size: int | None
+) -> tuple[Command, list[tuple[Any, str]]]:
+    """A step command from the engine, and the inserts refused with their reasons."""
+    removes = message.get("remove", [])
+    if not isinstance(removes, list) or not all(
+        isinstance(uid, int) and 0 <= uid < 2**31 for uid in removes
+    ):
+        raise ValueError("remove must be a list of uids (integers in [0, 2**31))")
+    inserts, refused = [], []
+    for entry in message.get("insert", []):
+        uid = entry.get("uid") if isinstance(entry, dict) else None
+        if not isinstance(uid, int) or not 0 <= uid < 2**31:
+            raise ValueError(f"an insert needs a uid in [0, 2**31), got {uid!r}")
+        try:
+            inserts.append(parse_insert(entry, vocab_size))
+        except (TypeError, ValueError) as error:
+            refused.append((uid, str(error)))
+    advance = bool(message.get("advance", True))
+    return Command(STEP, tuple(inserts), tuple(removes), advance), refused
 
 
 @dataclass
@@ -253,20 +250,21 @@ class Rank:
 
     spec: WorkerSpec
     lockstep: Lockstep
-    model: Any
-    eos: set[int]
+    batch: ShardBatch
     vocab_size: int | None
     output: Output
     watchdog: Watchdog
 
     def lead(self) -> None:
-        """Rank 0: turn stdin commands into broadcasts; a PING goes out when none came in time."""
+        """Rank 0: turn stdin step commands into broadcasts; PING when none came in time."""
         reader = CommandReader(sys.stdin.buffer)
         pings = 0
+        advanced = 0
         deadline = time.monotonic() + idle_wait_s(0, self.spec.heartbeat_s)
         while True:
             timeout_s = max(0.0, deadline - time.monotonic()) if self.spec.heartbeat_s else None
             message = reader.next(timeout_s)
+            refused: list[tuple[Any, str]] = []
             if message is None:
                 command = Command(PING)
             elif message.get("cmd") in ("shutdown", "eof"):
@@ -275,21 +273,24 @@ class Rank:
                 return
             else:
                 try:
-                    command = parse_request(message, self.spec, self.vocab_size)
+                    if message.get("cmd") != "step":
+                        raise ValueError(message.get("reason", f"unknown command {message}"))
+                    command, refused = parse_step(message, self.vocab_size)
                 except (TypeError, ValueError) as error:
-                    refusal = {"error": str(error), "fatal": False}
-                    self.output.write({**refusal, "request_id": message.get("request_id")})
+                    self.output.write({"error": str(error), "fatal": False})
                     continue  # nothing was broadcast: the other ranks keep their schedule
-            pings = pings + 1 if command.kind == PING else 0
-            command = replace(command, wait_after_s=idle_wait_s(pings, self.spec.heartbeat_s))
-            self.watchdog.arm(self.spec.stall_timeout_s, "a header broadcast")
-            self.lockstep.broadcast_command(command)
-            self.watchdog.disarm()
-            if command.kind == GENERATE:
-                assert message is not None
-                stop = partial(reader.stop_requested, message["serial"])
-                reason = self.generate(command, self.emit, stop)
-                self.output.write({"done": reason, "request_id": message.get("request_id")})
+            if command.kind == STEP:
+                pings, wait_after_s = 0, 0.0  # the engine sends the next step right away
+                if command.advance:
+                    advanced += 1
+                    command = replace(command, sync=advanced % self.spec.sync_every == 0)
+            else:
+                pings += 1
+                wait_after_s = idle_wait_s(pings, self.spec.heartbeat_s)
+            command = replace(command, wait_after_s=wait_after_s)
+            tokens = self.run(command)
+            if command.kind == STEP:
+                self.output.write({"tokens": tokens, "refused": refused})
             deadline = time.monotonic() + command.wait_after_s
 
     def follow(self) -> None:
@@ -302,22 +303,21 @@ class Rank:
             if command.kind == SHUTDOWN:
                 log.info("rank 0 shut the group down")
                 return
-            if command.kind == GENERATE:
-                self.generate(command, lambda _: None, lambda: False)
+            self.run(command, broadcast=False)
             time.sleep(command.wait_after_s)
 
-    def emit(self, token: int) -> None:
-        self.output.write({"token": token})
-
-    def generate(
-        self, command: Command, on_token: Callable[[int], None], stop: Callable[[], bool]
-    ) -> str:
-        def step(token: int) -> None:
-            self.watchdog.arm(self.spec.stall_timeout_s, "a decode step")
-            on_token(token)
-
+    def run(self, command: Command, broadcast: bool = True) -> list[tuple[int, int]]:
+        """(Rank 0: broadcast, then) apply the command to this rank's batch, under the watchdog."""
+        self.watchdog.arm(self.spec.stall_timeout_s, f"a {COMMAND_NAMES[command.kind]} step")
         try:
-            return generate_in_lockstep(self.model, command, self.lockstep, self.eos, step, stop)
+            if broadcast:
+                self.lockstep.broadcast_command(command)
+            if command.kind != STEP:
+                return []
+            tokens = self.batch.apply(command)
+            if command.sync:
+                self.lockstep.sync(self.batch.checksum)
+            return tokens
         finally:
             self.watchdog.disarm()
 
@@ -341,7 +341,7 @@ def run(spec: WorkerSpec, output: Output) -> int:
         threading.Thread(target=exit_when_stdin_closes, name="stdin-watch", daemon=True).start()
     started = time.monotonic()
     try:
-        model, eos, vocab_size, group = load_shard(spec)
+        model, vocab_size, group = load_shard(spec)
         lockstep = Lockstep(group)
         peaks, active = gather_memory(lockstep)
     except Exception as error:  # every load failure becomes one "failed" line
@@ -359,7 +359,8 @@ def run(spec: WorkerSpec, output: Output) -> int:
         }
     )
     try:
-        rank = Rank(spec, lockstep, model, eos, vocab_size, output, watchdog)
+        batch = ShardBatch(model, spec.max_batch, spec.prefill_chunk)
+        rank = Rank(spec, lockstep, batch, vocab_size, output, watchdog)
         if spec.rank == 0:
             rank.lead()
         else:

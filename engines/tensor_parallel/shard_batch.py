@@ -1,0 +1,67 @@
+"""ShardBatch: one rank's copy of the batch, advanced by the commands every rank receives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+
+from ..sampling import make_request_sampler
+from .lockstep import Command, update_checksum
+
+DEFAULT_PREFILL_CHUNK = 256
+
+
+class ShardBatch:
+    """mlx-lm's BatchGenerator over this rank's shard, driven only by lockstep commands.
+
+    Every rank applies the same removes and inserts in the same order and steps the same
+    number of times, so the generators assign the same uids, run the same sharded forward
+    passes (whose `all_sum`s meet across ranks), and sample the same tokens.
+    """
+
+    def __init__(self, model: Any, max_batch: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        self._generator = BatchGenerator(
+            model,
+            completion_batch_size=max_batch,
+            prefill_batch_size=max_batch,
+            prefill_step_size=prefill_chunk,
+        )
+        self._to_generator: dict[int, int] = {}
+        self._from_generator: dict[int, int] = {}
+        self.checksum = 0
+
+    def __len__(self) -> int:
+        return len(self._to_generator)
+
+    def apply(self, command: Command) -> list[tuple[int, int]]:
+        """Remove, insert, then (if asked) step once: the (uid, token) pairs sampled."""
+        gone = [self._to_generator.pop(uid) for uid in command.removes if uid in self._to_generator]
+        for generator_uid in gone:
+            del self._from_generator[generator_uid]
+        if gone:
+            self._generator.remove(gone)
+        for insert in command.inserts:
+            sampler = make_request_sampler(insert.temperature, insert.top_p, insert.seed)
+            (generator_uid,) = self._generator.insert(
+                [list(insert.prompt)], max_tokens=[insert.max_tokens], samplers=[sampler]
+            )
+            self._to_generator[insert.uid] = generator_uid
+            self._from_generator[generator_uid] = insert.uid
+        if not command.advance or not self._to_generator:
+            return []
+        _, responses = self._generator.next()
+        tokens = []
+        for response in responses:
+            uid = self._from_generator.get(response.uid)
+            if uid is None:
+                continue
+            tokens.append((uid, response.token))
+            self.checksum = update_checksum(update_checksum(self.checksum, uid), response.token)
+            if response.finish_reason is not None:  # the generator dropped it (max_tokens)
+                del self._from_generator[response.uid]
+                del self._to_generator[uid]
+        return tokens
+
+    def close(self) -> None:
+        self._generator.close()
