@@ -33,6 +33,7 @@ from .common import (
     median_of,
     run_interleaved,
     sample_from_stamps,
+    stream_alone,
     write_section,
 )
 
@@ -178,7 +179,7 @@ def time_engine(engine: Any, prompt: list[int]) -> Sample:
     request = GenerationRequest("bench", tuple(prompt), MAX_TOKENS)
     stamps: list[float] = []
     started = time.perf_counter()
-    for _ in engine.generate_tokens(request):
+    for _ in stream_alone(engine, request):
         stamps.append(time.perf_counter())
     return sample_from_stamps(started, stamps[0], stamps[-1], len(stamps))
 
@@ -311,10 +312,10 @@ def main() -> None:
     bare = BareCluster(model_path)
     try:
         expected = list(
-            single.generate_tokens(GenerationRequest("check", tuple(prompt), MAX_TOKENS))
+            stream_alone(single, GenerationRequest("check", tuple(prompt), MAX_TOKENS))
         )
         got = list(
-            tandem.engine.generate_tokens(GenerationRequest("check", tuple(prompt), MAX_TOKENS))
+            stream_alone(tandem.engine, GenerationRequest("check", tuple(prompt), MAX_TOKENS))
         )
         if got != expected:
             raise RuntimeError(

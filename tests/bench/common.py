@@ -7,9 +7,10 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from discovery.framing import free_port  # noqa: F401 (re-exported for the benchmarks)
 
@@ -130,3 +131,18 @@ def write_section(heading: str, body: str, path: Path = BENCHMARKS_DOC) -> None:
         text = text[: start + 1] + section + ("" if end < 0 else text[end:])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def stream_alone(engine: Any, request: Any) -> Iterator[int]:
+    """One request on a bare engine (no scheduler), stepped until max_tokens: its tokens."""
+    engine.insert(0, request)
+    produced = 0
+    try:
+        while produced < request.max_tokens:
+            for output in engine.step():
+                if output.error is not None:
+                    raise RuntimeError(f"the engine refused the request: {output.error}")
+                produced += 1
+                yield output.token
+    finally:
+        engine.remove([0])
