@@ -20,6 +20,14 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     timeout_s: float = 300.0
+    # mlx-lm's logits processors; None / 0 turn each off
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: off; k >= 0: the token's logprob and the top k others
+
+
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +41,8 @@ class TokenEvent:
 
     text: str = ""
     token: int | None = None
+    logprob: float | None = None  # only when the request asked for logprobs
+    top_logprobs: TopLogprobs = ()
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
@@ -46,6 +56,8 @@ class StepOutput:
     uid: int
     token: int | None = None
     error: str | None = None  # set when the engine refused or dropped this sequence alone
+    logprob: float | None = None  # only for a sequence that asked for logprobs
+    top_logprobs: TopLogprobs = ()
 
 
 @dataclass(frozen=True, slots=True)

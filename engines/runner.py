@@ -247,8 +247,7 @@ class EngineRunner:
             if output.error is not None:
                 self._end(sequence, "error", output.error, ended)
                 continue
-            assert output.token is not None
-            reason = sequence.accept(output.token)
+            reason = sequence.accept(output)
             if reason is not None:
                 self._end(sequence, reason, None, ended)
         now = time.monotonic()

@@ -6,9 +6,9 @@ import secrets
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 
-from .base import GenerationRequest
+from .base import GenerationRequest, TopLogprobs
 
 Sampler = Callable[[mx.array], mx.array]
 SEED_BITS = 31
@@ -54,3 +54,25 @@ def make_request_sampler(temperature: float, top_p: float, seed: int) -> Sampler
         return mx.random.categorical(logprobs * scale, key=key)
 
     return sample
+
+
+def make_request_processors(
+    repetition_penalty: float | None, presence_penalty: float, frequency_penalty: float
+) -> list[Callable[[mx.array, mx.array], mx.array]]:
+    """mlx-lm's logits processors for the request's penalties (an empty list when none)."""
+    return make_logits_processors(
+        repetition_penalty=repetition_penalty or None,
+        presence_penalty=presence_penalty or None,
+        frequency_penalty=frequency_penalty or None,
+    )
+
+
+def token_logprobs(logprobs: mx.array, token: int, top: int) -> tuple[float, TopLogprobs]:
+    """The sampled token's logprob and the `top` most likely tokens, from one (V,) row."""
+    chosen = logprobs[token].item()
+    if top <= 0:
+        return chosen, ()
+    best = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    values = logprobs[best].tolist()
+    pairs = sorted(zip(best.tolist(), values, strict=True), key=lambda pair: -pair[1])
+    return chosen, tuple(pairs)

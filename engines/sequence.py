@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .base import TokenEvent
+from .base import StepOutput, TokenEvent
 from .stop_text import StopTextFilter
 
 if TYPE_CHECKING:
@@ -30,15 +30,17 @@ class ActiveSequence:
         self._stopped_by_text = False
         self.completion_tokens = 0
 
-    def accept(self, token: int) -> str | None:
+    def accept(self, output: StepOutput) -> str | None:
         """Emit the token's text; return the finish reason when this token ends the sequence."""
+        token = output.token
         if token in self._eos:
             return "stop"
         self.completion_tokens += 1
         self._detokenizer.add_token(token)
         text, matched = self._stop_filter.feed(self._detokenizer.last_segment)
         if text or not matched:
-            self.submission.push(TokenEvent(text=text, token=token))
+            event = TokenEvent(text, token, output.logprob, output.top_logprobs)
+            self.submission.push(event)
         if matched:
             self._stopped_by_text = True
             return "stop"

@@ -13,7 +13,7 @@ from mlx_lm.generate import BatchGenerator
 from planner.errors import EngineError
 
 from .base import Engine, EngineInfo, GenerationRequest, StepOutput
-from .sampling import make_request_sampler, request_seed
+from .sampling import make_request_processors, make_request_sampler, request_seed, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class SingleEngine(Engine):
         self._generator: BatchGenerator | None = None
         self._to_generator: dict[int, int] = {}  # our uid -> the generator's uid
         self._from_generator: dict[int, int] = {}
+        self._logprobs: dict[int, int] = {}  # uid -> top k, for sequences that asked
 
     def load(self) -> None:
         try:
@@ -63,16 +64,24 @@ class SingleEngine(Engine):
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
         sampler = make_request_sampler(request.temperature, request.top_p, request_seed(request))
+        processors = make_request_processors(
+            request.repetition_penalty, request.presence_penalty, request.frequency_penalty
+        )
         (generator_uid,) = self._generator.insert(
-            [list(request.prompt_tokens)], max_tokens=[request.max_tokens], samplers=[sampler]
+            [list(request.prompt_tokens)],
+            max_tokens=[request.max_tokens],
+            samplers=[sampler],
+            logits_processors=[processors],
         )
         self._to_generator[uid] = generator_uid
         self._from_generator[generator_uid] = uid
+        if request.logprobs is not None:
+            self._logprobs[uid] = request.logprobs
 
     def remove(self, uids: Sequence[int]) -> None:
         gone = [self._to_generator.pop(uid) for uid in uids if uid in self._to_generator]
         for generator_uid in gone:
-            del self._from_generator[generator_uid]
+            self._logprobs.pop(self._from_generator.pop(generator_uid), None)
         if gone and self._generator is not None:
             self._generator.remove(gone)
 
@@ -85,10 +94,16 @@ class SingleEngine(Engine):
             uid = self._from_generator.get(response.uid)
             if uid is None:
                 continue
-            outputs.append(StepOutput(uid, response.token))
+            top = self._logprobs.get(uid)
+            if top is None:
+                outputs.append(StepOutput(uid, response.token))
+            else:
+                chosen, best = token_logprobs(response.logprobs, response.token, top)
+                outputs.append(StepOutput(uid, response.token, None, chosen, best))
             if response.finish_reason is not None:  # the generator already dropped it
                 del self._from_generator[response.uid]
                 del self._to_generator[uid]
+                self._logprobs.pop(uid, None)
         return outputs
 
     def info(self) -> EngineInfo:

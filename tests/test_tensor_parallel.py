@@ -215,6 +215,30 @@ def test_queued_requests_are_all_answered_correctly(tp_runner, single_runner):
     assert all(g.finish in ("length", "stop") for g in got)
 
 
+def test_penalties_and_logprobs_equal_single(tp_runner, single_runner):
+    options = {"frequency_penalty": 1.5, "repetition_penalty": 1.2, "logprobs": 2}
+    for runner_ in (single_runner, tp_runner):
+        request = make_request(runner_.engine, PROMPTS[0], 24, **options)
+        submission_events = run_events(runner_, request)
+        tokens = [(e.token, e.top_logprobs and e.top_logprobs[0][0]) for e in submission_events]
+        logprobs = [e.logprob for e in submission_events]
+        if runner_ is single_runner:
+            expected_tokens, expected_logprobs = tokens, logprobs
+    assert tokens == expected_tokens
+    assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+    assert all(value is not None for value in logprobs)
+
+
+def run_events(runner: EngineRunner, request: GenerationRequest) -> list[Any]:
+    import asyncio
+
+    async def collect() -> list[Any]:
+        events = [event async for event in runner.submit(request).events()]
+        return [event for event in events if event.token is not None]
+
+    return asyncio.run(asyncio.wait_for(collect(), 60))
+
+
 def test_a_refused_request_keeps_the_group(tp_runner, single_runner):
     refused = run_one(tp_runner, GenerationRequest("bad", (10**6,), 8))
     assert refused.finish == "error" and "token ids" in refused.error
@@ -390,7 +414,7 @@ def test_an_invalid_spec_is_reported_on_stdout(tmp_path):
 
 def test_step_commands_round_trip_exact_floats_and_large_seeds():
     inserts = (
-        Insert(7, (5, 6, 7), 99, 2**63 + 11, 0.7, 0.95),
+        Insert(7, (5, 6, 7), 99, 2**63 + 11, 0.7, 0.95, 1.3, 0.25, 0.5, 3),
         Insert(8, (1,), 3, 0, 0.0, 1.0),
     )
     command = Command(STEP, inserts, (2, 4), advance=False, sync=True, wait_after_s=0.032)

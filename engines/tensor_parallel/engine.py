@@ -171,6 +171,10 @@ class TensorParallelEngine(Engine):
                 "temperature": request.temperature,
                 "top_p": request.top_p,
                 "seed": request_seed(request),
+                "repetition_penalty": request.repetition_penalty,
+                "presence_penalty": request.presence_penalty,
+                "frequency_penalty": request.frequency_penalty,
+                "logprobs": request.logprobs,
             }
         )
         self._prefilling.add(uid)
@@ -194,10 +198,15 @@ class TensorParallelEngine(Engine):
             return []
         answer = self._exchange(advance=True)
         outputs = [StepOutput(uid, error=reason) for uid, reason in answer["refused"]]
-        for uid, token in answer["tokens"]:
+        for uid, token, *logprobs in answer["tokens"]:
             if uid in self._active:
                 self._prefilling.discard(uid)
-                outputs.append(StepOutput(uid, token))
+                if logprobs:
+                    chosen, best = logprobs
+                    top = tuple((int(i), float(lp)) for i, lp in best)
+                    outputs.append(StepOutput(uid, token, None, chosen, top))
+                else:
+                    outputs.append(StepOutput(uid, token))
         self._active -= {output.uid for output in outputs if output.error}
         return outputs
 

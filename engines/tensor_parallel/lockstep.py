@@ -26,8 +26,9 @@ COMMAND_NAMES = {STEP: "step", PING: "ping", SHUTDOWN: "shutdown"}
 # [kind, payload words, advance (step the batch) 0/1, sync after this step 0/1, wait_after_us]
 HEADER_SIZE = 5
 # per inserted sequence: uid, prompt length, max_tokens, seed lo/hi, temperature lo/hi,
-# top_p lo/hi, then the prompt's token ids
-INSERT_FIELDS = 9
+# top_p lo/hi, repetition / presence / frequency penalty lo/hi each, logprobs (-1 = off),
+# then the prompt's token ids
+INSERT_FIELDS = 16
 # Idle ranks must not wait inside a collective: mlx's ring (and JACCL) backends busy-poll
 # there, one core per idle rank. Every rank instead sleeps `wait_after` between headers,
 # starting short after real work and doubling up to the heartbeat while idle.
@@ -50,6 +51,10 @@ class Insert:
     seed: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
+    repetition_penalty: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int = -1  # -1 = off; k >= 0: the token's logprob and the top k
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +89,10 @@ def encode_payload(command: Command) -> list[int]:
             *_words("<Q", insert.seed),
             *_words("<d", insert.temperature),
             *_words("<d", insert.top_p),
+            *_words("<d", insert.repetition_penalty),
+            *_words("<d", insert.presence_penalty),
+            *_words("<d", insert.frequency_penalty),
+            insert.logprobs,
             *insert.prompt,
         ]
     return words
@@ -97,9 +106,12 @@ def decode_payload(words: list[int]) -> tuple[tuple[int, ...], tuple[Insert, ...
         at = 1 + count
         inserts = []
         for _ in range(words[at]):
-            uid, length, max_tokens, s_lo, s_hi, t_lo, t_hi, p_lo, p_hi = words[
-                at + 1 : at + 1 + INSERT_FIELDS
-            ]
+            fields = words[at + 1 : at + 1 + INSERT_FIELDS]
+            uid, length, max_tokens, logprobs = fields[0], fields[1], fields[2], fields[15]
+            seed = int(_value("<Q", *fields[3:5]))
+            temperature, top_p, repetition, presence, frequency = (
+                float(_value("<d", *fields[index : index + 2])) for index in range(5, 15, 2)
+            )
             at += INSERT_FIELDS
             prompt = tuple(words[at + 1 : at + 1 + length])
             at += length
@@ -108,12 +120,16 @@ def decode_payload(words: list[int]) -> tuple[tuple[int, ...], tuple[Insert, ...
                     uid,
                     prompt,
                     max_tokens,
-                    int(_value("<Q", s_lo, s_hi)),
-                    float(_value("<d", t_lo, t_hi)),
-                    float(_value("<d", p_lo, p_hi)),
+                    seed,
+                    temperature,
+                    top_p,
+                    repetition,
+                    presence,
+                    frequency,
+                    logprobs,
                 )
             )
-    except (IndexError, ValueError) as error:
+    except (IndexError, ValueError, struct.error) as error:
         raise EngineError(f"malformed lockstep payload ({error}): ranks are out of step") from None
     if at + 1 != len(words):
         raise EngineError("lockstep payload has trailing words: ranks are out of step")

@@ -6,7 +6,7 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
-from ..sampling import make_request_sampler
+from ..sampling import make_request_processors, make_request_sampler, token_logprobs
 from .lockstep import Command, update_checksum
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -29,25 +29,35 @@ class ShardBatch:
         )
         self._to_generator: dict[int, int] = {}
         self._from_generator: dict[int, int] = {}
+        self._logprobs: dict[int, int] = {}  # uid -> top k, for sequences that asked
         self.checksum = 0
 
     def __len__(self) -> int:
         return len(self._to_generator)
 
-    def apply(self, command: Command) -> list[tuple[int, int]]:
-        """Remove, insert, then (if asked) step once: the (uid, token) pairs sampled."""
+    def apply(self, command: Command) -> list[tuple[Any, ...]]:
+        """Remove, insert, then (if asked) step once: the (uid, token) pairs sampled, each
+        followed by (logprob, [[id, logprob], ...]) when the sequence asked for logprobs."""
         gone = [self._to_generator.pop(uid) for uid in command.removes if uid in self._to_generator]
         for generator_uid in gone:
-            del self._from_generator[generator_uid]
+            self._logprobs.pop(self._from_generator.pop(generator_uid), None)
         if gone:
             self._generator.remove(gone)
         for insert in command.inserts:
             sampler = make_request_sampler(insert.temperature, insert.top_p, insert.seed)
+            processors = make_request_processors(
+                insert.repetition_penalty, insert.presence_penalty, insert.frequency_penalty
+            )
             (generator_uid,) = self._generator.insert(
-                [list(insert.prompt)], max_tokens=[insert.max_tokens], samplers=[sampler]
+                [list(insert.prompt)],
+                max_tokens=[insert.max_tokens],
+                samplers=[sampler],
+                logits_processors=[processors],
             )
             self._to_generator[insert.uid] = generator_uid
             self._from_generator[generator_uid] = insert.uid
+            if insert.logprobs >= 0:
+                self._logprobs[insert.uid] = insert.logprobs
         if not command.advance or not self._to_generator:
             return []
         _, responses = self._generator.next()
@@ -56,11 +66,17 @@ class ShardBatch:
             uid = self._from_generator.get(response.uid)
             if uid is None:
                 continue
-            tokens.append((uid, response.token))
+            top = self._logprobs.get(uid)
+            if top is None:
+                tokens.append((uid, response.token))
+            else:
+                chosen, best = token_logprobs(response.logprobs, response.token, top)
+                tokens.append((uid, response.token, chosen, [list(pair) for pair in best]))
             self.checksum = update_checksum(update_checksum(self.checksum, uid), response.token)
             if response.finish_reason is not None:  # the generator dropped it (max_tokens)
                 del self._from_generator[response.uid]
                 del self._to_generator[uid]
+                self._logprobs.pop(uid, None)
         return tokens
 
     def close(self) -> None:

@@ -219,7 +219,19 @@ def parse_insert(message: Any, vocab_size: int | None) -> Insert:
         raise ValueError(f"need temperature >= 0 and 0 <= top_p <= 1, got {temperature}, {top_p}")
     if not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    return Insert(message["uid"], tuple(prompt), max_tokens, seed, temperature, top_p)
+    penalties = [
+        float(message.get(name) or 0.0)
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
+    ]
+    if penalties[0] < 0:
+        raise ValueError(f"repetition_penalty must be >= 0, got {penalties[0]}")
+    logprobs = message.get("logprobs")
+    logprobs = -1 if logprobs is None else logprobs
+    if not isinstance(logprobs, int) or not -1 <= logprobs <= 20:
+        raise ValueError(f"logprobs must be an integer in [0, 20] or null, got {logprobs!r}")
+    return Insert(
+        message["uid"], tuple(prompt), max_tokens, seed, temperature, top_p, *penalties, logprobs
+    )
 
 
 def parse_step(
