@@ -7,6 +7,7 @@ import select
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
 from planner.errors import ChannelError, EngineError
 
-from ..base import Engine, EngineInfo, GenerationRequest
+from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
 from ..sampling import request_seed
 from . import wire
 from .stage_model import StageModel
@@ -106,6 +107,8 @@ class EncryptedPipelineEngine(Engine):
         self._failure: str | None = None
         self._abort_reason: str | None = None
         self._io_lock = threading.Lock()
+        self._waiting: deque[tuple[int, GenerationRequest]] = deque()
+        self._current: tuple[int, Iterator[int]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -228,6 +231,39 @@ class EncryptedPipelineEngine(Engine):
             self._io_lock.release()
 
     # -- generation --------------------------------------------------------------------------
+
+    # -- the batch: one sequence through the chain at a time ---------------------------------
+
+    def insert(self, uid: int, request: GenerationRequest) -> None:
+        if not request.prompt_tokens:
+            raise EngineError("the prompt is empty: a request needs at least one token")
+        self._waiting.append((uid, request))
+
+    def remove(self, uids: Sequence[int]) -> None:
+        gone = set(uids)
+        self._waiting = deque(entry for entry in self._waiting if entry[0] not in gone)
+        if self._current is not None and self._current[0] in gone:
+            _, tokens = self._current
+            self._current = None
+            tokens.close()  # sends END down the chain when the sequence ended cleanly
+
+    def step(self) -> list[StepOutput]:
+        """Advance the oldest sequence by one token; the others wait their turn."""
+        if self._current is None:
+            if not self._waiting:
+                return []
+            uid, request = self._waiting.popleft()
+            self._current = (uid, self.generate_tokens(request))
+        uid, tokens = self._current
+        try:
+            return [StepOutput(uid, next(tokens))]
+        except StopIteration:
+            self._current = None
+            return []
+        except EngineError:
+            self._current = None
+            self._waiting.clear()
+            raise
 
     def generate_tokens(self, request: GenerationRequest) -> Iterator[int]:
         if not request.prompt_tokens:
