@@ -92,7 +92,9 @@ def open_membership(
         from discovery.hostfile import load_hostfile
 
         entries = load_hostfile(hostfile).entries[1:]  # rank 0 is this coordinator
-        addresses = [(entry.ips[0] if entry.ips else entry.ssh, HOSTFILE_CONTROL_PORT) for entry in entries]
+        addresses = [
+            (entry.ips[0] if entry.ips else entry.ssh, HOSTFILE_CONTROL_PORT) for entry in entries
+        ]
     members = membership.discover(discovery_timeout_s, addresses=addresses)
     for member in members:
         status = "verified" if member.verified else f"NOT verified ({member.reason})"
@@ -105,7 +107,9 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     from engines.supervisor import PlanSettings
     from planner import plan_cluster
 
-    key, _ = resolve_cluster_key(args.cluster_key, args.cluster_key_file, args.state_dir, create=False)
+    key, _ = resolve_cluster_key(
+        args.cluster_key, args.cluster_key_file, args.state_dir, create=False
+    )
     nodes = [coordinator_resources(f"{socket.gethostname()}-coordinator", args.memory_limit)]
     members: list[Any] = []
     if key is not None:
@@ -120,13 +124,19 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
             ]
         finally:
             membership.close()
-    settings = PlanSettings(Parallelism(args.parallelism), args.collective, args.context_tokens, 1)
+    settings = PlanSettings(
+        Parallelism(args.parallelism), args.collective, args.context_tokens, 1, args.max_batch
+    )
     for member in members:
         verified = "verified" if member.verified else f"unverified: {member.reason}"
         print(f"peer {member.node_id} {member.address}:{member.port} {verified}")
     plan = plan_cluster(
-        settings.choice, facts.to_shape(), nodes,
-        collective=settings.collective, context_tokens=settings.context_tokens,
+        settings.choice,
+        facts.to_shape(),
+        nodes,
+        collective=settings.collective,
+        context_tokens=settings.context_tokens,
+        max_batch=settings.max_batch,
     )
     return plan, members
 
@@ -135,6 +145,7 @@ def serve(config: ServeConfig) -> int:
     """Plan, launch, and serve until interrupted; exit status 2 when nothing fits."""
     import uvicorn
 
+    from engines import blas
     from engines.api.app import create_app
     from engines.launch import LaunchSettings
     from engines.service import Service, ServiceLimits
@@ -142,6 +153,7 @@ def serve(config: ServeConfig) -> int:
 
     from .model_source import resolve_model
 
+    log.info("BLAS: %s", blas.status().describe())
     facts = resolve_model(config.model, config.cache_dir)
     model_id = config.model_id or (DEMO_MODEL_ID if config.model is None else facts.path.name)
     wants_cluster = config.parallelism != Parallelism.SINGLE
@@ -172,6 +184,7 @@ def serve(config: ServeConfig) -> int:
             config.collective,
             config.context_tokens,
             config.queue_size,
+            config.max_batch,
             config.rediscover_interval_s,
         ),
         launch_settings=None,  # set below, once the members (and so our address) are known
@@ -180,13 +193,20 @@ def serve(config: ServeConfig) -> int:
     membership = None
     if wants_cluster and key is not None:
         membership = open_membership(
-            key, config.interface, config.discovery_timeout_s, config.hostfile,
-            config.lost_after_s, supervisor,
+            key,
+            config.interface,
+            config.discovery_timeout_s,
+            config.hostfile,
+            config.lost_after_s,
+            supervisor,
         )
         supervisor.membership = membership
     address = coordinator_address(config.interface, membership.members() if membership else [])
     supervisor.launch_settings = LaunchSettings(
-        model_path=facts.path, cluster_key=key, coordinator_address=address
+        model_path=facts.path,
+        cluster_key=key,
+        coordinator_address=address,
+        max_batch=config.max_batch,
     )
     service.cluster_status = supervisor.status
     try:

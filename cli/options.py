@@ -51,3 +51,23 @@ def add_interface_flag(parser: argparse.ArgumentParser) -> None:
         "--interface",
         help="address zeroconf and the control port bind to (127.0.0.1 keeps everything local)",
     )
+
+
+def add_blas_flags(parser: argparse.ArgumentParser) -> None:
+    """Which BLAS mlx runs on here and in every worker started from here (Linux CPU)."""
+    add_flag(
+        parser,
+        "--blas",
+        default="auto",
+        choices=["auto", "reference"],
+        help="auto: an optimized BLAS under mlx on Linux; reference: mlx as installed",
+    )
+    add_flag(parser, "--blas-threads", default=0, cast=int, help="BLAS threads (0: every core)")
+
+
+def apply_blas_flags(args: argparse.Namespace) -> None:
+    """Hand the choice to engines/blas.py through its environment variables, which every
+    worker process inherits; must run before the first import of anything under engines/."""
+    os.environ["TANDEM_BLAS"] = args.blas
+    if args.blas_threads > 0:
+        os.environ["TANDEM_BLAS_THREADS"] = str(args.blas_threads)

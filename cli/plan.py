@@ -15,22 +15,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="dry-run the planner: for given inputs (--world-size) or against the live cluster",
     )
-    add_flag(parser, "--model", cast=Path, help="model directory (default: the built-in demo model)")
-    add_flag(parser, "--parallelism", default="auto", choices=[p.value for p in Parallelism], help="operator choice")
-    parser.add_argument("--world-size", type=int, help="plan for N machines instead of the live cluster")
-    parser.add_argument("--no-tp-variant", action="store_true", help="pretend the model has no tp variant")
+    add_flag(
+        parser, "--model", cast=Path, help="model directory (default: the built-in demo model)"
+    )
+    add_flag(
+        parser,
+        "--parallelism",
+        default="auto",
+        choices=[p.value for p in Parallelism],
+        help="operator choice",
+    )
     parser.add_argument(
-        "--no-distributed-group", action="store_true", help="pretend no distributed group is available"
+        "--world-size", type=int, help="plan for N machines instead of the live cluster"
+    )
+    parser.add_argument(
+        "--no-tp-variant", action="store_true", help="pretend the model has no tp variant"
+    )
+    parser.add_argument(
+        "--no-distributed-group",
+        action="store_true",
+        help="pretend no distributed group is available",
     )
     add_interface_flag(parser)
     add_key_flags(parser)
-    add_flag(parser, "--discovery-timeout", default=3.0, cast=float, help="seconds to browse for peers")
+    add_flag(
+        parser, "--discovery-timeout", default=3.0, cast=float, help="seconds to browse for peers"
+    )
     add_flag(parser, "--hostfile", cast=Path, help="static membership instead of zeroconf")
-    add_flag(parser, "--collective", choices=["ring", "jaccl"], help="accept this collective backend for tp")
+    add_flag(
+        parser,
+        "--collective",
+        choices=["ring", "jaccl"],
+        help="accept this collective backend for tp",
+    )
     add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
+    add_flag(parser, "--max-batch", default=16, cast=int, help="sequences decoded together")
     add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
-    add_flag(parser, "--cache-dir", default=Path.home() / ".cache" / "tandem", cast=Path, help="demo model cache")
-    add_flag(parser, "--state-dir", default=Path.home() / ".local" / "state" / "tandem", cast=Path, help="node id and cluster key")
+    add_flag(
+        parser,
+        "--cache-dir",
+        default=Path.home() / ".cache" / "tandem",
+        cast=Path,
+        help="demo model cache",
+    )
+    add_flag(
+        parser,
+        "--state-dir",
+        default=Path.home() / ".local" / "state" / "tandem",
+        cast=Path,
+        help="node id and cluster key",
+    )
     parser.set_defaults(run=run)
 
 
@@ -57,8 +91,10 @@ def print_dry_run(args: argparse.Namespace, facts) -> int:
         has_tp_variant=facts.has_tp_variant and not args.no_tp_variant,
         distributed_group_available=not args.no_distributed_group,
     )
-    print(f"model: {facts.path} ({facts.model_type}, {facts.num_layers} layers, "
-          f"{facts.attention_heads} attention heads, {facts.kv_heads} KV heads)")
+    print(
+        f"model: {facts.path} ({facts.model_type}, {facts.num_layers} layers, "
+        f"{facts.attention_heads} attention heads, {facts.kv_heads} KV heads)"
+    )
     for check in capability_checks(inputs):
         print(f"  [{'PASS' if check.passed else 'FAIL'}] {check.name}: {check.detail}")
     decision = decide(inputs)

@@ -10,7 +10,7 @@ from pathlib import Path
 from planner import Parallelism
 from planner.errors import ConfigError
 
-from .options import add_flag, add_interface_flag, add_key_flags
+from .options import add_blas_flags, add_flag, add_interface_flag, add_key_flags, apply_blas_flags
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ class ServeConfig:
     host: str
     port: int
     queue_size: int
+    max_batch: int
     max_tokens_cap: int
     request_timeout_s: float
     api_key: str | None
@@ -46,7 +47,9 @@ class ServeConfig:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="plan the cluster and serve the OpenAI API")
-    add_flag(parser, "--model", cast=Path, help="model directory (default: the built-in demo model)")
+    add_flag(
+        parser, "--model", cast=Path, help="model directory (default: the built-in demo model)"
+    )
     add_flag(parser, "--model-id", help="model name clients use (default: the directory name)")
     add_flag(
         parser,
@@ -57,13 +60,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flag(parser, "--host", default="127.0.0.1", help="HTTP bind address")
     add_flag(parser, "--port", default=DEFAULT_PORT, cast=int, help="HTTP port")
-    add_flag(parser, "--queue-size", default=8, cast=int, help="requests waiting before 429")
+    add_flag(
+        parser,
+        "--max-batch",
+        default=16,
+        cast=int,
+        help="sequences decoded together (continuous batching)",
+    )
+    add_flag(
+        parser,
+        "--queue-size",
+        default=8,
+        cast=int,
+        help="requests waiting for a batch slot before 429",
+    )
     add_flag(parser, "--max-tokens-cap", default=4096, cast=int, help="largest max_tokens accepted")
     add_flag(parser, "--request-timeout", default=300.0, cast=float, help="seconds per request")
     add_flag(parser, "--api-key", help="require `Authorization: Bearer KEY` on /v1")
     add_interface_flag(parser)
-    add_flag(parser, "--discovery-timeout", default=3.0, cast=float, help="seconds to browse for peers")
-    add_flag(parser, "--hostfile", cast=Path, help="static membership (mlx.launch JSON) instead of zeroconf")
+    add_flag(
+        parser, "--discovery-timeout", default=3.0, cast=float, help="seconds to browse for peers"
+    )
+    add_flag(
+        parser,
+        "--hostfile",
+        cast=Path,
+        help="static membership (mlx.launch JSON) instead of zeroconf",
+    )
     add_key_flags(parser)
     add_flag(
         parser,
@@ -73,7 +96,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
     add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
-    add_flag(parser, "--lost-after", default=5.0, cast=float, help="seconds of silence before a peer is lost")
+    add_flag(
+        parser,
+        "--lost-after",
+        default=5.0,
+        cast=float,
+        help="seconds of silence before a peer is lost",
+    )
     add_flag(
         parser,
         "--rediscover-interval",
@@ -81,14 +110,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cast=float,
         help="seconds between looks for agents that joined later (while idle; 0 = never)",
     )
-    add_flag(parser, "--cache-dir", default=Path.home() / ".cache" / "tandem", cast=Path, help="demo model cache")
-    add_flag(parser, "--state-dir", default=Path.home() / ".local" / "state" / "tandem", cast=Path, help="node id and cluster key")
+    add_blas_flags(parser)
+    add_flag(
+        parser,
+        "--cache-dir",
+        default=Path.home() / ".cache" / "tandem",
+        cast=Path,
+        help="demo model cache",
+    )
+    add_flag(
+        parser,
+        "--state-dir",
+        default=Path.home() / ".local" / "state" / "tandem",
+        cast=Path,
+        help="node id and cluster key",
+    )
     parser.set_defaults(run=run)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if args.queue_size < 1:
         raise ConfigError(f"--queue-size must be at least 1, got {args.queue_size}")
+    if args.max_batch < 1:
+        raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.max_tokens_cap < 1:
         raise ConfigError(f"--max-tokens-cap must be at least 1, got {args.max_tokens_cap}")
     if not 0 < args.port < 65536:
@@ -100,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         host=args.host,
         port=args.port,
         queue_size=args.queue_size,
+        max_batch=args.max_batch,
         max_tokens_cap=args.max_tokens_cap,
         request_timeout_s=args.request_timeout,
         api_key=args.api_key,
@@ -119,6 +164,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    apply_blas_flags(args)  # before anything imports mlx, here or in the workers
     from .coordinator import serve
 
-    return serve(config_from_args(args))
+    return serve(config)

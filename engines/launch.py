@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -12,6 +13,7 @@ from discovery.framing import free_port
 from planner import ClusterPlan, Parallelism
 from planner.errors import EngineError, PeerError
 
+from . import blas
 from .base import Engine
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class LaunchSettings:
     ready_timeout_s: float = 120.0
     token_timeout_s: float = 10.0
     ring_port_base: int = DEFAULT_RING_PORT_BASE
+    max_batch: int = 16  # sequences decoded together
 
 
 def build_engine(
@@ -54,10 +57,12 @@ def build_engine(
     which for tp/pp also waits for the remote workers to meet it.
     """
     chosen = plan.decision.chosen
+    share = _share_cores(plan, addresses, settings.coordinator_address)
+    blas.set_threads(share)
     if chosen == Parallelism.SINGLE:
         from .single import SingleEngine
 
-        return SingleEngine(settings.model_path)
+        return SingleEngine(settings.model_path, max_batch=settings.max_batch)
     if membership is None or settings.cluster_key is None:
         raise EngineError(f"a {chosen.value} plan needs cluster membership and a cluster key")
     if chosen == Parallelism.TP:
@@ -76,7 +81,10 @@ def _build_tensor_parallel(
 
     rank_addresses = [addresses[node_id] for node_id in plan.ranks]
     ports = [_ring_port(address, rank, settings) for rank, address in enumerate(rank_addresses)]
-    specs = ring_specs(rank_addresses, ports, settings.model_path)
+    specs = ring_specs(rank_addresses, ports, settings.model_path, max_batch=settings.max_batch)
+    share = _share_cores(plan, addresses, settings.coordinator_address)
+    for spec, address in zip(specs, rank_addresses, strict=True):
+        spec["blas_threads"] = _threads_at(address, share, settings)
     for rank, node_id in enumerate(plan.ranks[1:], start=1):
         membership.assign(node_id, TP_ROLE, specs[rank])
     endpoints = ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports, strict=True))
@@ -96,6 +104,7 @@ def _build_pipeline(
 
     from .pipeline.engine import EncryptedPipelineEngine
 
+    share = _share_cores(plan, addresses, settings.coordinator_address)
     return_port = free_port(settings.coordinator_address)
     next_hop = (settings.coordinator_address, return_port)
     remote: list[dict[str, Any]] = []
@@ -113,6 +122,7 @@ def _build_pipeline(
             "next_port": next_hop[1],
             "cluster_key": format_key(settings.cluster_key),
             "read_timeout_s": settings.token_timeout_s,
+            "blas_threads": _threads_at(address, share, settings),
         }
         assignment = membership.assign(stage.node_id, PP_ROLE, spec)
         try:
@@ -134,6 +144,25 @@ def _build_pipeline(
         token_timeout_s=settings.token_timeout_s,
         return_listen_port=return_port,
     )
+
+
+def _share_cores(plan: ClusterPlan, addresses: dict[str, str], here: str) -> int:
+    """Cores per mlx process when plan members share this machine (a loopback cluster), so
+    they do not run n x all-cores BLAS threads against each other; 0 when alone here."""
+    members = set(plan.ranks) | {stage.node_id for stage in plan.stages}
+    local = [node for node in members if _on_this_machine(addresses.get(node, ""), here)]
+    if len(local) < 2:
+        return 0
+    return max(1, (os.cpu_count() or 1) // len(local))
+
+
+def _threads_at(address: str, share: int, settings: LaunchSettings) -> int:
+    """A worker's BLAS threads: its share here, 0 (its machine's default) elsewhere."""
+    return share if _on_this_machine(address, settings.coordinator_address) else 0
+
+
+def _on_this_machine(address: str, here: str) -> bool:
+    return _is_loopback(address) or address == here
 
 
 def _ring_port(address: str, rank: int, settings: LaunchSettings) -> int:

@@ -63,6 +63,8 @@ class Service:
             "status": state,
             "reason": self.state_reason,
             "model": self.model_id,
+            "active": runner.active if runner else 0,
+            "max_batch": runner.max_batch if runner else 0,
             "queued": runner.queued if runner else 0,
             "queue_size": runner.queue_size if runner else 0,
         }

@@ -31,6 +31,7 @@ class PlanSettings:
     collective: str | None
     context_tokens: int
     queue_size: int
+    max_batch: int = 16
     rediscover_interval_s: float = 10.0  # 0 disables looking for agents that join later
 
 
@@ -79,6 +80,7 @@ class ClusterSupervisor:
             nodes,
             collective=self.plan_settings.collective,
             context_tokens=self.plan_settings.context_tokens,
+            max_batch=self.plan_settings.max_batch,
         )
 
     def start(self) -> ClusterPlan:
@@ -101,7 +103,9 @@ class ClusterSupervisor:
             addresses |= {m.node_id: m.address for m in self.membership.members()}
         try:
             engine = build_engine(plan, self.launch_settings, self.membership, addresses)
-            runner = EngineRunner(engine, self.plan_settings.queue_size)
+            runner = EngineRunner(
+                engine, self.plan_settings.queue_size, self.plan_settings.max_batch
+            )
             runner.start(load_timeout_s=self.launch_settings.ready_timeout_s)
         except TandemError:
             self._release_workers("launch failed")
@@ -259,7 +263,8 @@ def _engine_info(runner: EngineRunner | None) -> dict[str, Any] | None:
     if runner is None:
         return None
     info = runner.engine.info()
-    return {"strategy": info.strategy, "world_size": info.world_size, **info.detail}
+    batch = {"active": runner.active, "capacity": runner.max_batch, "queued": runner.queued}
+    return {"strategy": info.strategy, "world_size": info.world_size, "batch": batch, **info.detail}
 
 
 def _resources_dict(node: NodeResources) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class ClusterPlan:
     fits: tuple[NodeFit, ...]
     refusal: str | None = None
     backend: str | None = None  # the collective tp ranks join; None unless tp
+    batch_capacity: int = 1  # sequences decoded together, each with a full context of KV
+    context_tokens: int = 0  # the KV budget of one sequence
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; layer ranges become [start, stop]."""
@@ -83,6 +85,8 @@ class ClusterPlan:
                 for check in self.checks
             ],
             "ranks": list(self.ranks),
+            "batch_capacity": self.batch_capacity,
+            "context_tokens": self.context_tokens,
             "stages": [
                 {
                     "node_id": stage.node_id,
@@ -113,6 +117,10 @@ class ClusterPlan:
         lines.append(f"chosen: {self.decision.chosen.value}{closed} ({self.decision.reason})")
         if self.backend is not None:
             lines.append(f"collective backend: {self.backend}")
+        lines.append(
+            f"batch capacity: {self.batch_capacity} sequences x {self.context_tokens} tokens "
+            "of KV cache, counted in every node's need"
+        )
         if self.stages:
             for index, stage in enumerate(self.stages):
                 first, last = stage.layers.start, stage.layers.stop - 1
@@ -185,7 +193,7 @@ class _Sizing:
 
     shape: ModelShape
     nodes: tuple[NodeResources, ...]
-    context_tokens: int
+    context_tokens: int  # KV tokens to hold: one context per sequence of a full batch
     headroom: float
 
     @property
@@ -272,12 +280,17 @@ def plan_cluster(
     collective: str | None = None,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
     headroom: float = DEFAULT_HEADROOM,
+    max_batch: int = 1,
 ) -> ClusterPlan:
     """Decide the strategy for these nodes (rank order) and check it fits every node's memory.
 
-    A plan that does not fit comes back with `refusal` set; PlanError means invalid input.
+    Every node must hold its weights plus the KV cache of a full batch: `max_batch`
+    sequences of `context_tokens` each. A plan that does not fit comes back with `refusal`
+    set; PlanError means invalid input.
     """
     _validate(nodes, collective)
+    if max_batch < 1:
+        raise PlanError(f"max_batch={max_batch} must be at least 1")
     choice = Parallelism(choice)
     backend, backend_check = _choose_backend(nodes, collective)
     inputs = DecisionInputs(
@@ -294,9 +307,11 @@ def plan_cluster(
         checks.append(check)
         if check.name == GROUP_RULE:
             checks.append(backend_check)  # right after the rule it explains
-    sizing = _Sizing(shape, tuple(nodes), context_tokens, headroom)
+    sizing = _Sizing(shape, tuple(nodes), context_tokens * max_batch, headroom)
     if decision.chosen is Parallelism.TP:
-        return _plan_tp(choice, decision, tuple(checks), sizing, backend)
-    if decision.chosen is Parallelism.PP:
-        return _plan_pp(decision, tuple(checks), sizing)
-    return _plan_single(decision, tuple(checks), sizing)
+        plan = _plan_tp(choice, decision, tuple(checks), sizing, backend)
+    elif decision.chosen is Parallelism.PP:
+        plan = _plan_pp(decision, tuple(checks), sizing)
+    else:
+        plan = _plan_single(decision, tuple(checks), sizing)
+    return replace(plan, batch_capacity=max_batch, context_tokens=context_tokens)

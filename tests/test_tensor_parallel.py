@@ -298,6 +298,9 @@ def test_killing_rank_1_mid_batch_raises_quickly(demo_model_dir):
         assert seconds < 10
         assert "tensor-parallel rank 0 lost" in str(error)
         assert not cluster.engine.healthy()
+        deadline = time.monotonic() + 5  # the supervisor is told from the reader thread
+        while not cluster.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(cluster.lost) == 1 and "connection" in cluster.lost[0]
     finally:
         close_cluster(cluster)
@@ -348,7 +351,7 @@ def test_an_idle_group_notices_a_rank_whose_agent_went_away(demo_model_dir):
         while not cluster.lost and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(cluster.lost) == 1  # noticed by the idle heartbeat, no request needed
-        assert "connection to a peer was lost" in cluster.lost[0]
+        assert "connection" in cluster.lost[0]  # mlx: "closed by the peer" or "was lost"
         assert not cluster.engine.healthy()
         prompt = tuple(cluster.engine.tokenizer.encode(PROMPTS[0]))
         cluster.engine.insert(0, GenerationRequest("late", prompt, 4))

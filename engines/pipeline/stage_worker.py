@@ -20,6 +20,7 @@ from discovery.cluster_key import KEY_BYTES, KEY_PREFIX, parse_key
 from discovery.secure_channel import SecureChannel
 from planner.errors import ConfigError, EngineError
 
+from .. import blas
 from .stage_model import StageModel
 from .stage_server import EncryptedPipelineServer
 
@@ -42,6 +43,7 @@ class StageSpec:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     read_timeout_s: float = 10.0
+    blas_threads: int = 0  # this process's share of the cores; 0 keeps the default
 
     @classmethod
     def from_json(cls, line: str | bytes) -> StageSpec:
@@ -64,6 +66,7 @@ class StageSpec:
                 listen_host=str(raw.get("listen_host", "127.0.0.1")),
                 listen_port=int(raw.get("listen_port", 0)),
                 read_timeout_s=float(raw.get("read_timeout_s", 10.0)),
+                blas_threads=int(raw.get("blas_threads", 0)),
             )
         except KeyError as error:
             raise ConfigError(f"the stage spec lacks the field {error}") from None
@@ -175,6 +178,7 @@ def run(channel_class: Any = SecureChannel) -> int:
     except ConfigError as error:
         _emit({"event": "failed", "reason": str(error)})
         return 2
+    log.info("BLAS: %s", blas.set_threads(spec.blas_threads).describe())
     try:
         stage = StageModel.load(spec.model_path, spec.layers, spec.is_last)
         server = EncryptedPipelineServer(spec, stage, channel_class)

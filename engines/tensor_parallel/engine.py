@@ -29,6 +29,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 STDERR_TAIL = 20
 SHUTDOWN_GRACE_S = 5.0
 KILL_GRACE_S = 2.0
+PEER_LOST_SIGNS = ("was closed by the peer", "Failing pending tasks")  # mlx ring log lines
 
 
 class TensorParallelEngine(Engine):
@@ -366,3 +367,8 @@ class TensorParallelEngine(Engine):
             if line:
                 self._stderr_tail.append(line)
                 log.info("rank 0 | %s", line)
+                if self.ready and not self._closed and any(s in line for s in PEER_LOST_SIGNS):
+                    # mlx's ring fails the pending collective, but an evaluation waiting on it
+                    # may never return: its log line is the earliest sign of a dead peer.
+                    self._lose(f"a peer's connection broke ({line})")
+                    self._messages.put(None)

@@ -42,6 +42,7 @@ class WorkerSpec:
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    blas_threads: int = 0  # this rank's share of its machine's cores; 0 keeps the default
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ from typing import IO, Any, NoReturn
 import mlx.core as mx
 from mlx_lm.utils import load_model
 
+from .. import blas
 from .group import WorkerSpec, group_environment
 from .lockstep import (
     COMMAND_NAMES,
@@ -348,6 +349,7 @@ def run(spec: WorkerSpec, output: Output) -> int:
         output.write({"event": "failed", "rank": spec.rank, "reason": reason})
         os._exit(1)  # the main thread may be stuck in a collective that cannot be interrupted
 
+    log.info("BLAS: %s", blas.set_threads(spec.blas_threads).describe())
     watchdog = Watchdog(fail)
     if spec.rank != 0:
         threading.Thread(target=exit_when_stdin_closes, name="stdin-watch", daemon=True).start()
