@@ -50,6 +50,7 @@ class ModelFacts:
     head_bytes: int  # 0 when the head reuses the embedding
     has_tp_variant: bool  # mlx-lm's Model class defines shard(group)
     has_pipeline_variant: bool  # mlx-lm's Model class defines pipeline(group)
+    intermediate_size: int = 0  # MLP width; 0 when the config does not say
 
     def to_shape(self) -> ModelShape:
         """The planner's view of this model."""
@@ -68,6 +69,7 @@ class ModelFacts:
             tied_embeddings=self.tied_embeddings,
             dtype_bytes=self.dtype_bytes,
             has_tp_variant=self.has_tp_variant,
+            intermediate_size=self.intermediate_size,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,6 +118,7 @@ def inspect_model(path: Path | str) -> ModelFacts:
         head_bytes=0 if tied_embeddings else head_tensor_bytes,
         has_tp_variant=has_tp_variant,
         has_pipeline_variant=has_pipeline_variant,
+        intermediate_size=int(_lookup(config, "intermediate_size") or 0),
     )
 
 

@@ -12,6 +12,8 @@ from typing import Any
 from planner import ClusterPlan, NodeResources, Parallelism, plan_cluster
 from planner.errors import PlanError, TandemError
 
+from .base import Engine
+from .exclusions import MemberExclusions
 from .launch import LaunchSettings, build_engine
 from .model_info import ModelFacts
 from .runner import EngineRunner
@@ -21,6 +23,10 @@ log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.5
 REDISCOVER_BROWSE_S = 1.0
+RETRY_FIRST_S = 2.0  # between failed re-plan attempts, doubling up to RETRY_MAX_S
+RETRY_MAX_S = 60.0
+RELEASE_WAIT_S = 5.0
+WATCHER_JOIN_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +45,9 @@ class ClusterSupervisor:
     """Owns the current plan and engine; swaps them into the Service after every (re-)plan.
 
     A lost member (membership callback) or an unhealthy engine (watch thread) triggers a
-    re-plan on a background thread: in-flight requests end with an error, queued ones are
-    failed, every worker is released, and the survivors are planned and served again.
+    re-plan on the watch thread: in-flight requests end with an error, queued ones are
+    failed, every worker is released, and the survivors are planned and served again. A
+    member whose worker keeps failing is left out of plans for a growing back-off.
     """
 
     def __init__(
@@ -51,6 +58,7 @@ class ClusterSupervisor:
         launch_settings: LaunchSettings,
         coordinator: Callable[[], NodeResources],
         membership: Any | None = None,
+        engine_factory: Callable[[ClusterPlan], Engine] | None = None,
     ) -> None:
         self.service = service
         self.facts = facts
@@ -61,19 +69,23 @@ class ClusterSupervisor:
         self.plan: ClusterPlan | None = None
         self.replans = 0
         self.last_replan_reason = ""
+        self._engine_factory = engine_factory or self._build_engine
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._replan_wanted = threading.Event()
-        self._retired: EngineRunner | None = None  # swapped out, closed by the re-plan
+        self._loss_count = 0  # bumped by every re-plan request, so none is lost mid-launch
+        self._retired: list[EngineRunner] = []  # swapped out, closed by the next re-plan
+        self.exclusions = MemberExclusions()
         self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
 
     # -- planning ----------------------------------------------------------------------------
 
     def make_plan(self) -> ClusterPlan:
-        """Plan over the coordinator plus every verified, connected member (pure planner)."""
+        """Plan over the coordinator plus every verified, connected, not excluded member."""
         nodes = [self.coordinator()]
         if self.membership is not None:
-            nodes += self.membership.to_resources()
+            excluded = self.exclusions.excluded_now()
+            nodes += [n for n in self.membership.to_resources() if n.node_id not in excluded]
         return plan_cluster(
             self.plan_settings.choice,
             self.facts.to_shape(),
@@ -92,26 +104,40 @@ class ClusterSupervisor:
         self._watcher.start()
         return plan
 
+    def _build_engine(self, plan: ClusterPlan) -> Engine:
+        addresses = {self.coordinator().node_id: self.launch_settings.coordinator_address}
+        if self.membership is not None:
+            addresses |= {m.node_id: m.address for m in self.membership.members()}
+        return build_engine(plan, self.launch_settings, self.membership, addresses)
+
     def _launch(self, plan: ClusterPlan) -> None:
+        """Start the plan's engine and install it; a launch that fails or outlives close()
+        leaves nothing behind (the runner closes the engine once its load returns)."""
         self.plan = plan
         decision = plan.decision
         log.info("plan: %s — %s", decision.chosen.value, decision.reason)
         for line in plan.describe():
             log.info("  %s", line)
-        addresses = {self.coordinator().node_id: self.launch_settings.coordinator_address}
-        if self.membership is not None:
-            addresses |= {m.node_id: m.address for m in self.membership.members()}
+        runner: EngineRunner | None = None
         try:
-            engine = build_engine(plan, self.launch_settings, self.membership, addresses)
+            engine = self._engine_factory(plan)
             runner = EngineRunner(
                 engine, self.plan_settings.queue_size, self.plan_settings.max_batch
             )
             runner.start(load_timeout_s=self.launch_settings.ready_timeout_s)
         except TandemError:
+            if runner is not None:
+                runner.close()  # aborts a load still waiting on remote workers
             self._release_workers("launch failed")
             raise
-        self.service.tokenizer = engine.tokenizer
-        self.service.swap_runner(runner, "ok", decision.reason)
+        with self._lock:
+            if not self._closed.is_set():
+                self.service.tokenizer = engine.tokenizer
+                self.service.swap_runner(runner, "ok", decision.reason)
+                runner = None
+        if runner is not None:  # closed while launching: nobody may serve from it
+            runner.close()
+            self._release_workers("coordinator shutting down")
 
     # -- failure handling --------------------------------------------------------------------
 
@@ -125,22 +151,24 @@ class ClusterSupervisor:
             self.request_replan(f"member {node_id} lost: {reason}")
 
     def on_assignment_failed(self, node_id: str, assignment_id: str, reason: str) -> None:
+        self.exclusions.record_failure(node_id, reason)
         self.on_member_lost(node_id, f"its worker failed: {reason}")
 
     def request_replan(self, reason: str) -> None:
+        """Take the engine out of service now; the watch thread plans again."""
         with self._lock:
-            if self._replan_wanted.is_set() or self._closed.is_set():
+            if self._closed.is_set():
                 return
             self.last_replan_reason = reason
+            self._loss_count += 1
+            runner = self.service.runner
+            self.service.swap_runner(None, "degraded", reason)
+            if runner is not None:
+                self._retired.append(runner)
             self._replan_wanted.set()
         log.warning("re-planning: %s", reason)
-        runner = self.service.runner
-        self.service.swap_runner(None, "degraded", reason)
-        self._retired = runner
         if runner is not None:
-            abort = getattr(runner.engine, "abort", None)
-            if abort is not None:
-                abort(reason)  # unblocks a generation stuck on the dead member at once
+            runner.engine.abort(reason)  # unblocks a step stuck on the dead member at once
 
     def _watch(self) -> None:
         next_discovery = time.monotonic() + self.plan_settings.rediscover_interval_s
@@ -173,31 +201,42 @@ class ClusterSupervisor:
             self.request_replan(f"membership changed: {members} verified node(s) now")
 
     def _replan(self) -> None:
-        old_runner, self._retired = self._retired, None
-        if old_runner is not None:
-            old_runner.close()
+        """Close what was retired, release every worker, then launch the survivors' plan,
+        backing off between failed attempts; a loss reported meanwhile re-plans again."""
+        with self._lock:
+            self._replan_wanted.clear()
+            losses = self._loss_count
+            retired, self._retired = self._retired, []
+        for runner in retired:
+            runner.close()
         self._release_workers(self.last_replan_reason)
+        delay_s = RETRY_FIRST_S
         while not self._closed.is_set():
             try:
                 plan = self.make_plan()
                 if plan.refusal:
                     raise PlanError(plan.refusal)
                 self._launch(plan)
-                self.replans += 1
-                self._replan_wanted.clear()
-                chosen = plan.decision.chosen.value
-                log.info("serving again after re-plan #%d as %s", self.replans, chosen)
-                return
             except TandemError as error:
-                log.error("re-plan failed: %s; retrying", error)
+                log.error("re-plan failed: %s; retrying in %g s", error, delay_s)
                 self.service.swap_runner(None, "degraded", f"re-plan failed: {error}")
-                if self._closed.wait(2.0):
+                if self._closed.wait(delay_s):
                     return
+                delay_s = min(delay_s * 2, RETRY_MAX_S)
+                continue
+            self.replans += 1
+            self.exclusions.record_success(plan)
+            log.info("serving again after re-plan #%d as %s", self.replans, plan.decision.chosen)
+            with self._lock:
+                if self._loss_count != losses and not self._replan_wanted.is_set():
+                    self._replan_wanted.set()  # a member was lost during the launch
+            return
 
     def _release_workers(self, reason: str) -> None:
         if self.membership is not None:
-            self.membership.release_all(reason)
-            time.sleep(0.2)  # let agents stop their workers before ports are reused
+            # Wait for every agent to confirm its worker stopped: their ports are reused next.
+            if not self.membership.release_all(reason, wait_s=RELEASE_WAIT_S):
+                log.warning("not every agent confirmed the release within %g s", RELEASE_WAIT_S)
 
     # -- status and shutdown -----------------------------------------------------------------
 
@@ -212,6 +251,7 @@ class ClusterSupervisor:
             "collective": self.plan_settings.collective,
             "replans": self.replans,
             "last_replan_reason": self.last_replan_reason,
+            "excluded": self.exclusions.describe(),
             "plan": plan.to_dict() if plan else None,
             "strategy": plan.decision.chosen.value if plan else None,
             "reason": plan.decision.reason if plan else None,
@@ -243,11 +283,17 @@ class ClusterSupervisor:
         ]
 
     def close(self) -> None:
-        self._closed.set()
-        runner = self.service.runner
-        self.service.swap_runner(None, "stopping", "server is shutting down")
-        if runner is not None:
-            runner.close()
+        """Stop watching (waiting for a launch in progress), then close the engine."""
+        with self._lock:
+            self._closed.set()
+            runner = self.service.runner
+            self.service.swap_runner(None, "stopping", "server is shutting down")
+            retired, self._retired = self._retired, []
+        if self._watcher.is_alive():
+            self._watcher.join(WATCHER_JOIN_S)
+        for old in [*retired, runner]:
+            if old is not None:
+                old.close()
         self._release_workers("coordinator shutting down")
 
 

@@ -298,6 +298,7 @@ def plan_cluster(
         world_size=len(nodes),
         attention_heads=shape.attention_heads,
         kv_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate_size,
         has_tp_variant=shape.has_tp_variant,
         distributed_group_available=backend is not None,
     )

@@ -12,6 +12,7 @@ GROUP_RULE = "distributed group"
 VARIANT_RULE = "tensor-parallel variant"
 ATTENTION_RULE = "attention heads"
 KV_RULE = "KV heads"
+MLP_RULE = "MLP size"
 
 
 class Parallelism(StrEnum):
@@ -38,6 +39,7 @@ class DecisionInputs:
     kv_heads: int
     has_tp_variant: bool
     distributed_group_available: bool
+    intermediate_size: int = 0  # the MLP width every tp rank splits; 0 when unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +88,24 @@ def capability_checks(inputs: DecisionInputs) -> tuple[RuleCheck, ...]:
         variant = RuleCheck(VARIANT_RULE, True, "model has a tensor-parallel variant")
     else:
         variant = RuleCheck(VARIANT_RULE, False, "model has no tensor-parallel variant")
-    return (
+    checks = (
         world,
         group,
         variant,
         _heads_check(ATTENTION_RULE, inputs.attention_heads, size),
         _heads_check(KV_RULE, inputs.kv_heads, size),
     )
+    if inputs.intermediate_size:  # the same rule the tp worker enforces before loading
+        checks += (_heads_check(MLP_RULE, inputs.intermediate_size, size),)
+    return checks
+
+
+def tp_split_problems(
+    attention_heads: int, kv_heads: int, intermediate_size: int, world_size: int
+) -> list[str]:
+    """What stops tp over `world_size` ranks (empty when the model splits evenly)."""
+    sizes = ((ATTENTION_RULE, attention_heads), (KV_RULE, kv_heads), (MLP_RULE, intermediate_size))
+    return [f"{count} {name}" for name, count in sizes if count and count % world_size]
 
 
 def decide(inputs: DecisionInputs) -> Decision:

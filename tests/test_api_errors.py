@@ -369,3 +369,40 @@ async def test_curl_style_form_content_type_is_read_as_json(client) -> None:
     )
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 3
+
+
+# -- the planned context, and the event loop ----------------------------------------------------
+
+
+async def test_prompt_plus_max_tokens_must_fit_the_planned_context(runner: EngineRunner) -> None:
+    async with open_client(make_service(runner), max_prompt_tokens=64) as client:
+        prompt = list(range(10, 50))  # 40 tokens of a 64-token context
+        too_many = await client.post(COMPLETIONS, json=completion_body(prompt=prompt, max_tokens=25))
+        error = assert_error(too_many, 400, param="max_tokens", code="context_length_exceeded")
+        assert "room for 24 tokens" in error["message"]
+        fits = await client.post(COMPLETIONS, json=completion_body(prompt=prompt, max_tokens=24))
+        assert fits.status_code == 200, fits.text
+        unspecified = completion_body(prompt=prompt)
+        unspecified.pop("max_tokens", None)
+        clamped = await client.post(COMPLETIONS, json=unspecified)
+        assert clamped.status_code == 200, clamped.text
+        assert clamped.json()["usage"]["completion_tokens"] <= 24
+        full = await client.post(COMPLETIONS, json=completion_body(prompt=list(range(64))))
+        assert_error(full, 400, param="prompt", code="context_length_exceeded")
+
+
+async def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(runner: EngineRunner) -> None:
+    huge = "lorem ipsum dolor sit amet " * 200_000  # ~5 MB: seconds of tokenizing
+    async with open_client(make_service(runner), max_prompt_tokens=64) as client:
+        big = asyncio.create_task(
+            client.post(CHAT, json=chat_body(messages=[{"role": "user", "content": huge}]))
+        )
+        await asyncio.sleep(0.2)  # the request is being tokenized now
+        latencies = []
+        while not big.done():
+            started = time.monotonic()
+            assert (await client.get("/health")).status_code == 200
+            latencies.append(time.monotonic() - started)
+            await asyncio.sleep(0.05)
+        assert_error(await big, 400, param="messages", code="context_length_exceeded")
+    assert latencies and max(latencies) < 0.5

@@ -124,7 +124,7 @@ def test_unequal_agents_pick_memory_proportional_pp_identical_to_single(
     server = start_serve(
         tmp_path, six_head_model, pool.cluster_key,
         ["--parallelism", "auto", "--collective", "ring", "--memory-limit", "200M",
-         "--model-id", "six"],
+         "--model-id", "six", "--max-batch", "1"],  # one sequence's KV: a stage fits in 8M
     )
     servers.append(server)
     cluster = server.cluster()

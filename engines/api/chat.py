@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -62,8 +63,13 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         check_supported(service, body)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        prompt = chat_prompt_tokens(service.tokenizer, body.messages, max_prompt_tokens)
-        submission = service.submit(build_request(service, completion_id, body, prompt))
+        # Templating and tokenizing a long prompt takes a while: never on the event loop.
+        prompt = await asyncio.to_thread(
+            chat_prompt_tokens, service.tokenizer, body.messages, max_prompt_tokens
+        )
+        submission = service.submit(
+            build_request(service, completion_id, body, prompt, max_prompt_tokens)
+        )
         if body.stream:
             writer = ChatChunks(completion_id, created, service.model_id)
             events = stream_generation(

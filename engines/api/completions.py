@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -50,8 +51,13 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         check_supported(service, body)
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        prompt = completion_prompt_tokens(service.tokenizer, body.prompt, max_prompt_tokens)
-        submission = service.submit(build_request(service, completion_id, body, prompt))
+        # Templating and tokenizing a long prompt takes a while: never on the event loop.
+        prompt = await asyncio.to_thread(
+            completion_prompt_tokens, service.tokenizer, body.prompt, max_prompt_tokens
+        )
+        submission = service.submit(
+            build_request(service, completion_id, body, prompt, max_prompt_tokens)
+        )
         if body.stream:
             writer = CompletionChunks(completion_id, created, service.model_id)
             events = stream_generation(

@@ -52,13 +52,18 @@ def check_supported(service: Service, body: SamplingFields) -> None:
 
 
 def build_request(
-    service: Service, request_id: str, body: SamplingFields, prompt_tokens: tuple[int, ...]
+    service: Service,
+    request_id: str,
+    body: SamplingFields,
+    prompt_tokens: tuple[int, ...],
+    context_tokens: int,
 ) -> GenerationRequest:
-    """The engine-agnostic request, with max_tokens checked against the operator's cap."""
+    """The engine-agnostic request; prompt + max_tokens must fit the context the KV cache was
+    planned for (an absent max_tokens shrinks to what is left)."""
     return GenerationRequest(
         request_id=request_id,
         prompt_tokens=prompt_tokens,
-        max_tokens=resolve_max_tokens(body, service.limits),
+        max_tokens=resolve_max_tokens(body, service.limits, context_tokens - len(prompt_tokens)),
         temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         stop=body.stop_sequences(),
@@ -67,19 +72,39 @@ def build_request(
     )
 
 
-def resolve_max_tokens(body: SamplingFields, limits: ServiceLimits) -> int:
-    """max_completion_tokens wins over the legacy max_tokens; absent both, the server default."""
+def resolve_max_tokens(body: SamplingFields, limits: ServiceLimits, room: int) -> int:
+    """max_completion_tokens wins over the legacy max_tokens; absent both, the server default.
+
+    `room` is what the planned context leaves after the prompt.
+    """
     param, value = "max_completion_tokens", body.max_completion_tokens
     if value is None:
         param, value = "max_tokens", body.max_tokens
+    if room < 1:
+        raise APIError(
+            400,
+            "the prompt fills the whole context the KV cache was planned for "
+            "(--context-tokens); shorten it",
+            param="messages" if hasattr(body, "messages") else "prompt",
+            code="context_length_exceeded",
+        )
     if value is None:
-        return min(limits.default_max_tokens, limits.max_tokens_cap)
+        return min(limits.default_max_tokens, limits.max_tokens_cap, room)
     if not 1 <= value <= limits.max_tokens_cap:
         raise APIError(
             400,
             f"{param} must be between 1 and {limits.max_tokens_cap}, got {value}",
             param=param,
             code="invalid_value",
+        )
+    if value > room:
+        raise APIError(
+            400,
+            f"{param}={value} does not fit: the prompt leaves room for {room} tokens in the "
+            "context the KV cache was planned for (--context-tokens); lower it or shorten "
+            "the prompt",
+            param=param,
+            code="context_length_exceeded",
         )
     return value
 

@@ -28,6 +28,8 @@ from typing import IO, Any, NoReturn
 import mlx.core as mx
 from mlx_lm.utils import load_model
 
+from planner.decision import tp_split_problems
+
 from .. import blas
 from .group import WorkerSpec, group_environment
 from .lockstep import (
@@ -136,21 +138,23 @@ def resident_bytes() -> int:
 
 
 def check_shardable(model_path: Path, world_size: int) -> None:
-    """Read config.json and refuse, precisely, a model whose heads cannot be split evenly."""
+    """Refuse, precisely, a model tp cannot split: the planner's own rule (one source of truth)."""
     config_file = model_path / "config.json"
     if not config_file.is_file():
         raise ValueError(f"model directory {model_path} has no config.json")
     config = json.loads(config_file.read_text())
-    heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads", heads)
-    intermediate = config.get("intermediate_size")
-    sizes = {"attention heads": heads, "KV heads": kv_heads, "intermediate size": intermediate}
-    uneven = {name: n for name, n in sizes.items() if isinstance(n, int) and n % world_size}
-    if uneven:
-        found = ", ".join(f"{n} {name}" for name, n in uneven.items())
+    heads = config.get("num_attention_heads") or 0
+    problems = tp_split_problems(
+        heads,
+        config.get("num_key_value_heads", heads) or 0,
+        config.get("intermediate_size") or 0,
+        world_size,
+    )
+    if problems:
         raise ValueError(
             f"tensor parallel over {world_size} ranks needs attention heads, KV heads and the "
-            f"MLP size divisible by {world_size}; {model_path} has {found}: use pp or single"
+            f"MLP size divisible by {world_size}; {model_path} has {', '.join(problems)}: "
+            "use pp or single"
         )
 
 

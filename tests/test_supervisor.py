@@ -1,0 +1,272 @@
+"""The supervisor's lifecycle with a scripted engine: races reproduced with events, not sleeps."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engines import supervisor as supervisor_module
+from engines.base import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.exclusions import FIRST_EXCLUSION_S, MemberExclusions
+from engines.launch import LaunchSettings
+from engines.model_info import inspect_model
+from engines.runner import EngineRunner
+from engines.service import Service
+from engines.supervisor import ClusterSupervisor, PlanSettings
+from planner import NodeResources, Parallelism
+from planner.errors import EngineError
+
+GiB = 2**30
+WAIT_S = 5.0
+
+
+class ScriptedEngine(Engine):
+    """Loads when `gate` opens (abort opens it and fails the load); produces nothing."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.tokenizer = object()
+        self.gate = gate
+        self.aborted = threading.Event()
+        self.closed = threading.Event()
+        self.loaded = threading.Event()
+
+    def load(self) -> None:
+        if self.gate is not None and not self.gate.wait(WAIT_S * 4):
+            raise EngineError("the scripted load never opened")
+        if self.aborted.is_set():
+            raise EngineError("aborted while loading")
+        self.loaded.set()
+
+    def insert(self, uid: int, request: GenerationRequest) -> None:
+        pass
+
+    def remove(self, uids: Sequence[int]) -> None:
+        pass
+
+    def step(self) -> list[StepOutput]:
+        return []
+
+    def info(self) -> EngineInfo:
+        return EngineInfo("single")
+
+    def abort(self, reason: str) -> None:
+        self.aborted.set()
+        if self.gate is not None:
+            self.gate.set()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+class Members:
+    """The part of Membership the supervisor plans with: two verified agents."""
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def to_resources(self) -> list[NodeResources]:
+        return [
+            NodeResources(f"agent-{n}", f"127.0.0.{n + 2}", 64 * GiB, ("ring",)) for n in (0, 1)
+        ]
+
+    def members(self) -> list[Any]:
+        return []
+
+    def release_all(self, reason: str = "", wait_s: float = 0.0) -> bool:
+        self.released += 1
+        return True
+
+    def discover(self, timeout_s: float) -> list[Any]:
+        return []
+
+
+def make_supervisor(
+    model_dir: Path, factory: Any, membership: Any = None, ready_timeout_s: float = WAIT_S
+) -> ClusterSupervisor:
+    service = Service(model_id="m", tokenizer=None)
+    settings = PlanSettings(Parallelism.PP, None, 256, 4, 2, rediscover_interval_s=0)
+    launch = LaunchSettings(Path(model_dir), None, "127.0.0.1", ready_timeout_s=ready_timeout_s)
+    coordinator = NodeResources("coordinator", "127.0.0.1", 64 * GiB, ("ring",))
+    return ClusterSupervisor(
+        service,
+        inspect_model(model_dir),
+        settings,
+        launch,
+        lambda: coordinator,
+        membership,
+        engine_factory=factory,
+    )
+
+
+def test_a_replan_closes_the_old_runner_even_when_the_watcher_runs_in_between(demo_model_dir):
+    engines: list[ScriptedEngine] = []
+    supervisor = make_supervisor(
+        demo_model_dir, lambda plan: engines.append(ScriptedEngine()) or engines[-1]
+    )
+    supervisor.start()
+    old_runner = supervisor.service.runner
+    swap = supervisor.service.swap_runner
+    watcher: list[threading.Thread] = []
+
+    def swap_then_let_the_watcher_run(*args: Any) -> None:
+        swap(*args)
+        # The watcher wakes right here, as it could before the fix: run its re-plan now.
+        thread = threading.Thread(target=supervisor._replan)
+        watcher.append(thread)
+        thread.start()
+        thread.join(0.5)  # with the fix it waits for request_replan to finish
+
+    supervisor.service.swap_runner = swap_then_let_the_watcher_run  # type: ignore[method-assign]
+    try:
+        supervisor.request_replan("member agent-0 lost")
+        supervisor.service.swap_runner = swap  # type: ignore[method-assign]
+        watcher[0].join(WAIT_S)
+        assert engines[0].closed.wait(WAIT_S), "the retired runner was never closed"
+        assert old_runner._thread.is_alive() is False
+    finally:
+        supervisor.service.swap_runner = swap  # type: ignore[method-assign]
+        supervisor.close()
+
+
+def test_a_member_lost_while_a_replan_launches_is_not_forgotten(demo_model_dir):
+    launching, proceed = threading.Event(), threading.Event()
+    calls = 0
+
+    def factory(plan: Any) -> Engine:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the re-plan's launch
+            launching.set()
+            proceed.wait(WAIT_S)
+        return ScriptedEngine()
+
+    supervisor = make_supervisor(demo_model_dir, factory, Members())
+    supervisor.start()
+    try:
+        supervisor.request_replan("member agent-0 lost")
+        replan = threading.Thread(target=supervisor._replan)
+        replan.start()
+        assert launching.wait(WAIT_S)
+        supervisor.request_replan("member agent-1 lost")  # arrives mid-launch
+        proceed.set()
+        replan.join(WAIT_S)
+        assert supervisor._replan_wanted.is_set(), "the second loss was dropped"
+        assert supervisor.last_replan_reason == "member agent-1 lost"
+    finally:
+        supervisor.close()
+
+
+def test_a_load_that_times_out_is_aborted_and_closed(demo_model_dir):
+    engine = ScriptedEngine(gate=threading.Event())  # never opens by itself
+    supervisor = make_supervisor(demo_model_dir, lambda plan: engine, ready_timeout_s=0.2)
+    with pytest.raises(EngineError, match="did not load within 0.2 s"):
+        supervisor.start()
+    assert engine.aborted.is_set()
+    assert engine.closed.wait(WAIT_S)  # closed by the runner once its load returned
+    assert supervisor.service.runner is None
+    supervisor.close()
+
+
+def test_close_waits_for_a_launch_in_progress_and_installs_nothing(demo_model_dir):
+    launching, proceed = threading.Event(), threading.Event()
+    engines: list[ScriptedEngine] = []
+
+    def factory(plan: Any) -> Engine:
+        engines.append(ScriptedEngine())
+        if len(engines) == 2:
+            launching.set()
+            proceed.wait(WAIT_S)
+        return engines[-1]
+
+    supervisor = make_supervisor(demo_model_dir, factory, Members())
+    supervisor.start()
+    supervisor.request_replan("member agent-0 lost")  # the watcher launches plan 2
+    assert launching.wait(WAIT_S)
+    closer = threading.Thread(target=supervisor.close)
+    closer.start()
+    time.sleep(0.1)  # close() is now waiting for the watcher
+    proceed.set()
+    closer.join(WAIT_S * 2)
+    assert not closer.is_alive() and not supervisor._watcher.is_alive()
+    assert supervisor.service.runner is None
+    assert engines[1].closed.wait(WAIT_S), "the engine launched during close() leaked"
+
+
+def test_failed_replans_back_off_instead_of_retrying_every_two_seconds(demo_model_dir, monkeypatch):
+    monkeypatch.setattr(supervisor_module, "RETRY_FIRST_S", 0.05)
+    monkeypatch.setattr(supervisor_module, "RETRY_MAX_S", 0.4)
+    attempts: list[float] = []
+
+    def factory(plan: Any) -> Engine:
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            return ScriptedEngine()
+        raise EngineError("the worker refused the plan")
+
+    supervisor = make_supervisor(demo_model_dir, factory, Members())
+    supervisor.start()
+    supervisor.request_replan("member agent-0 lost")
+    time.sleep(1.2)
+    supervisor.close()
+    gaps = [later - earlier for earlier, later in zip(attempts[1:], attempts[2:], strict=False)]
+    assert len(gaps) >= 3
+    assert gaps[1] > gaps[0] * 1.5 and gaps[2] > gaps[1] * 1.5  # doubling, not a fixed pace
+    assert supervisor.service.state == "stopping"
+
+
+def test_a_member_whose_worker_keeps_failing_sits_out_with_its_reason(demo_model_dir):
+    supervisor = make_supervisor(demo_model_dir, lambda plan: ScriptedEngine(), Members())
+    assert len(supervisor.make_plan().ranks) == 3
+    supervisor.exclusions.record_failure("agent-1", "ValueError: bad shard")
+    assert len(supervisor.make_plan().ranks) == 3  # one failure may be bad luck
+    supervisor.exclusions.record_failure("agent-1", "ValueError: bad shard")
+    plan = supervisor.make_plan()
+    assert "agent-1" not in plan.ranks and len(plan.ranks) == 2
+    (excluded,) = supervisor.status()["excluded"]
+    assert excluded["node_id"] == "agent-1" and excluded["reason"] == "ValueError: bad shard"
+    assert 0 < excluded["excluded_for_s"] <= FIRST_EXCLUSION_S
+
+
+def test_exclusions_grow_and_end():
+    now = [100.0]
+    exclusions = MemberExclusions(clock=lambda: now[0])
+    for _ in range(3):
+        exclusions.record_failure("a", "boom")
+    assert exclusions.excluded_now() == {"a"}
+    now[0] += FIRST_EXCLUSION_S + 1  # the third failure doubled the first back-off
+    assert exclusions.excluded_now() == {"a"}
+    now[0] += FIRST_EXCLUSION_S
+    assert exclusions.excluded_now() == set()
+
+
+def test_the_runner_closes_an_engine_only_after_its_step_returned():
+    stepping, release = threading.Event(), threading.Event()
+
+    class SlowStep(ScriptedEngine):
+        def step(self) -> list[StepOutput]:
+            stepping.set()
+            release.wait(WAIT_S)
+            assert not self.closed.is_set(), "closed while a step was running"
+            return []
+
+        def eos_token_ids(self) -> set[int]:  # type: ignore[override]
+            return set()
+
+    engine = SlowStep()
+    engine.tokenizer = type("T", (), {"detokenizer": None, "eos_token_ids": []})()
+    runner = EngineRunner(engine)
+    runner.start(WAIT_S)
+    row = {"finish": lambda *a: None, "expired": lambda self, now: None, "uid": 0}
+    runner._active[0] = type("Row", (), row)()  # one running sequence, so the runner steps
+    with runner._wakeup:
+        runner._wakeup.notify()
+    assert stepping.wait(WAIT_S)
+    runner.close(join_timeout_s=0.1)  # the step is still running: close must not close it
+    assert not engine.closed.is_set()
+    release.set()
+    assert engine.closed.wait(WAIT_S)
