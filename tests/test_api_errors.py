@@ -377,7 +377,9 @@ async def test_curl_style_form_content_type_is_read_as_json(client) -> None:
 async def test_prompt_plus_max_tokens_must_fit_the_planned_context(runner: EngineRunner) -> None:
     async with open_client(make_service(runner), max_prompt_tokens=64) as client:
         prompt = list(range(10, 50))  # 40 tokens of a 64-token context
-        too_many = await client.post(COMPLETIONS, json=completion_body(prompt=prompt, max_tokens=25))
+        too_many = await client.post(
+            COMPLETIONS, json=completion_body(prompt=prompt, max_tokens=25)
+        )
         error = assert_error(too_many, 400, param="max_tokens", code="context_length_exceeded")
         assert "room for 24 tokens" in error["message"]
         fits = await client.post(COMPLETIONS, json=completion_body(prompt=prompt, max_tokens=24))

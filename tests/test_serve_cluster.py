@@ -63,8 +63,11 @@ def stream_until_error(server: ServeProcess, model_id: str, kill_pid: int) -> fl
     """Start a long stream, kill `kill_pid` after the first tokens; seconds until the error."""
     client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60, max_retries=0)
     stream = client.chat.completions.create(
-        model=model_id, messages=[{"role": "user", "content": "go on"}],
-        max_tokens=4000, temperature=0, stream=True,
+        model=model_id,
+        messages=[{"role": "user", "content": "go on"}],
+        max_tokens=4000,
+        temperature=0,
+        stream=True,
     )
     killed_at = None
     try:
@@ -122,9 +125,21 @@ def test_unequal_agents_pick_memory_proportional_pp_identical_to_single(
     big = pool.start("big", memory_limit="200M", real_roles=True)
     small = pool.start("small", memory_limit="8M", real_roles=True)
     server = start_serve(
-        tmp_path, six_head_model, pool.cluster_key,
-        ["--parallelism", "auto", "--collective", "ring", "--memory-limit", "200M",
-         "--model-id", "six", "--max-batch", "1"],  # one sequence's KV: a stage fits in 8M
+        tmp_path,
+        six_head_model,
+        pool.cluster_key,
+        [
+            "--parallelism",
+            "auto",
+            "--collective",
+            "ring",
+            "--memory-limit",
+            "200M",
+            "--model-id",
+            "six",
+            "--max-batch",
+            "1",
+        ],  # one sequence's KV: a stage fits in 8M
     )
     servers.append(server)
     cluster = server.cluster()
@@ -150,7 +165,9 @@ def test_explicit_tp_with_indivisible_heads_fails_closed_to_single(
 ) -> None:
     pool.start("peer", real_roles=True)
     server = start_serve(
-        tmp_path, odd_heads_model_dir, pool.cluster_key,
+        tmp_path,
+        odd_heads_model_dir,
+        pool.cluster_key,
         ["--parallelism", "tp", "--collective", "ring", "--model-id", "odd"],
     )
     servers.append(server)
@@ -167,7 +184,9 @@ def test_auto_with_indivisible_heads_falls_back_to_pp(
 ) -> None:
     pool.start("peer", real_roles=True)
     server = start_serve(
-        tmp_path, odd_heads_model_dir, pool.cluster_key,
+        tmp_path,
+        odd_heads_model_dir,
+        pool.cluster_key,
         ["--parallelism", "auto", "--collective", "ring", "--model-id", "odd"],
     )
     servers.append(server)
@@ -179,8 +198,11 @@ def test_auto_with_indivisible_heads_falls_back_to_pp(
 
 def test_serve_refuses_with_exit_2_when_nothing_fits(demo_model_dir: Path, tmp_path: Path) -> None:
     server = start_serve(
-        tmp_path, demo_model_dir, "tandem-" + "A" * 43,
-        ["--parallelism", "single", "--memory-limit", "1M"], wait=False,
+        tmp_path,
+        demo_model_dir,
+        "tandem-" + "A" * 43,
+        ["--parallelism", "single", "--memory-limit", "1M"],
+        wait=False,
     )
     assert server.process.wait(timeout=60) == 2
     assert "needs" in server.log_text() and "has" in server.log_text()
@@ -191,7 +213,9 @@ def test_tp_over_ring_matches_single_and_replans_after_a_rank_dies(
 ) -> None:
     agent = pool.start("rank1", real_roles=True)
     server = start_serve(
-        tmp_path, demo_model_dir, pool.cluster_key,
+        tmp_path,
+        demo_model_dir,
+        pool.cluster_key,
         ["--parallelism", "tp", "--collective", "ring", "--model-id", "demo"],
     )
     servers.append(server)
@@ -213,7 +237,9 @@ def test_an_agent_that_joins_later_is_adopted(
     demo_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
 ) -> None:
     server = start_serve(
-        tmp_path, demo_model_dir, pool.cluster_key,
+        tmp_path,
+        demo_model_dir,
+        pool.cluster_key,
         ["--parallelism", "auto", "--rediscover-interval", "2", "--model-id", "demo"],
     )
     servers.append(server)
