@@ -132,6 +132,8 @@ def config_from_args(args: argparse.Namespace):  # -> AgentConfig (imported lazi
         memory_limit=parse_memory_size(args.memory_limit) if args.memory_limit else None,
         heartbeat_interval_s=args.heartbeat_interval,
         coordinator_timeout_s=args.lost_after,
+        # Detected within the limit plus one heartbeat: inside the coordinator's --lost-after.
+        worker_frozen_s=max(args.lost_after - 2 * args.heartbeat_interval, args.heartbeat_interval),
         role_modules=role_modules,
     )
 

@@ -62,6 +62,7 @@ class AgentConfig:
     memory_limit: int | None = None
     heartbeat_interval_s: float = 1.0
     coordinator_timeout_s: float = 5.0
+    worker_frozen_s: float = 3.0  # a ready worker whose process is stopped this long has failed
     handshake_timeout_s: float = 5.0
     duplicate_check_s: float = 1.5
     role_modules: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_MODULES))
@@ -220,10 +221,28 @@ class CoordinatorSession:
         while not self._ended.wait(interval_s):
             with self._lock:
                 worker = self.worker
+            if worker is not None:
+                self._stop_if_frozen(worker)
             try:
                 self._send(self.agent.heartbeat(worker))
             except ChannelError as error:
                 self.end(f"heartbeat failed: {error}")
+
+    def _stop_if_frozen(self, worker: RoleWorker) -> None:
+        """A worker stopped for longer than the limit will not come back in time: stop it
+        and say so, so the coordinator re-plans instead of waiting on it."""
+        frozen_s = worker.frozen_for()
+        limit_s = self.agent.config.worker_frozen_s
+        if frozen_s <= limit_s:
+            return
+        reason = (
+            f"{worker.role} worker pid {worker.pid} froze: its process has been stopped for "
+            f"{frozen_s:.1f} s (limit {limit_s:g} s)"
+        )
+        logger.error("%s; stopping it", reason)
+        worker.state = "failed"
+        self._send_quietly(Failed(assignment_id=worker.assignment_id, reason=reason))
+        threading.Thread(target=worker.stop, name="stop-frozen-worker", daemon=True).start()
 
     def _send(self, message: Any) -> None:
         self.connection.send(message)

@@ -8,12 +8,16 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
+
+import psutil
 
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 3.0
+STOPPED_STATES = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
 class RoleWorker:
@@ -38,6 +42,7 @@ class RoleWorker:
         self._on_event = on_event
         self._on_exit = on_exit
         self._stopping = threading.Event()
+        self._stopped_since: float | None = None
         self._process: subprocess.Popen[str] | None = None
         self._threads: list[threading.Thread] = []
 
@@ -75,6 +80,28 @@ class RoleWorker:
             self._process.stdin.flush()
         except OSError as error:  # it died at once; the stdout reader reports the exit
             logger.warning("could not hand the payload to worker %d: %s", self.pid, error)
+
+    def frozen_for(self) -> float:
+        """Seconds a ready worker's process has been stopped (SIGSTOP, a debugger), else 0.
+
+        A stopped rank or stage breaks no socket: its peers would just wait. Asked every
+        heartbeat, so the time counts from the first look that found it stopped.
+        """
+        process = self._process
+        if self.state != "ready" or process is None or self._stopping.is_set():
+            self._stopped_since = None
+            return 0.0
+        try:
+            stopped = psutil.Process(process.pid).status() in STOPPED_STATES
+        except psutil.Error:  # gone: the exit is reported by the stdout reader
+            stopped = False
+        if not stopped:
+            self._stopped_since = None
+            return 0.0
+        now = time.monotonic()
+        if self._stopped_since is None:
+            self._stopped_since = now
+        return now - self._stopped_since
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the worker's process group, SIGKILL after grace_s; idempotent."""

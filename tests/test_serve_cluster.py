@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.cluster
 PROMPTS = ([5, 60, 61, 62, 63], [7, 100, 200, 300, 41, 42, 43, 44], [9, 500, 17])
 MAX_TOKENS = 48
 ERROR_WITHIN_S = 10.0
+LOST_AFTER_S = 5.0  # serve's and join's default --lost-after
 
 
 @pytest.fixture(scope="module")
@@ -59,28 +61,45 @@ def completions(server: ServeProcess, model_id: str) -> list[str]:
     return texts
 
 
-def stream_until_error(server: ServeProcess, model_id: str, kill_pid: int) -> float:
-    """Start a long stream, kill `kill_pid` after the first tokens; seconds until the error."""
+def stream_until_error(
+    server: ServeProcess, model_id: str, pid: int, signum: int = signal.SIGKILL, streams: int = 8
+) -> float:
+    """Start `streams` long streams (one batch), send `signum` to `pid` once they all flow;
+    the seconds until the last of them ended with an error."""
     client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60, max_retries=0)
-    stream = client.chat.completions.create(
-        model=model_id,
-        messages=[{"role": "user", "content": "go on"}],
-        max_tokens=4000,
-        temperature=0,
-        stream=True,
-    )
-    killed_at = None
-    try:
-        for count, chunk in enumerate(stream):
-            if count == 5:
-                os.kill(kill_pid, signal.SIGKILL)
-                killed_at = time.monotonic()
-            if chunk.choices and chunk.choices[0].finish_reason:
-                pytest.fail(f"stream finished normally ({chunk.choices[0].finish_reason})")
-    except APIError:
-        pass
-    assert killed_at is not None, "the stream ended before the kill"
-    return time.monotonic() - killed_at
+    flowing = threading.Barrier(streams + 1, timeout=60)
+    errors_at: list[float] = []
+    finished: list[str] = []
+
+    def stream_one(index: int) -> None:
+        stream = client.chat.completions.create(
+            model=model_id,
+            messages=[{"role": "user", "content": f"go on {index}"}],
+            max_tokens=3000,
+            temperature=0,
+            stream=True,
+        )
+        try:
+            for count, chunk in enumerate(stream):
+                if count == 3:
+                    flowing.wait()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finished.append(chunk.choices[0].finish_reason)
+                    return
+        except APIError:
+            errors_at.append(time.monotonic())
+
+    threads = [threading.Thread(target=stream_one, args=(i,)) for i in range(streams)]
+    for thread in threads:
+        thread.start()
+    flowing.wait()
+    os.kill(pid, signum)
+    signalled_at = time.monotonic()
+    for thread in threads:
+        thread.join(60)
+    assert not finished, f"streams finished normally: {finished}"
+    assert len(errors_at) == streams, f"only {len(errors_at)} of {streams} streams got an error"
+    return max(errors_at) - signalled_at
 
 
 def wait_for(predicate, timeout_s: float, what: str):
@@ -231,6 +250,31 @@ def test_tp_over_ring_matches_single_and_replans_after_a_rank_dies(
     assert after["replans"] >= 1
     assert "lost" in after["last_replan_reason"] or "unhealthy" in after["last_replan_reason"]
     assert completions(server, "demo")  # answered after the re-plan
+
+
+def test_a_frozen_tp_rank_ends_the_batch_within_lost_after(
+    demo_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
+) -> None:
+    agent = pool.start("rank1", real_roles=True)
+    server = start_serve(
+        tmp_path,
+        demo_model_dir,
+        pool.cluster_key,
+        ["--parallelism", "tp", "--collective", "ring", "--model-id", "demo"],
+    )
+    servers.append(server)
+    assert server.cluster()["strategy"] == "tp"
+    frozen = worker_pid(server, agent.node_id)
+    try:
+        elapsed = stream_until_error(server, "demo", frozen, signal.SIGSTOP)
+    finally:
+        try:
+            os.kill(frozen, signal.SIGKILL)  # the agent stops it too; a stopped pid needs KILL
+        except ProcessLookupError:
+            pass
+    assert elapsed < LOST_AFTER_S + 1
+    reason = wait_for(lambda: server.cluster()["last_replan_reason"], 30, "a re-plan reason")
+    assert "froze" in reason and agent.node_id in reason
 
 
 def test_an_agent_that_joins_later_is_adopted(
