@@ -17,7 +17,6 @@ from .serve import ServeConfig
 log = logging.getLogger(__name__)
 
 KEY_FILE = "cluster.key"
-HOSTFILE_CONTROL_PORT = 52300  # agents named in a hostfile listen here (tandem join --control-port)
 DEMO_MODEL_ID = "tandem-demo"
 
 
@@ -93,7 +92,7 @@ def open_membership(
 
         entries = load_hostfile(hostfile).entries[1:]  # rank 0 is this coordinator
         addresses = [
-            (entry.ips[0] if entry.ips else entry.ssh, HOSTFILE_CONTROL_PORT) for entry in entries
+            (entry.ips[0] if entry.ips else entry.ssh, entry.control_port) for entry in entries
         ]
     members = membership.discover(discovery_timeout_s, addresses=addresses)
     for member in members:

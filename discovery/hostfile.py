@@ -12,6 +12,8 @@ Rules, each checked with a message naming the row:
   rdma[j][i] is, because a Thunderbolt cable has two ends.
 - No two rows share an ssh name or an IP, except loopback ones (localhost, 127.0.0.0/8, ::1),
   which may repeat so several ranks can run on one machine.
+- `control_port` is optional (tandem's own key, default 52300): the port `tandem join
+  --control-port` listens on for that agent, so agents on other ports can be named in a hostfile.
 - Keys starting with "_" (such as "_comment") are ignored, as mlx.launch ignores them; any
   other unknown key is an error, to catch typos like "rdam".
 """
@@ -25,7 +27,8 @@ from pathlib import Path
 
 from planner.errors import ConfigError
 
-KNOWN_KEYS = frozenset({"ssh", "ips", "rdma"})
+KNOWN_KEYS = frozenset({"ssh", "ips", "rdma", "control_port"})
+DEFAULT_CONTROL_PORT = 52300  # where `tandem join --port` listens unless a row says otherwise
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 MAX_PORT = 65535
 
@@ -37,6 +40,7 @@ class HostEntry:
     ssh: str
     ips: tuple[str, ...] = ()
     rdma: tuple[str | None, ...] | None = None
+    control_port: int = DEFAULT_CONTROL_PORT
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +154,7 @@ def _parse_row(index: int, row: object) -> HostEntry:
     unknown = sorted(key for key in row if key not in KNOWN_KEYS and not key.startswith("_"))
     if unknown:
         raise ConfigError(
-            f"row {index} has unknown keys {unknown}; allowed are ssh, ips, rdma "
+            f"row {index} has unknown keys {unknown}; allowed are ssh, ips, rdma, control_port "
             f"(and comments starting with '_')"
         )
     ssh = row.get("ssh")
@@ -176,7 +180,10 @@ def _parse_row(index: int, row: object) -> HostEntry:
                     f"row {index} rdma[{position}] must be a device name or null, got {device!r}"
                 )
         rdma = tuple(rdma)
-    return HostEntry(ssh=ssh, ips=tuple(ips), rdma=rdma)
+    port = row.get("control_port", DEFAULT_CONTROL_PORT)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port <= MAX_PORT:
+        raise ConfigError(f"row {index} 'control_port' must be a port 1..{MAX_PORT}, got {port!r}")
+    return HostEntry(ssh=ssh, ips=tuple(ips), rdma=rdma, control_port=port)
 
 
 def _check_unique(entries: tuple[HostEntry, ...]) -> None:

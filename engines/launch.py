@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -100,15 +101,46 @@ def _build_pipeline(
     membership: MembershipLike,
     addresses: dict[str, str],
 ) -> Engine:
-    from discovery.cluster_key import format_key
-
     from .pipeline.engine import EncryptedPipelineEngine
 
     share = _share_cores(plan, addresses, settings.coordinator_address)
-    return_port = free_port(settings.coordinator_address)
-    next_hop = (settings.coordinator_address, return_port)
+    # Bound now and handed to the engine: no other process can take the port meanwhile.
+    try:
+        listener = socket.create_server((settings.coordinator_address, 0), backlog=4)
+    except OSError as error:
+        raise EngineError(f"cannot listen for the last pipeline stage: {error}") from error
+    try:
+        remote = _assign_stages(plan, settings, membership, addresses, share, listener)
+    except BaseException:
+        listener.close()
+        raise
+    first = plan.stages[0]
+    ranges = [[s.layers.start, s.layers.stop] for s in plan.stages]
+    log.info("pp: %d stages %s", len(plan.stages), ranges)
+    return EncryptedPipelineEngine(
+        settings.model_path,
+        first.layers,
+        remote,
+        return_listen_host=settings.coordinator_address,
+        cluster_key=settings.cluster_key,
+        token_timeout_s=settings.token_timeout_s,
+        return_listener=listener,
+    )
+
+
+def _assign_stages(
+    plan: ClusterPlan,
+    settings: LaunchSettings,
+    membership: MembershipLike,
+    addresses: dict[str, str],
+    share: int,
+    listener: socket.socket,
+) -> list[dict[str, Any]]:
+    """Start stages n-1 .. 1 on their agents; each learns where the next one listens."""
+    from discovery.cluster_key import format_key
+
+    next_hop = (settings.coordinator_address, listener.getsockname()[1])
     remote: list[dict[str, Any]] = []
-    # Start from the last stage: each stage must know where the next one listens.
     for index in range(len(plan.stages) - 1, 0, -1):
         stage = plan.stages[index]
         address = addresses[stage.node_id]
@@ -132,18 +164,7 @@ def _build_pipeline(
             raise EngineError(message) from error
         next_hop = (address, int(ready.detail["port"]))
         remote.insert(0, {"host": next_hop[0], "port": next_hop[1]})
-    first = plan.stages[0]
-    ranges = [[s.layers.start, s.layers.stop] for s in plan.stages]
-    log.info("pp: %d stages %s", len(plan.stages), ranges)
-    return EncryptedPipelineEngine(
-        settings.model_path,
-        first.layers,
-        remote,
-        return_listen_host=settings.coordinator_address,
-        cluster_key=settings.cluster_key,
-        token_timeout_s=settings.token_timeout_s,
-        return_listen_port=return_port,
-    )
+    return remote
 
 
 def _share_cores(plan: ClusterPlan, addresses: dict[str, str], here: str) -> int:

@@ -207,3 +207,19 @@ def test_to_json_round_trips_without_comments() -> None:
     rows = hostfile.to_json()
     assert all("_comment" not in row for row in rows)
     assert validate_hostfile(rows) == hostfile
+
+
+def test_a_row_may_name_its_agents_control_port(tmp_path):
+    from discovery.hostfile import DEFAULT_CONTROL_PORT, load_hostfile
+
+    path = tmp_path / "hosts.json"
+    rows = [
+        {"ssh": "a", "ips": ["10.0.0.1"]},
+        {"ssh": "b", "ips": ["10.0.0.2"], "control_port": 6000},
+    ]
+    path.write_text(json.dumps(rows))
+    entries = load_hostfile(path).entries
+    assert [entry.control_port for entry in entries] == [DEFAULT_CONTROL_PORT, 6000]
+    path.write_text('[{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "control_port": "x"}]')
+    with pytest.raises(ConfigError, match="row 1 'control_port' must be a port"):
+        load_hostfile(path)
