@@ -185,6 +185,7 @@ def serve(config: ServeConfig) -> int:
             config.queue_size,
             config.max_batch,
             config.rediscover_interval_s,
+            config.cpu_float32,
         ),
         launch_settings=None,  # set below, once the members (and so our address) are known
         coordinator=lambda: coordinator,

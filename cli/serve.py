@@ -28,6 +28,7 @@ class ServeConfig:
     port: int
     queue_size: int
     max_batch: int
+    cpu_float32: bool
     max_tokens_cap: int
     request_timeout_s: float
     api_key: str | None
@@ -113,6 +114,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_blas_flags(parser)
     add_flag(
         parser,
+        "--cpu-float32",
+        default="auto",
+        choices=["auto", "off"],
+        help="on the CPU, compute half-precision models in float32 where the memory allows",
+    )
+    add_flag(
+        parser,
         "--cache-dir",
         default=Path.home() / ".cache" / "tandem",
         cast=Path,
@@ -145,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         port=args.port,
         queue_size=args.queue_size,
         max_batch=args.max_batch,
+        cpu_float32=args.cpu_float32 == "auto",
         max_tokens_cap=args.max_tokens_cap,
         request_timeout_s=args.request_timeout,
         api_key=args.api_key,

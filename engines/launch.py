@@ -63,7 +63,7 @@ def build_engine(
     if chosen == Parallelism.SINGLE:
         from .single import SingleEngine
 
-        return SingleEngine(settings.model_path, max_batch=settings.max_batch)
+        return SingleEngine(settings.model_path, max_batch=settings.max_batch, upcast=_upcast(plan))
     if membership is None or settings.cluster_key is None:
         raise EngineError(f"a {chosen.value} plan needs cluster membership and a cluster key")
     if chosen == Parallelism.TP:
@@ -82,7 +82,13 @@ def _build_tensor_parallel(
 
     rank_addresses = [addresses[node_id] for node_id in plan.ranks]
     ports = [_ring_port(address, rank, settings) for rank, address in enumerate(rank_addresses)]
-    specs = ring_specs(rank_addresses, ports, settings.model_path, max_batch=settings.max_batch)
+    specs = ring_specs(
+        rank_addresses,
+        ports,
+        settings.model_path,
+        max_batch=settings.max_batch,
+        upcast_float32=_upcast(plan),
+    )
     share = _share_cores(plan, addresses, settings.coordinator_address)
     for spec, address in zip(specs, rank_addresses, strict=True):
         spec["blas_threads"] = _threads_at(address, share, settings)
@@ -125,6 +131,7 @@ def _build_pipeline(
         cluster_key=settings.cluster_key,
         token_timeout_s=settings.token_timeout_s,
         return_listener=listener,
+        upcast=_upcast(plan),
     )
 
 
@@ -155,6 +162,7 @@ def _assign_stages(
             "cluster_key": format_key(settings.cluster_key),
             "read_timeout_s": settings.token_timeout_s,
             "blas_threads": _threads_at(address, share, settings),
+            "upcast_float32": _upcast(plan),
         }
         assignment = membership.assign(stage.node_id, PP_ROLE, spec)
         try:
@@ -165,6 +173,11 @@ def _assign_stages(
         next_hop = (address, int(ready.detail["port"]))
         remote.insert(0, {"host": next_hop[0], "port": next_hop[1]})
     return remote
+
+
+def _upcast(plan: ClusterPlan) -> bool:
+    """Whether the plan counted float32 weights (each worker upcasts only on its CPU)."""
+    return plan.compute_dtype == "float32"
 
 
 def _share_cores(plan: ClusterPlan, addresses: dict[str, str], here: str) -> int:

@@ -51,11 +51,18 @@ class ModelFacts:
     has_tp_variant: bool  # mlx-lm's Model class defines shard(group)
     has_pipeline_variant: bool  # mlx-lm's Model class defines pipeline(group)
     intermediate_size: int = 0  # MLP width; 0 when the config does not say
+    quantized: bool = False
 
-    def to_shape(self) -> ModelShape:
-        """The planner's view of this model."""
+    @property
+    def can_upcast(self) -> bool:
+        """Half-precision, not quantized: worth computing in float32 on the CPU."""
+        return self.dtype_bytes == 2 and not self.quantized
+
+    def to_shape(self, float32: bool = False) -> ModelShape:
+        """The planner's view of this model; `float32`: as computed upcast (twice the bytes)."""
         from planner import ModelShape
 
+        scale = 4 // self.dtype_bytes if float32 and self.can_upcast else 1
         return ModelShape(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -63,11 +70,11 @@ class ModelFacts:
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             vocab_size=self.vocab_size,
-            weight_bytes=self.weight_bytes,
-            embedding_bytes=self.embedding_bytes,
-            head_bytes=self.head_bytes,
+            weight_bytes=self.weight_bytes * scale,
+            embedding_bytes=self.embedding_bytes * scale,
+            head_bytes=self.head_bytes * scale,
             tied_embeddings=self.tied_embeddings,
-            dtype_bytes=self.dtype_bytes,
+            dtype_bytes=self.dtype_bytes * scale,
             has_tp_variant=self.has_tp_variant,
             intermediate_size=self.intermediate_size,
         )
@@ -119,6 +126,7 @@ def inspect_model(path: Path | str) -> ModelFacts:
         has_tp_variant=has_tp_variant,
         has_pipeline_variant=has_pipeline_variant,
         intermediate_size=int(_lookup(config, "intermediate_size") or 0),
+        quantized=bool(_lookup(config, "quantization") or _lookup(config, "quantization_config")),
     )
 
 

@@ -13,6 +13,7 @@ from mlx_lm.generate import BatchGenerator
 from planner.errors import EngineError
 
 from .base import Engine, EngineInfo, GenerationRequest, StepOutput
+from .precision import upcast_on_cpu
 from .sampling import make_request_processors, make_request_sampler, request_seed, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,11 @@ class SingleEngine(Engine):
         model_path: Path,
         max_batch: int = DEFAULT_MAX_BATCH,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        upcast: bool = False,
     ) -> None:
         self.model_path = Path(model_path)
+        self.upcast = upcast  # half-precision weights to float32 on the CPU
+        self.compute_dtype = ""
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.model = None
@@ -50,6 +54,7 @@ class SingleEngine(Engine):
             self.model, self.tokenizer = load_model_and_tokenizer(str(self.model_path))
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
+        self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
         self._generator = BatchGenerator(
             self.model,
             completion_batch_size=self.max_batch,
@@ -111,6 +116,7 @@ class SingleEngine(Engine):
             "model_path": str(self.model_path),
             "max_batch": self.max_batch,
             "prefill_chunk": self.prefill_chunk,
+            "compute_dtype": self.compute_dtype,
         }
         return EngineInfo(strategy="single", world_size=1, detail=detail)
 

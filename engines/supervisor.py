@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from planner import ClusterPlan, NodeResources, Parallelism, plan_cluster
@@ -16,6 +16,7 @@ from .base import Engine
 from .exclusions import MemberExclusions
 from .launch import LaunchSettings, build_engine
 from .model_info import ModelFacts
+from .precision import on_cpu
 from .runner import EngineRunner
 from .service import Service
 
@@ -39,6 +40,7 @@ class PlanSettings:
     queue_size: int
     max_batch: int = 16
     rediscover_interval_s: float = 10.0  # 0 disables looking for agents that join later
+    cpu_float32: bool = True  # upcast half-precision weights on the CPU when that fits
 
 
 class ClusterSupervisor:
@@ -86,9 +88,17 @@ class ClusterSupervisor:
         if self.membership is not None:
             excluded = self.exclusions.excluded_now()
             nodes += [n for n in self.membership.to_resources() if n.node_id not in excluded]
+        if self.plan_settings.cpu_float32 and self.facts.can_upcast and on_cpu():
+            plan = self._plan_nodes(nodes, float32=True)
+            if plan.refusal is None:
+                return replace(plan, compute_dtype="float32")
+            log.info("float32 does not fit: computing in the model's own half precision")
+        return self._plan_nodes(nodes, float32=False)
+
+    def _plan_nodes(self, nodes: list[NodeResources], float32: bool) -> ClusterPlan:
         return plan_cluster(
             self.plan_settings.choice,
-            self.facts.to_shape(),
+            self.facts.to_shape(float32=float32),
             nodes,
             collective=self.plan_settings.collective,
             context_tokens=self.plan_settings.context_tokens,

@@ -71,6 +71,7 @@ class ClusterPlan:
     backend: str | None = None  # the collective tp ranks join; None unless tp
     batch_capacity: int = 1  # sequences decoded together, each with a full context of KV
     context_tokens: int = 0  # the KV budget of one sequence
+    compute_dtype: str = "as stored"  # "float32" when half-precision weights are upcast
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; layer ranges become [start, stop]."""
@@ -87,6 +88,7 @@ class ClusterPlan:
             "ranks": list(self.ranks),
             "batch_capacity": self.batch_capacity,
             "context_tokens": self.context_tokens,
+            "compute_dtype": self.compute_dtype,
             "stages": [
                 {
                     "node_id": stage.node_id,
@@ -121,6 +123,7 @@ class ClusterPlan:
             f"batch capacity: {self.batch_capacity} sequences x {self.context_tokens} tokens "
             "of KV cache, counted in every node's need"
         )
+        lines.append(f"compute precision on every node: {self.compute_dtype}")
         if self.stages:
             for index, stage in enumerate(self.stages):
                 first, last = stage.layers.start, stage.layers.stop - 1

@@ -71,6 +71,7 @@ class EncryptedPipelineEngine(Engine):
         return_listener: socket.socket | None = None,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         channel_class: Any = SecureChannel,
+        upcast: bool = False,
     ) -> None:
         """`return_listener`: an already listening socket for the last stage's connection (its
         port must be known before the last stage starts); else one is opened on
@@ -95,6 +96,7 @@ class EncryptedPipelineEngine(Engine):
         self.connect_timeout_s = connect_timeout_s
         self._cluster_key = cluster_key
         self._channel_class = channel_class
+        self.upcast = upcast  # half-precision weights to float32 on the CPU
         self.tokenizer = None
         self.stage: StageModel | None = None
         self._listener: socket.socket | None = return_listener
@@ -135,7 +137,7 @@ class EncryptedPipelineEngine(Engine):
             )
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer of {self.model_path}: {error}") from error
-        self.stage = StageModel.load(self.model_path, self.layers, is_last=False)
+        self.stage = StageModel.load(self.model_path, self.layers, False, self.upcast)
         chunk_bytes = self.prefill_chunk * self.stage.hidden_size * 4
         if chunk_bytes > wire.MAX_FRAME_BYTES:
             raise EngineError(

@@ -15,6 +15,8 @@ from mlx_lm.utils import MODEL_REMAPPING, load_config, load_model
 
 from planner.errors import EngineError
 
+from ..precision import upcast_on_cpu
+
 log = logging.getLogger(__name__)
 
 # mlx-lm architectures (module names under mlx_lm.models) whose forward pass is exactly
@@ -67,7 +69,9 @@ class StageModel:
         return self.layers.stop == self.total_layers
 
     @classmethod
-    def load(cls, model_path: Path, layers: range, is_last: bool) -> StageModel:
+    def load(
+        cls, model_path: Path, layers: range, is_last: bool, upcast: bool = False
+    ) -> StageModel:
         """Load the weights of `layers` (and the embeddings / head when this stage needs them)."""
         model_path = Path(model_path)
         try:
@@ -114,6 +118,8 @@ class StageModel:
         kept = [module for module in (*blocks, embed, norm, head) if module is not None]
         # Evaluating only the kept modules reads only their tensors from the safetensors files.
         mx.eval([module.parameters() for module in kept])
+        for module in kept:
+            upcast_on_cpu(module, upcast)
         hidden_size = int(model.args.hidden_size)
         del model, inner
         stage = cls(

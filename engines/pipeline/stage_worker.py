@@ -44,6 +44,7 @@ class StageSpec:
     listen_port: int = 0
     read_timeout_s: float = 10.0
     blas_threads: int = 0  # this process's share of the cores; 0 keeps the default
+    upcast_float32: bool = False  # half-precision weights to float32 on the CPU
 
     @classmethod
     def from_json(cls, line: str | bytes) -> StageSpec:
@@ -67,6 +68,7 @@ class StageSpec:
                 listen_port=int(raw.get("listen_port", 0)),
                 read_timeout_s=float(raw.get("read_timeout_s", 10.0)),
                 blas_threads=int(raw.get("blas_threads", 0)),
+                upcast_float32=bool(raw.get("upcast_float32", False)),
             )
         except KeyError as error:
             raise ConfigError(f"the stage spec lacks the field {error}") from None
@@ -180,7 +182,7 @@ def run(channel_class: Any = SecureChannel) -> int:
         return 2
     log.info("BLAS: %s", blas.set_threads(spec.blas_threads).describe())
     try:
-        stage = StageModel.load(spec.model_path, spec.layers, spec.is_last)
+        stage = StageModel.load(spec.model_path, spec.layers, spec.is_last, spec.upcast_float32)
         server = EncryptedPipelineServer(spec, stage, channel_class)
         port = server.bind()
     except (EngineError, OSError) as error:

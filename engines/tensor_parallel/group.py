@@ -43,6 +43,7 @@ class WorkerSpec:
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     blas_threads: int = 0  # this rank's share of its machine's cores; 0 keeps the default
+    upcast_float32: bool = False  # half-precision weights to float32 when on the CPU
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:

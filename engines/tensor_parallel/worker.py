@@ -31,6 +31,7 @@ from mlx_lm.utils import load_model
 from planner.decision import tp_split_problems
 
 from .. import blas
+from ..precision import upcast_on_cpu
 from .group import WorkerSpec, group_environment
 from .lockstep import (
     COMMAND_NAMES,
@@ -191,6 +192,7 @@ def load_shard(spec: WorkerSpec) -> tuple[Any, int | None, mx.distributed.Group]
     for layer in getattr(model, "layers", []):
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
+    upcast_on_cpu(model, spec.upcast_float32)
     return model, config.get("vocab_size"), group
 
 
@@ -286,6 +288,8 @@ class Rank:
                 command = Command(PING)
             elif message.get("cmd") in ("shutdown", "eof"):
                 log.info("shutting the group down (%s)", message["cmd"])
+                # A dead peer would hold this broadcast forever: the watchdog ends the process.
+                self.watchdog.arm(self.spec.stall_timeout_s, "the shutdown broadcast")
                 self.lockstep.broadcast_command(Command(SHUTDOWN))
                 return
             else:
