@@ -172,7 +172,8 @@ def test_unequal_agents_pick_memory_proportional_pp_identical_to_single(
     )
     assert completions(server, "six") == single_outputs(six_head_model)
 
-    elapsed = stream_until_error(server, "six", worker_pid(server, small.node_id))
+    # One stream: this plan batches one sequence (--max-batch 1, so a stage fits in 8M).
+    elapsed = stream_until_error(server, "six", worker_pid(server, small.node_id), streams=1)
     assert elapsed < ERROR_WITHIN_S
     wait_for(lambda: server.get("/health")[1].get("status") == "ok", 60, "serving again")
     assert server.cluster()["replans"] >= 1
