@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planner import (
@@ -13,6 +15,7 @@ from planner import (
     capability_checks,
     decide,
 )
+from planner.decision import tp_split_problems
 
 AUTO, TP, PP, SINGLE = Parallelism.AUTO, Parallelism.TP, Parallelism.PP, Parallelism.SINGLE
 
@@ -228,3 +231,26 @@ def test_capability_checks_list_every_rule_with_numbers() -> None:
 def test_capability_checks_mark_a_lone_node() -> None:
     world = capability_checks(inputs(AUTO, world_size=1))[0]
     assert world == RuleCheck("world size", False, "no cluster peer: worldSize=1")
+
+
+@pytest.mark.parametrize(
+    ("choice", "intermediate", "expected"),
+    [
+        (Parallelism.AUTO, 1024, Parallelism.TP),
+        (Parallelism.AUTO, 1000, Parallelism.TP),  # 1000 splits over 2
+        (Parallelism.AUTO, 1001, Parallelism.PP),
+        (Parallelism.TP, 1001, Parallelism.SINGLE),  # fails closed, as for heads
+        (Parallelism.AUTO, 0, Parallelism.TP),  # unknown width: not checked
+    ],
+)
+def test_the_mlp_width_must_split_like_the_heads(choice, intermediate, expected) -> None:
+    given = replace(inputs(choice), intermediate_size=intermediate)
+    decision = decide(given)
+    assert decision.chosen is expected
+    if intermediate % 2:
+        assert f"MLP size {intermediate} do not divide evenly" in decision.reason
+
+
+def test_tp_split_problems_is_the_workers_rule() -> None:
+    assert tp_split_problems(8, 4, 1024, 2) == []
+    assert tp_split_problems(3, 3, 1001, 2) == ["3 attention heads", "3 KV heads", "1001 MLP size"]
