@@ -230,12 +230,16 @@ def measure_stall(runner: EngineRunner, long_prompt_tokens: int = 2000) -> tuple
 # -- the run ------------------------------------------------------------------------------------
 
 
+failures: dict[str, dict[int, str]] = {}  # contender -> streams -> what went wrong
+
+
 def measure(
     contenders: dict[str, Callable[[int], Awaitable[Burst]]], rounds: int
 ) -> dict[str, dict[int, list[Burst]]]:
     """Every contender at every concurrency, interleaved per round, one warm-up each."""
     results: dict[str, dict[int, list[Burst]]] = {name: {} for name in contenders}
     loop = asyncio.new_event_loop()
+    failures.clear()
     try:
         for run in contenders.values():
             loop.run_until_complete(run(2))
@@ -243,7 +247,12 @@ def measure(
             names = list(contenders)
             for index in range(rounds):
                 for name in names[index % len(names) :] + names[: index % len(names)]:
-                    burst = loop.run_until_complete(contenders[name](count))
+                    try:
+                        burst = loop.run_until_complete(contenders[name](count))
+                    except (httpx.HTTPError, RuntimeError) as error:  # a contender that breaks
+                        failures.setdefault(name, {})[count] = f"{type(error).__name__}: {error}"
+                        print(f"{name} x{count}: failed: {error!r}", file=sys.stderr)
+                        continue
                     results[name].setdefault(count, []).append(burst)
                     print(f"{name} x{count}: {burst.tokens_per_s:.1f} tok/s", file=sys.stderr)
     finally:
@@ -253,7 +262,10 @@ def measure(
 
 def render(results: dict[str, dict[int, list[Burst]]], rounds: int, command: str) -> str:
     def rate(name: str, count: int) -> float:
-        return statistics.median(burst.tokens_per_s for burst in results[name][count])
+        bursts = results[name].get(count)
+        if not bursts:
+            return float("nan")
+        return statistics.median(burst.tokens_per_s for burst in bursts)
 
     rows = []
     for name, by_count in results.items():
@@ -287,7 +299,11 @@ def render(results: dict[str, dict[int, list[Burst]]], rounds: int, command: str
         ],
         rows,
     )
-    notes = []
+    notes = [
+        f"- {name} at {count} streams failed: {message[:160]}"
+        for name, by_count in failures.items()
+        for count, message in by_count.items()
+    ]
     single, server = "tandem single (HTTP)", "mlx_lm.server (HTTP)"
     if single in results and server in results:
         notes.append(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,7 +24,9 @@ LOAD_TIMEOUT_S = 180.0
 def open_tensor_parallel_runner(
     model_path: Path, world_size: int, max_batch: int = 16
 ) -> Iterator[EngineRunner]:
-    specs = loopback_ring_specs(world_size, model_path, max_batch=max_batch)
+    # Every rank shares this machine: each gets its share of the cores, as launch.py does.
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    specs = loopback_ring_specs(world_size, model_path, max_batch=max_batch, blas_threads=threads)
     ranks: list[subprocess.Popen[bytes]] = []
     runner: EngineRunner | None = None
     try:
