@@ -39,7 +39,9 @@ import json, sys, time
 from mlx_lm import load, stream_generate
 model, tokenizer = load(sys.argv[1])
 prompt = tokenizer.encode(sys.argv[2])
-for _ in range({rounds} + 1):
+for response in stream_generate(model, tokenizer, prompt[:16], max_tokens=8):
+    pass  # warm-up
+for _ in range({rounds}):
     started = time.perf_counter(); first = None
     for response in stream_generate(model, tokenizer, prompt, max_tokens={decode}):
         first = first or time.perf_counter()
@@ -89,7 +91,7 @@ def measure_server(
         model_id = None
         if with_model:
             model_id = client.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
-        stream_once(client, server.base_url, model_id, prompt)  # warm-up
+        stream_once(client, server.base_url, model_id, prompt[:200])  # warm-up, short
         return [stream_once(client, server.base_url, model_id, prompt) for _ in range(rounds)]
 
 
@@ -103,7 +105,7 @@ def measure_raw(model: Path, rounds: int, prompt: str) -> list[tuple[float, floa
     )
     if output.returncode != 0:
         raise RuntimeError(output.stderr[-2000:])
-    return [tuple(json.loads(line)) for line in output.stdout.splitlines()[1:]]
+    return [tuple(json.loads(line)) for line in output.stdout.splitlines()]
 
 
 def run_contenders(model: Path, rounds: int, scratch: Path) -> dict[str, list[tuple[float, float]]]:
@@ -155,7 +157,8 @@ def render(tables: dict[str, dict[str, list[tuple[float, float]]]], rounds: int)
     header = ["model", "contender", "TTFT s", "prefill vs server", "decode tok/s", "vs server"]
     setup = (
         f"Demo model 8 layers x hidden 512, {PROMPT_TOKENS}-token prompt, {DECODE_TOKENS} tokens "
-        f"greedy; medians of {rounds} runs after a warm-up, one contender at a time. Targets: "
+        f"greedy; medians of {rounds} run(s) after a short warm-up, one contender at a time. "
+        "Targets: "
         "tandem decode >= 1.5x mlx_lm.server, prefill >= 5x faster."
     )
     return "\n\n".join([setup, markdown_table(header, rows).rstrip()])
@@ -174,7 +177,8 @@ def main() -> None:
             model = ensure_demo_model(MODEL_CACHE, spec)
             tables[dtype] = run_contenders(model, arguments.rounds, scratch)
             print(f"{dtype} done", file=sys.stderr)
-    body = render(tables, arguments.rounds) + f"\n\nCommand: `{COMMAND}`"
+    command = " ".join([COMMAND, *sys.argv[1:]])
+    body = render(tables, arguments.rounds) + f"\n\nCommand: `{command}`"
     sys.stdout.write(body + "\n")
     if not arguments.no_write:
         write_section(HEADING, body)

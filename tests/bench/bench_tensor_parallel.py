@@ -311,9 +311,7 @@ def main() -> None:
     tandem = TandemCluster(model_path)
     bare = BareCluster(model_path)
     try:
-        expected = list(
-            stream_alone(single, GenerationRequest("check", tuple(prompt), MAX_TOKENS))
-        )
+        expected = list(stream_alone(single, GenerationRequest("check", tuple(prompt), MAX_TOKENS)))
         got = list(
             stream_alone(tandem.engine, GenerationRequest("check", tuple(prompt), MAX_TOKENS))
         )
