@@ -278,6 +278,32 @@ def test_a_frozen_tp_rank_ends_the_batch_within_lost_after(
     assert "froze" in reason and agent.node_id in reason
 
 
+def test_a_frozen_pp_stage_ends_the_stream_within_lost_after(
+    demo_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
+) -> None:
+    agent = pool.start("stage1", real_roles=True)
+    server = start_serve(
+        tmp_path,
+        demo_model_dir,
+        pool.cluster_key,
+        ["--parallelism", "pp", "--model-id", "demo"],
+    )
+    servers.append(server)
+    assert server.cluster()["strategy"] == "pp"
+    frozen = worker_pid(server, agent.node_id)
+    try:
+        # One stream: the pipeline engine runs one sequence through the chain at a time.
+        elapsed = stream_until_error(server, "demo", frozen, signal.SIGSTOP, streams=1)
+    finally:
+        try:
+            os.kill(frozen, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert elapsed < LOST_AFTER_S + 1
+    reason = wait_for(lambda: server.cluster()["last_replan_reason"], 30, "a re-plan reason")
+    assert "froze" in reason and agent.node_id in reason
+
+
 def test_an_agent_that_joins_later_is_adopted(
     demo_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
 ) -> None:
