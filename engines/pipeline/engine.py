@@ -154,11 +154,12 @@ class EncryptedPipelineEngine(Engine):
         """(Re)build the sealed chain with fresh session keys and run the SETUP roll call."""
         if self.stage is None:
             raise EngineError("pipeline engine used before load()")
-        if self._schedule.active:
-            raise EngineError(
-                f"cannot rebuild the pipeline while {self._schedule.active} sequences run on it"
-            )
-        self._open()
+        with self._io_lock:
+            if self._schedule.active:
+                raise EngineError(
+                    f"cannot rebuild the pipeline while {self._schedule.active} sequences run on it"
+                )
+            self._open()
 
     def close(self) -> None:
         self._healthy = False
@@ -349,6 +350,7 @@ class EncryptedPipelineEngine(Engine):
                 f"cannot build the pipeline through stage 1 at {first.host}:{first.port}: {error}"
             ) from error
         self._local = StageBatches(self.stage)
+        self._schedule.restart()
         self._awaiting.clear()
         self._number = 0
         self._healthy, self._failure = True, None

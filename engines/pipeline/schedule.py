@@ -52,9 +52,11 @@ class MicroBatchSchedule:
 
     A micro-batch is sent when its previous answer is back, so with one micro-batch per stage
     every stage can work at once. A newcomer's prompt (all but its last token, as in mlx-lm)
-    goes down in chunks of `prefill_chunk`, at most `prefill_in_flight` chunks at a time and
-    one per step while others decode, so a long prompt delays them by one chunk per step.
-    The newcomer then joins the smallest micro-batch with its last prompt token as input.
+    goes down in chunks of `prefill_chunk`: while others decode, one chunk at a time, so a
+    long prompt delays each of their tokens by one chunk (as SingleEngine's one chunk per
+    step); while nobody decodes, up to `prefill_in_flight` chunks fill the pipeline. Newcomers
+    take turns, a chunk each. A newcomer then joins the smallest micro-batch, its last prompt
+    token as input.
     """
 
     def __init__(self, groups: int, prefill_chunk: int, prefill_in_flight: int) -> None:
@@ -100,7 +102,23 @@ class MicroBatchSchedule:
 
     def clear(self) -> None:
         """The chain was lost: every sequence and frame in flight is gone."""
-        self.__init__(len(self._groups), self.prefill_chunk, self.prefill_in_flight)
+        self._sequences.clear()
+        self._prefilling.clear()
+        for group in self._groups:
+            group.members.clear()
+        self.restart()
+
+    def restart(self) -> None:
+        """A fresh session: nothing in flight, every micro-batch counts its steps from 1.
+
+        Only while no sequence has begun (the new session's stages know none)."""
+        if any(sequence.begun for sequence in self._sequences.values()):
+            raise ValueError("a session cannot restart under sequences the old one knew")
+        self._in_flight.clear()
+        self._prefill_steps = 0
+        for group in self._groups:
+            group.steps = 0
+            group.in_flight = False
 
     @property
     def active(self) -> int:
@@ -169,9 +187,8 @@ class MicroBatchSchedule:
     def _plan_prefills(self, decoding: bool) -> list[Planned]:
         frames: list[Planned] = []
         in_flight = sum(frame.is_prefill for frame in self._in_flight)
-        while self._prefilling and in_flight < self.prefill_in_flight:
-            if frames and decoding:  # one chunk per step while others wait on theirs
-                break
+        limit = 1 if decoding else self.prefill_in_flight
+        while self._prefilling and in_flight < limit:
             sequence = self._sequences[self._prefilling[0]]
             body = len(sequence.prompt) - 1
             start, stop = sequence.prefilled, min(sequence.prefilled + self.prefill_chunk, body)
@@ -182,9 +199,11 @@ class MicroBatchSchedule:
             frames.append(Planned(PREFILL_GROUP, self._prefill_steps, (row,), chunk, begins))
             in_flight += 1
             sequence.prefilled = sequence.position = stop
+            self._prefilling.popleft()
             if stop == body:
-                self._prefilling.popleft()
                 self._join(sequence)
+            else:  # round robin: a short prompt behind a long one waits one chunk, not all
+                self._prefilling.append(sequence.uid)
         return frames
 
     def _join(self, sequence: _Sequence) -> None:
