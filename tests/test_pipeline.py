@@ -19,8 +19,10 @@ import pytest
 from discovery.cluster_key import format_key, generate_key
 from engines.base import GenerationRequest
 from engines.pipeline.engine import EncryptedPipelineEngine
+from engines.pipeline.schedule import MicroBatchSchedule, Planned
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_worker import StageProcess, StageSpec
+from engines.pipeline.wire import PREFILL_GROUP, Row
 from engines.runner import EngineRunner
 from engines.single import SingleEngine
 from planner import allocate_layers
@@ -563,6 +565,60 @@ def test_lost_stage_ends_every_stream_of_a_batch_with_an_error(fragile: Any, fau
         if victim.popen.poll() is None:
             os.kill(victim.pid, signal.SIGCONT)
         runner.close()
+
+
+# -- the coordinator's schedule, socket-free -----------------------------------------------------
+
+
+def describe(frames: list[Planned]) -> list[tuple]:
+    return [(frame.group, frame.step, frame.rows, frame.tokens, frame.begins) for frame in frames]
+
+
+def test_schedule_plans_prefill_and_decode_frames() -> None:
+    schedule = MicroBatchSchedule(groups=2, prefill_chunk=2, prefill_in_flight=2)
+    schedule.add(2, [20])  # nothing to prefill: joins micro-batch 0 at once
+    schedule.add(1, [10, 11, 12, 13])  # chunks [10, 11] and [12], then decodes from 13
+    assert describe(schedule.plan()) == [
+        (0, 1, (Row(2, 0),), (20,), (2,)),
+        (PREFILL_GROUP, 1, (Row(1, 0),), (10, 11), (1,)),  # one chunk while 2 decodes
+    ]
+    assert schedule.answered([7]) == [(2, 7)]
+    assert describe(schedule.plan()) == [(0, 2, (Row(2, 1),), (7,), ())]
+    assert schedule.answered([]) == []  # the chunk's acknowledgement
+    frames = schedule.plan()  # the last chunk; 1 joins the idle micro-batch 1 at once
+    assert describe(frames) == [
+        (PREFILL_GROUP, 2, (Row(1, 2),), (12,), ()),
+        (1, 1, (Row(1, 3),), (13,), ()),
+    ]
+    assert schedule.sizes() == [1, 1] and schedule.in_flight == 3
+    assert schedule.remove([2, 99]) == [2]  # the stages know 2; 99 never existed
+    assert schedule.answered([8]) == []  # 2's token was on its way: dropped
+    assert schedule.answered([]) == [] and schedule.answered([5]) == [(1, 5)]
+    assert describe(schedule.plan()) == [(1, 2, (Row(1, 4),), (5,), ())]
+
+
+def test_schedule_prefills_newcomers_in_turn_and_fills_the_pipe_when_idle() -> None:
+    schedule = MicroBatchSchedule(groups=3, prefill_chunk=1, prefill_in_flight=3)
+    schedule.add(1, [10, 11, 12, 13])
+    schedule.add(2, [20, 21])
+    frames = schedule.plan()  # nobody decodes: three chunks, newcomers taking turns
+    assert [(frame.rows, frame.tokens) for frame in frames[:3]] == [
+        ((Row(1, 0),), (10,)),
+        ((Row(2, 0),), (20,)),
+        ((Row(1, 1),), (11,)),
+    ]
+    assert describe(frames[3:]) == [(0, 1, (Row(2, 1),), (21,), ())]  # 2's prompt is done
+
+
+def test_schedule_restarts_only_without_known_sequences() -> None:
+    schedule = MicroBatchSchedule(groups=2, prefill_chunk=4, prefill_in_flight=2)
+    schedule.add(1, [1, 2])
+    schedule.plan()
+    with pytest.raises(ValueError, match="cannot restart"):
+        schedule.restart()
+    schedule.clear()
+    schedule.add(1, [1, 2])
+    assert describe(schedule.plan())[0] == (PREFILL_GROUP, 1, (Row(1, 0),), (1,), (1,))
 
 
 # -- loading and the worker contract -------------------------------------------------------------
