@@ -1,4 +1,4 @@
-"""The sealed pipeline on real stage processes: SingleEngine's tokens exactly, and fast failure."""
+"""The sealed pipeline on real stage processes: batches of SingleEngine's tokens, fast failure."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ import pytest
 from discovery.cluster_key import format_key, generate_key
 from engines.base import GenerationRequest
 from engines.pipeline.engine import EncryptedPipelineEngine
+from engines.pipeline.schedule import MicroBatchSchedule, Planned
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_worker import StageProcess, StageSpec
+from engines.pipeline.wire import PREFILL_GROUP, Row
 from engines.runner import EngineRunner
 from engines.single import SingleEngine
 from planner import allocate_layers
@@ -122,32 +124,53 @@ def make_engine(
     )
 
 
-def run(
+async def collect(
     runner: EngineRunner, request: GenerationRequest, cancel_after: int | None = None
 ) -> Outcome:
     """Submit through the runner and collect the event stream (cancel after N tokens if asked)."""
+    submission = runner.submit(request)
+    tokens: list[int] = []
+    texts: list[str] = []
+    async for event in submission.events():
+        if event.token is not None:
+            tokens.append(event.token)
+            if cancel_after is not None and len(tokens) == cancel_after:
+                submission.cancel()
+        texts.append(event.text)
+        if event.finish_reason is not None:
+            return Outcome(
+                tokens, "".join(texts), event.finish_reason, event.error, event.completion_tokens
+            )
+    raise AssertionError("the event stream ended without a final event")
 
-    async def collect() -> Outcome:
-        submission = runner.submit(request)
-        tokens: list[int] = []
-        texts: list[str] = []
-        async for event in submission.events():
-            if event.token is not None:
-                tokens.append(event.token)
-                if cancel_after is not None and len(tokens) == cancel_after:
-                    submission.cancel()
-            texts.append(event.text)
-            if event.finish_reason is not None:
-                return Outcome(
-                    tokens,
-                    "".join(texts),
-                    event.finish_reason,
-                    event.error,
-                    event.completion_tokens,
+
+def run(
+    runner: EngineRunner, request: GenerationRequest, cancel_after: int | None = None
+) -> Outcome:
+    """One request through the runner, alone."""
+    return asyncio.run(asyncio.wait_for(collect(runner, request, cancel_after), timeout=60))
+
+
+def run_all(
+    runner: EngineRunner,
+    requests: list[GenerationRequest],
+    cancel_after: dict[int, int] | None = None,
+) -> list[Outcome]:
+    """Submit every request at once (a burst) and collect each stream; request i is cancelled
+    after cancel_after[i] tokens."""
+    cancel_after = cancel_after or {}
+
+    async def burst() -> list[Outcome]:
+        return list(
+            await asyncio.gather(
+                *(
+                    collect(runner, request, cancel_after.get(index))
+                    for index, request in enumerate(requests)
                 )
-        raise AssertionError("the event stream ended without a final event")
+            )
+        )
 
-    return asyncio.run(asyncio.wait_for(collect(), timeout=60))
+    return asyncio.run(asyncio.wait_for(burst(), timeout=90))
 
 
 def make_request(
@@ -255,13 +278,25 @@ def test_seeded_sampling_matches_single_engine(
     assert outcome.tokens != greedy.tokens  # sampling really happened
 
 
+def status(pipeline: Pipeline) -> list[dict[str, Any]]:
+    """A STATUS roll call once the runner has handed its last removals to the engine."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return pipeline.engine.stage_status()
+        except EngineError as error:  # the runner's last remove() may still be on its way
+            if "runs" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def test_cancel_frees_every_stage_and_the_next_request_is_exact(pipeline: Pipeline) -> None:
-    before = pipeline.engine.stage_status()
+    before = status(pipeline)
     request = make_request(pipeline.runner, PROMPTS[0], max_tokens=500)
     cancelled = run(pipeline.runner, request, cancel_after=5)
     assert cancelled.finish == "cancelled"
     assert 5 <= len(cancelled.tokens) < 500
-    after = pipeline.engine.stage_status()
+    after = status(pipeline)
     assert [report["layers"] for report in after] == [[r.start, r.stop] for r in pipeline.ranges]
     assert all(report["active_requests"] == 0 for report in after)
     assert [r["served_requests"] for r in after[1:]] == [
@@ -270,9 +305,104 @@ def test_cancel_frees_every_stage_and_the_next_request_is_exact(pipeline: Pipeli
     assert_same(pipeline, make_request(pipeline.runner, PROMPTS[1]))
 
 
+# -- batches -------------------------------------------------------------------------------------
+
+BATCH_PROMPTS = (*PROMPTS, "A", "Why not", LONG_PROMPT[:200], "tell me a story about a cat")
+
+
+def test_greedy_batch_matches_single_engine_alone(pipeline: Pipeline) -> None:
+    """Eight greedy requests at once: each gets the tokens SingleEngine gives it alone."""
+    requests = [
+        make_request(pipeline.runner, prompt, max_tokens=24 + 5 * index)
+        for index, prompt in enumerate(BATCH_PROMPTS)
+    ]
+    alone = [run(pipeline.reference, request) for request in requests]
+    together = run_all(pipeline.runner, requests)
+    assert [outcome.tokens for outcome in together] == [outcome.tokens for outcome in alone]
+    assert [outcome.finish for outcome in together] == [outcome.finish for outcome in alone]
+    assert status(pipeline)[1]["active_requests"] == 0
+
+
+def test_burst_of_eight_ends_every_request_correctly(pipeline: Pipeline) -> None:
+    """Different lengths, stops and temperatures, one cancelled, one timing out, all at once."""
+    runner = pipeline.runner
+    stopper = make_request(runner, PROMPTS[2], max_tokens=64)
+    stop_word = run(pipeline.reference, stopper).text.split()[3]
+    requests = [
+        make_request(runner, PROMPTS[0], max_tokens=48),
+        make_request(runner, PROMPTS[1], max_tokens=3),
+        make_request(runner, PROMPTS[2], max_tokens=40, temperature=1.0, seed=1234),
+        make_request(runner, PROMPTS[3], max_tokens=30, temperature=0.8, top_p=0.9, seed=7),
+        make_request(runner, PROMPTS[2], max_tokens=64, stop=(stop_word,)),
+        make_request(runner, LONG_PROMPT, max_tokens=20),
+        make_request(runner, PROMPTS[1], max_tokens=500),  # cancelled after 4 tokens
+        make_request(runner, PROMPTS[0], max_tokens=100_000, timeout_s=2.0),
+    ]
+    expected = [run(pipeline.reference, request) for request in requests[:6]]
+    outcomes = run_all(runner, requests, cancel_after={6: 4})
+    for got, want in zip(outcomes[:6], expected, strict=True):
+        assert (got.tokens, got.text, got.finish) == (want.tokens, want.text, want.finish)
+        assert got.completion_tokens == want.completion_tokens
+    assert outcomes[1].completion_tokens == 3 and outcomes[1].finish == "length"
+    assert outcomes[4].finish == "stop" and stop_word not in outcomes[4].text
+    greedy = run(pipeline.reference, make_request(runner, PROMPTS[1], max_tokens=100)).tokens
+    cancelled, timed_out = outcomes[6], outcomes[7]
+    assert cancelled.finish == "cancelled" and 4 <= len(cancelled.tokens) < 500
+    assert cancelled.tokens == greedy[: len(cancelled.tokens)]
+    assert cancelled.completion_tokens == len(cancelled.tokens)
+    assert timed_out.finish == "error" and "timed out after 2 s" in (timed_out.error or "")
+    assert timed_out.completion_tokens == len(timed_out.tokens) > 0
+    assert all(report["active_requests"] == 0 for report in status(pipeline))
+    assert_same(pipeline, make_request(runner, PROMPTS[3], max_tokens=16))
+
+
+def test_long_prefill_does_not_freeze_running_streams(three_stages: Pipeline) -> None:
+    """A newcomer's long prompt is prefilled a chunk per step between the others' tokens."""
+    runner = three_stages.runner
+    running = make_request(runner, PROMPTS[0], max_tokens=1000)
+    newcomer = make_request(runner, LONG_PROMPT * 2, max_tokens=1)
+    chunks = len(newcomer.prompt_tokens) // three_stages.engine.prefill_chunk
+    assert chunks >= 10
+    stamps: list[float] = []
+    warm = asyncio.Event()
+
+    async def keep_streaming() -> Outcome:
+        submission = runner.submit(running)
+        async for event in submission.events():
+            stamps.append(time.monotonic())
+            if len(stamps) == 5:
+                warm.set()
+            if event.finish_reason is not None:
+                return Outcome([], "", event.finish_reason, event.error, event.completion_tokens)
+        raise AssertionError("no final event")
+
+    async def arrive_late(stream: asyncio.Task) -> tuple[float, float, Outcome]:
+        await warm.wait()
+        submitted = time.monotonic()
+        outcome = await collect(runner, newcomer)
+        answered = time.monotonic()
+        for submission in runner.running():
+            submission.cancel()
+        await stream
+        return submitted, answered, outcome
+
+    async def race() -> tuple[float, float, Outcome]:
+        stream = asyncio.ensure_future(keep_streaming())
+        return await arrive_late(stream)
+
+    submitted, answered, late = asyncio.run(asyncio.wait_for(race(), timeout=60))
+    assert late.finish == "length"
+    during = [stamp for stamp in stamps if submitted < stamp < answered]
+    assert len(during) >= chunks // 2, (len(during), chunks)
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
 def test_info_describes_every_stage(three_stages: Pipeline) -> None:
     info = three_stages.engine.info()
     assert (info.strategy, info.world_size) == ("pp", 3)
+    assert info.detail["micro_batches"] == 3
     stages = info.detail["stages"]
     assert [stage["layers"] for stage in stages] == [[0, 3], [3, 4], [4, 5]]
     assert all(stage["peak_memory_bytes"] > 0 for stage in stages)
@@ -284,10 +414,9 @@ def test_info_describes_every_stage(three_stages: Pipeline) -> None:
 
 
 def test_reconnect_builds_a_fresh_session(three_stages: Pipeline) -> None:
-    served = [report["served_requests"] for report in three_stages.engine.stage_status()[1:]]
-    three_stages.engine.connect()  # new handshakes, new session keys, request numbers from 1
-    status = three_stages.engine.stage_status()
-    assert [report["served_requests"] for report in status[1:]] == served  # same processes
+    served = [report["served_requests"] for report in status(three_stages)[1:]]
+    three_stages.engine.connect()  # new handshakes, new session keys, frame numbers from 1
+    assert [report["served_requests"] for report in status(three_stages)[1:]] == served
     assert_same(three_stages, make_request(three_stages.runner, PROMPTS[3]))
 
 
@@ -308,9 +437,8 @@ def test_wrong_cluster_key_is_refused_and_the_session_survives(
 
 
 def test_out_of_range_sampling_is_refused_before_the_chain(two_stages: Pipeline) -> None:
-    request = make_request(two_stages.runner, PROMPTS[0], temperature=-1.0)
-    with pytest.raises(EngineError, match="temperature -1.0"):
-        next(two_stages.engine.generate_tokens(request))
+    refused = run(two_stages.runner, make_request(two_stages.runner, PROMPTS[0], temperature=-1.0))
+    assert refused.finish == "error" and "temperature -1.0" in (refused.error or "")
     assert two_stages.engine.healthy()
     assert_same(two_stages, make_request(two_stages.runner, PROMPTS[0], max_tokens=8))
 
@@ -334,82 +462,163 @@ def fragile(five_layer_model: Path, cluster_key: bytes, tmp_path: Path) -> Itera
         stop_workers(workers)
 
 
-def long_request(engine: EncryptedPipelineEngine) -> GenerationRequest:
-    prompt = tuple(engine.tokenizer.encode(PROMPTS[0]))
-    return GenerationRequest("doomed", prompt, max_tokens=100_000)
+def long_requests(engine: EncryptedPipelineEngine, count: int = 8) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            f"doomed-{index}",
+            tuple(engine.tokenizer.encode(PROMPTS[index % len(PROMPTS)])),
+            max_tokens=100_000,
+        )
+        for index in range(count)
+    ]
+
+
+def decode_a_while(engine: EncryptedPipelineEngine, tokens: int = 40) -> None:
+    """Insert a batch of 8 and step until `tokens` tokens came back (all 8 decoding)."""
+    for uid, request in enumerate(long_requests(engine)):
+        engine.insert(uid, request)
+    seen: set[int] = set()
+    produced = 0
+    while produced < tokens or len(seen) < 8:
+        outputs = engine.step()
+        seen.update(output.uid for output in outputs)
+        produced += len(outputs)
 
 
 @pytest.mark.parametrize("victim", [0, 1])
-def test_killed_stage_fails_the_request_fast(fragile: Any, victim: int) -> None:
+def test_killed_stage_fails_the_batch_fast(fragile: Any, victim: int) -> None:
     engine, workers = fragile
-    tokens = engine.generate_tokens(long_request(engine))
-    assert len([next(tokens) for _ in range(5)]) == 5
+    decode_a_while(engine)
     workers[victim].popen.kill()
     workers[victim].popen.wait(5)
     started = time.monotonic()
-    with pytest.raises(EngineError, match="pipeline stage lost"):
-        for _ in tokens:
+    with pytest.raises(EngineError, match=r"pipeline stage lost .*\(8 sequences\)"):
+        while True:
+            engine.step()
             assert time.monotonic() - started < 10
     assert time.monotonic() - started < 10
     assert not engine.healthy()
     assert "failure" in engine.info().detail
-    tokens.close()
+    engine.remove(range(8))  # as the runner does: the batch is gone
+    engine.insert(100, long_requests(engine, 1)[0])
     started = time.monotonic()
-    with pytest.raises(EngineError):  # the next request tries to reconnect and cannot
-        next(engine.generate_tokens(long_request(engine)))
+    with pytest.raises(EngineError):  # the next step tries to reconnect and cannot
+        engine.step()
     assert time.monotonic() - started < 12
 
 
 def test_frozen_stage_times_out(fragile: Any) -> None:
     engine, workers = fragile
-    tokens = engine.generate_tokens(long_request(engine))
-    next(tokens)
+    decode_a_while(engine)
     os.kill(workers[1].pid, signal.SIGSTOP)  # alive but silent: only a timeout catches it
     try:
         started = time.monotonic()
         with pytest.raises(EngineError, match="pipeline stage lost"):
-            for _ in tokens:
-                pass
+            while True:
+                engine.step()
         assert time.monotonic() - started < engine.token_timeout_s + 3
         assert not engine.healthy()
     finally:
         os.kill(workers[1].pid, signal.SIGCONT)
 
 
-def test_abort_wakes_a_blocked_read(fragile: Any) -> None:
+def test_abort_wakes_a_blocked_step(fragile: Any) -> None:
     engine, workers = fragile
     engine.token_timeout_s = 60.0
-    tokens = engine.generate_tokens(long_request(engine))
-    next(tokens)
+    decode_a_while(engine, tokens=8)
     os.kill(workers[0].pid, signal.SIGSTOP)
     timer = threading.Timer(0.5, engine.abort, args=("operator requested a re-plan",))
     try:
         started = time.monotonic()
         timer.start()
         with pytest.raises(EngineError, match="re-plan"):
-            for _ in tokens:
-                pass
+            while True:
+                engine.step()
         assert time.monotonic() - started < 5
     finally:
         timer.cancel()
         os.kill(workers[0].pid, signal.SIGCONT)
 
 
-def test_killed_stage_through_the_runner_reports_an_error(fragile: Any) -> None:
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_lost_stage_ends_every_stream_of_a_batch_with_an_error(fragile: Any, fault: str) -> None:
     engine, workers = fragile
     runner = EngineRunner(engine)
     runner.start(load_timeout_s=10)  # load() again: a fresh session
+    victim = workers[1]
     try:
-        timer = threading.Timer(0.5, workers[1].popen.kill)
+        if fault == "kill":
+            timer = threading.Timer(1.0, victim.popen.kill)
+        else:
+            timer = threading.Timer(1.0, os.kill, args=(victim.pid, signal.SIGSTOP))
         timer.start()
         started = time.monotonic()
-        outcome = run(runner, long_request(engine))
+        outcomes = run_all(runner, long_requests(engine))
+        elapsed = time.monotonic() - started
         timer.join()
-        assert outcome.finish == "error"
-        assert "pipeline stage lost" in (outcome.error or "")
-        assert time.monotonic() - started < 10
+        assert [outcome.finish for outcome in outcomes] == ["error"] * 8
+        assert all("pipeline stage lost" in (outcome.error or "") for outcome in outcomes)
+        assert all(outcome.tokens for outcome in outcomes)  # they were decoding
+        assert elapsed < 1.0 + engine.token_timeout_s + 3
+        assert not engine.healthy()
     finally:
+        if victim.popen.poll() is None:
+            os.kill(victim.pid, signal.SIGCONT)
         runner.close()
+
+
+# -- the coordinator's schedule, socket-free -----------------------------------------------------
+
+
+def describe(frames: list[Planned]) -> list[tuple]:
+    return [(frame.group, frame.step, frame.rows, frame.tokens, frame.begins) for frame in frames]
+
+
+def test_schedule_plans_prefill_and_decode_frames() -> None:
+    schedule = MicroBatchSchedule(groups=2, prefill_chunk=2, prefill_in_flight=2)
+    schedule.add(2, [20])  # nothing to prefill: joins micro-batch 0 at once
+    schedule.add(1, [10, 11, 12, 13])  # chunks [10, 11] and [12], then decodes from 13
+    assert describe(schedule.plan()) == [
+        (0, 1, (Row(2, 0),), (20,), (2,)),
+        (PREFILL_GROUP, 1, (Row(1, 0),), (10, 11), (1,)),  # one chunk while 2 decodes
+    ]
+    assert schedule.answered([7]) == [(2, 7)]
+    assert describe(schedule.plan()) == [(0, 2, (Row(2, 1),), (7,), ())]
+    assert schedule.answered([]) == []  # the chunk's acknowledgement
+    frames = schedule.plan()  # the last chunk; 1 joins the idle micro-batch 1 at once
+    assert describe(frames) == [
+        (PREFILL_GROUP, 2, (Row(1, 2),), (12,), ()),
+        (1, 1, (Row(1, 3),), (13,), ()),
+    ]
+    assert schedule.sizes() == [1, 1] and schedule.in_flight == 3
+    assert schedule.remove([2, 99]) == [2]  # the stages know 2; 99 never existed
+    assert schedule.answered([8]) == []  # 2's token was on its way: dropped
+    assert schedule.answered([]) == [] and schedule.answered([5]) == [(1, 5)]
+    assert describe(schedule.plan()) == [(1, 2, (Row(1, 4),), (5,), ())]
+
+
+def test_schedule_prefills_newcomers_in_turn_and_fills_the_pipe_when_idle() -> None:
+    schedule = MicroBatchSchedule(groups=3, prefill_chunk=1, prefill_in_flight=3)
+    schedule.add(1, [10, 11, 12, 13])
+    schedule.add(2, [20, 21])
+    frames = schedule.plan()  # nobody decodes: three chunks, newcomers taking turns
+    assert [(frame.rows, frame.tokens) for frame in frames[:3]] == [
+        ((Row(1, 0),), (10,)),
+        ((Row(2, 0),), (20,)),
+        ((Row(1, 1),), (11,)),
+    ]
+    assert describe(frames[3:]) == [(0, 1, (Row(2, 1),), (21,), ())]  # 2's prompt is done
+
+
+def test_schedule_restarts_only_without_known_sequences() -> None:
+    schedule = MicroBatchSchedule(groups=2, prefill_chunk=4, prefill_in_flight=2)
+    schedule.add(1, [1, 2])
+    schedule.plan()
+    with pytest.raises(ValueError, match="cannot restart"):
+        schedule.restart()
+    schedule.clear()
+    schedule.add(1, [1, 2])
+    assert describe(schedule.plan())[0] == (PREFILL_GROUP, 1, (Row(1, 0),), (1,), (1,))
 
 
 # -- loading and the worker contract -------------------------------------------------------------

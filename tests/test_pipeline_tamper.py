@@ -22,7 +22,7 @@ from discovery.sealing import derive_session_keys
 from discovery.secure_channel import SecureChannel
 from engines.pipeline import wire
 from engines.pipeline.stage_worker import StageProcess
-from engines.pipeline.wire import PURPOSE, Frame, Kind, WireError
+from engines.pipeline.wire import PREFILL_GROUP, PURPOSE, Frame, Kind, Row, WireError
 from planner.errors import ChannelError
 
 pytestmark = pytest.mark.cluster
@@ -88,33 +88,50 @@ class Chain:
         stage.listener.settimeout(5.0)
         connection, _ = stage.listener.accept()
         self.back = SecureChannel.server(connection, stage.key, PURPOSE, 5.0)
+        self.number = 0  # the last frame number sent
+        self.steps: dict[int, int] = {}  # micro-batch -> its last step
 
     def setup(self) -> list[dict]:
         roll_call = {"reports": [{"layers": [UPSTREAM.start, UPSTREAM.stop]}]}
-        wire.send(self.out, wire.document_frame(Kind.SETUP, 0, 0, roll_call), wire.SETUP_SENDER)
-        ready = wire.receive(self.back, 5.0, 0, wire.SETUP_SENDER, 0, (Kind.READY,))
+        wire.send(self.out, wire.document_frame(Kind.SETUP, 0, roll_call), wire.SETUP_SENDER)
+        ready = wire.receive_answer(self.back, 5.0, Frame(Kind.READY, 0), wire.SETUP_SENDER)
         return ready.document()["reports"]
 
-    def begin(self, request: int) -> None:
+    def take(self) -> int:
+        self.number += 1
+        return self.number
+
+    def send(self, frame: Frame) -> None:
+        wire.send(self.out, frame, UPSTREAM)
+
+    def begin(self, uid: int) -> None:
         document = {"id": "tamper", "temperature": 0.0, "top_p": 1.0, "seed": 0}
-        wire.send(self.out, wire.document_frame(Kind.BEGIN, request, 0, document), UPSTREAM)
+        self.send(wire.document_frame(Kind.BEGIN, self.take(), document, [Row(uid, 0)]))
 
-    def hidden(self, request: int, step: int, width: int = HIDDEN_SIZE) -> None:
-        wire.send(
-            self.out, wire.hidden_frame(request, step, activation(step, width), True), UPSTREAM
-        )
+    def decode(
+        self, group: int, rows: list[Row], width: int = HIDDEN_SIZE, step: int | None = None
+    ) -> Frame:
+        """Send one decode step of micro-batch `group`; returns the answer to expect."""
+        if step is None:
+            step = self.steps.get(group, 0) + 1
+        self.steps[group] = step
+        number = self.take()
+        self.send(wire.hidden_frame(number, group, step, rows, activations(rows, width)))
+        return Frame(Kind.TOKEN, number, group, step, tuple(rows))
 
-    def token(self, request: int, step: int) -> int:
-        return wire.receive(self.back, 5.0, request, LAST, step, (Kind.TOKEN,)).token()
+    def tokens(self, expected: Frame) -> list[int]:
+        return wire.receive_answer(self.back, 5.0, expected, LAST).tokens()
 
-    def first_tokens(self, request: int = 1) -> list[int]:
-        """A whole request: BEGIN, two sampled steps, END."""
-        self.begin(request)
+    def end(self, uids: list[int]) -> None:
+        self.send(wire.end_frame(self.take(), uids))
+
+    def first_tokens(self, uid: int = 1) -> list[int]:
+        """A whole sequence: BEGIN, two decode steps alone in micro-batch 0, END."""
+        self.begin(uid)
         tokens = []
-        for step in (1, 2):
-            self.hidden(request, step)
-            tokens.append(self.token(request, step))
-        wire.send(self.out, Frame(Kind.END, request, 3), UPSTREAM)
+        for position in (0, 1):
+            tokens += self.tokens(self.decode(0, [Row(uid, position)]))
+        self.end([uid])
         return tokens
 
     def assert_closed_by_stage(self) -> None:
@@ -129,9 +146,15 @@ class Chain:
             self.back.close()
 
 
-def activation(step: int, width: int = HIDDEN_SIZE) -> mx.array:
-    values = np.random.default_rng(step).standard_normal((1, 1, width), dtype=np.float32)
+def activation(position: int, width: int = HIDDEN_SIZE) -> mx.array:
+    """The (1, 1, D) activation every test sends for a sequence at `position`."""
+    values = np.random.default_rng(position).standard_normal((1, 1, width), dtype=np.float32)
     return mx.array(values)
+
+
+def activations(rows: list[Row], width: int = HIDDEN_SIZE) -> mx.array:
+    """(B, 1, D): each row's activation depends on its position only, as if run alone."""
+    return mx.concatenate([activation(row.position, width) for row in rows], axis=0)
 
 
 def flip_byte(index: int) -> Callable[[bytes], bytes]:
@@ -231,8 +254,35 @@ def reject(stage: LiveStage, chain: Chain, attack: Callable[[], None], logged: s
 def test_a_valid_session_is_served_twice_the_same(chain: Chain, baseline: list[int]) -> None:
     assert chain.first_tokens() == baseline
     chain.begin(2)
-    chain.hidden(2, 1)
-    assert chain.token(2, 1) == baseline[0]  # a new request starts from an empty cache
+    assert chain.tokens(chain.decode(0, [Row(2, 0)])) == baseline[:1]  # an empty cache again
+
+
+def test_a_batch_gives_each_row_its_tokens_alone(chain: Chain, baseline: list[int]) -> None:
+    """Three sequences in micro-batches 0 and 1, joining and leaving: each row as alone."""
+    for uid in (1, 2, 3):
+        chain.begin(uid)
+    assert chain.tokens(chain.decode(0, [Row(1, 0), Row(2, 0)])) == [baseline[0]] * 2
+    assert chain.tokens(chain.decode(1, [Row(3, 0)])) == baseline[:1]
+    chain.end([1])
+    assert chain.tokens(chain.decode(0, [Row(2, 1)])) == baseline[1:2]
+    chain.begin(4)  # a newcomer joins micro-batch 1 behind its member
+    assert chain.tokens(chain.decode(1, [Row(3, 1), Row(4, 0)])) == baseline[1::-1]
+    chain.end([2, 3, 4])
+
+
+def test_prefill_chunks_are_acknowledged_and_fill_the_cache(chain: Chain) -> None:
+    """Sequence 1 prefills positions 0-1 in one chunk, sequence 2 decodes them one by one:
+    their third token is the same."""
+    chain.begin(1)
+    chain.begin(2)
+    number = chain.take()
+    hidden = mx.concatenate([activation(0), activation(1)], axis=1)  # (1, 2, D)
+    chain.send(wire.hidden_frame(number, PREFILL_GROUP, 1, [Row(1, 0)], hidden))
+    ack = Frame(Kind.TOKEN, number, PREFILL_GROUP, 1, (Row(1, 0),))
+    assert chain.tokens(ack) == []
+    for position in (0, 1):
+        chain.tokens(chain.decode(1, [Row(2, position)]))
+    assert chain.tokens(chain.decode(0, [Row(1, 2)])) == chain.tokens(chain.decode(1, [Row(2, 2)]))
 
 
 @pytest.mark.parametrize("where", [12, 30, -1])  # ciphertext start, middle, tag
@@ -240,7 +290,7 @@ def test_tampered_byte(stage: LiveStage, chain: Chain, where: int) -> None:
     def attack() -> None:
         chain.begin(1)
         chain.sock.rewrite = flip_byte(where)
-        chain.hidden(1, 1)
+        chain.decode(0, [Row(1, 0)])
 
     reject(stage, chain, attack, "failed authentication")
 
@@ -255,18 +305,18 @@ def test_tampered_counter(stage: LiveStage, chain: Chain) -> None:
 
 def test_replayed_frame(stage: LiveStage, chain: Chain, baseline: list[int]) -> None:
     chain.begin(1)
-    chain.hidden(1, 1)
-    assert chain.token(1, 1) == baseline[0]
+    assert chain.tokens(chain.decode(0, [Row(1, 0)])) == baseline[:1]
     reject(stage, chain, lambda: chain.sock.send_raw(chain.sock.frames[-1]), "out of order")
 
 
 def test_reordered_frames(stage: LiveStage, chain: Chain) -> None:
     def attack() -> None:
         chain.begin(1)
-        chain.sock.rewrite = lambda data: b""  # hold step 1 back ...
-        chain.hidden(1, 1)
+        chain.begin(2)
+        chain.sock.rewrite = lambda data: b""  # hold micro-batch 0 back ...
+        chain.decode(0, [Row(1, 0)])
         held = chain.sock.frames[-1]
-        chain.hidden(1, 2)  # ... so step 2 arrives first
+        chain.decode(1, [Row(2, 0)])  # ... so micro-batch 1 arrives first
         chain.sock.send_raw(held)
 
     reject(stage, chain, attack, "out of order")
@@ -286,64 +336,156 @@ def test_truncated_frame(
     def attack() -> None:
         chain.begin(1)
         chain.sock.rewrite = rewrite
-        chain.hidden(1, 1)
+        chain.decode(0, [Row(1, 0)])
 
     reject(stage, chain, attack, logged)
 
 
-def test_silence_inside_a_request_times_out(stage: LiveStage, chain: Chain) -> None:
+def test_silence_while_sequences_are_active_times_out(stage: LiveStage, chain: Chain) -> None:
     started = time.monotonic()
-    reject(stage, chain, lambda: chain.begin(1), f"no frame arrived within {READ_TIMEOUT_S}")
+    reject(stage, chain, lambda: chain.begin(1), f"no frame arrived within {READ_TIMEOUT_S:g} s")
     assert time.monotonic() - started < READ_TIMEOUT_S + 2
 
 
+def test_an_idle_session_waits_without_limit(stage: LiveStage, chain: Chain) -> None:
+    time.sleep(READ_TIMEOUT_S + 1)  # no sequence: silence is no failure
+    chain.begin(1)
+    assert len(chain.tokens(chain.decode(0, [Row(1, 0)]))) == 1
+
+
 @pytest.mark.parametrize(
-    ("request_number", "sender", "step"),
-    [(2, UPSTREAM, 1), (1, range(2, 4), 1), (1, UPSTREAM, 2), (1, wire.SETUP_SENDER, 1)],
-    ids=["other-request", "other-stage", "skipped-step", "unbound-sender"],
+    ("number", "sender"),
+    [(2, UPSTREAM), (1, range(2, 4)), (1, wire.SETUP_SENDER)],
+    ids=["other-number", "other-stage", "unbound-sender"],
 )
 def test_frame_bound_to_something_else(
-    stage: LiveStage, chain: Chain, request_number: int, sender: range, step: int
+    stage: LiveStage, chain: Chain, number: int, sender: range
 ) -> None:
     def attack() -> None:
-        chain.begin(1)
-        frame = wire.hidden_frame(request_number, step, activation(1), True)
-        chain.out.send(wire.encode(frame), wire.associated_data(request_number, sender, step))
+        document = {"id": "x", "temperature": 0.0, "top_p": 1.0, "seed": 0}
+        frame = wire.document_frame(Kind.BEGIN, number, document, [Row(1, 0)])
+        chain.out.send(wire.encode(frame), wire.associated_data(number, sender))
 
     reject(stage, chain, attack, "failed authentication")
 
 
 def test_header_that_disagrees_with_its_binding(stage: LiveStage, chain: Chain) -> None:
     def attack() -> None:
-        chain.begin(1)
-        frame = wire.hidden_frame(7, 1, activation(1), True)
-        chain.out.send(wire.encode(frame), wire.associated_data(1, UPSTREAM, 1))
+        frame = wire.hidden_frame(7, 0, 1, [Row(1, 0)], activation(0))
+        chain.out.send(wire.encode(frame), wire.associated_data(1, UPSTREAM))
 
-    reject(stage, chain, attack, "header says request 7")
+    reject(stage, chain, attack, "header says number 7")
+
+
+# Each attack: sequences 1 and 2 began, 1 decoded once in micro-batch 0 (at position 1 now),
+# then the sealed, well-formed frame below arrives: its rows lie about what the stage holds.
+ROW_ATTACKS = {
+    "flipped-uid": (
+        0,
+        2,
+        [Row(3, 1)],
+        "holds sequences \\[1\\] here, the frame's rows are \\[3\\]",
+    ),
+    "flipped-newcomer": (0, 2, [Row(1, 1), Row(3, 0)], "row 3 of micro-batch 0 is neither"),
+    "swapped-member": (0, 2, [Row(2, 0), Row(1, 1)], "holds sequences \\[1\\] here"),
+    "member-left-out": (0, 2, [Row(2, 0)], "holds sequences \\[1\\] here"),
+    "replayed-step": (0, 1, [Row(1, 1)], "sent step 1, expected step 2"),
+    "skipped-step": (0, 3, [Row(1, 1)], "sent step 3, expected step 2"),
+    "stale-position": (0, 2, [Row(1, 0)], "holds 1 tokens here, the frame says 0"),
+    "future-position": (0, 2, [Row(1, 5)], "holds 1 tokens here, the frame says 5"),
+    "other-micro-batch": (1, 1, [Row(1, 1)], "row 1 of micro-batch 1 is neither in it nor"),
+    "group-out-of-range": (300, 1, [Row(2, 0)], "micro-batch 300 is out of range"),
+    "prefill-of-a-decoder": (PREFILL_GROUP, 1, [Row(1, 1)], "not prefilling here"),
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_ATTACKS))
+def test_rows_that_do_not_match_the_stage(stage: LiveStage, chain: Chain, name: str) -> None:
+    group, step, rows, logged = ROW_ATTACKS[name]
+
+    def attack() -> None:
+        chain.begin(1)
+        chain.begin(2)
+        chain.tokens(chain.decode(0, [Row(1, 0)]))
+        chain.decode(group, rows, step=step)
+
+    reject(stage, chain, attack, logged)
+
+
+def test_a_sequence_cannot_begin_twice(stage: LiveStage, chain: Chain) -> None:
+    reject(stage, chain, lambda: (chain.begin(1), chain.begin(1)), "sequence 1 began twice")
+
+
+def test_an_ended_sequence_cannot_decode(stage: LiveStage, chain: Chain) -> None:
+    def attack() -> None:
+        chain.begin(1)
+        chain.tokens(chain.decode(0, [Row(1, 0)]))
+        chain.end([1])
+        chain.decode(0, [Row(1, 1)])
+
+    reject(stage, chain, attack, "row 1 of micro-batch 0 is neither in it nor")
 
 
 @pytest.mark.parametrize(
     ("frame", "logged"),
     [
-        (Frame(Kind.BEGIN, 1, 0, body=b"{not json"), "not UTF-8 JSON"),
-        (Frame(Kind.BEGIN, 1, 0, body=b'{"temperature": 0}'), "malformed BEGIN"),
-        (Frame(Kind.TOKEN, 1, 0, body=b"\0\0\0\1"), "expected a BEGIN or STATUS"),
-        (Frame(Kind.HIDDEN, 1, 0, dtype=1, shape=(1, 1, 2), body=b"\0" * 8), "expected a BEGIN"),
+        (Frame(Kind.BEGIN, 1, rows=(Row(1, 0),), body=b"{not json"), "not UTF-8 JSON"),
+        (Frame(Kind.BEGIN, 1, rows=(Row(1, 0),), body=b'{"temperature": 0}'), "malformed BEGIN"),
+        (Frame(Kind.BEGIN, 1, body=b"{}"), "BEGIN frame has no rows"),
+        (
+            wire.token_frame(1, 0, 1, [Row(1, 0)], [5]),
+            "expected a BEGIN or HIDDEN or END or STATUS",
+        ),
+        (Frame(Kind.READY, 1, body=b"{}"), "expected a BEGIN or HIDDEN or END or STATUS"),
+        (Frame(Kind.END, 1, 2, 3, (Row(1, 0),)), "END frame carries a group or step"),
+        (Frame(Kind.END, 1, rows=(Row(1, 0), Row(1, 0))), "lists a uid twice"),
     ],
-    ids=["json", "fields", "kind", "hidden-before-begin"],
+    ids=["json", "fields", "rowless", "token-downstream", "ready-downstream", "end-step", "twice"],
 )
 def test_malformed_control_frames(
     stage: LiveStage, chain: Chain, frame: Frame, logged: str
 ) -> None:
-    reject(stage, chain, lambda: wire.send(chain.out, frame, UPSTREAM), logged)
+    def attack() -> None:  # sealed as a frame down the chain, whatever its kind
+        chain.out.send(wire.encode(frame), wire.associated_data(frame.number, UPSTREAM))
+
+    reject(stage, chain, attack, logged)
 
 
-def test_activation_of_the_wrong_width(stage: LiveStage, chain: Chain) -> None:
+@pytest.mark.parametrize(
+    ("shape", "rows", "group", "logged"),
+    [
+        ((1, 1, HIDDEN_SIZE - 1), [Row(1, 0)], 0, "activation width 255"),
+        ((2, 1, HIDDEN_SIZE), [Row(1, 0)], 0, "not \\(B, L, D\\) with B = 1 rows"),
+        ((1, 2, HIDDEN_SIZE), [Row(1, 0)], 0, "one token per row, this one 2"),
+        ((2, 1, HIDDEN_SIZE), [Row(1, 0), Row(2, 0)], PREFILL_GROUP, "one sequence, this one 2"),
+    ],
+    ids=["width", "rows-vs-batch", "decode-of-two-tokens", "prefill-of-two-sequences"],
+)
+def test_activation_of_the_wrong_shape(
+    stage: LiveStage,
+    chain: Chain,
+    shape: tuple[int, ...],
+    rows: list[Row],
+    group: int,
+    logged: str,
+) -> None:
     def attack() -> None:
         chain.begin(1)
-        chain.hidden(1, 1, width=HIDDEN_SIZE - 1)
+        chain.begin(2)
+        hidden = mx.zeros(shape, dtype=mx.float32)
+        chain.send(wire.hidden_frame(chain.take(), group, 1, rows, hidden))
 
-    reject(stage, chain, attack, "activation width 255")
+    reject(stage, chain, attack, logged)
+
+
+def test_answer_for_another_micro_batch_does_not_open(stage: LiveStage, chain: Chain) -> None:
+    """The coordinator opens an answer with the micro-batch, step and rows it waits for."""
+    chain.begin(1)
+    chain.begin(2)
+    sent = chain.decode(0, [Row(1, 0), Row(2, 0)])
+    expected = Frame(Kind.TOKEN, sent.number, 1, sent.step, sent.rows)  # waits for batch 1
+    with pytest.raises(ChannelError, match="failed authentication"):
+        chain.tokens(expected)
 
 
 def test_wrong_cluster_key_fails_the_handshake(stage: LiveStage, baseline: list[int]) -> None:
@@ -391,28 +533,77 @@ def test_a_new_session_takes_over_from_a_silent_one(stage: LiveStage, baseline: 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 def test_activation_round_trip(dtype: mx.Dtype) -> None:
-    hidden = (mx.arange(2 * 3 * 5, dtype=mx.float32).reshape(1, 6, 5) / 7).astype(dtype)
-    frame = wire.decode(wire.encode(wire.hidden_frame(3, 9, hidden, sample=True)))
-    assert (frame.kind, frame.request, frame.step, frame.sample) == (Kind.HIDDEN, 3, 9, True)
+    hidden = (mx.arange(3 * 5, dtype=mx.float32).reshape(3, 1, 5) / 7).astype(dtype)
+    rows = [Row(7, 0), Row(2**40, 12), Row(3, 2**31)]
+    frame = wire.decode(wire.encode(wire.hidden_frame(3, 1, 9, rows, hidden)))
+    assert (frame.kind, frame.number, frame.group, frame.step) == (Kind.HIDDEN, 3, 1, 9)
+    assert frame.rows == tuple(rows)
     restored = frame.tensor()
     assert restored.dtype == dtype and restored.shape == hidden.shape
     assert mx.array_equal(restored, hidden).item()
 
 
 def test_associated_data_differs_in_every_field() -> None:
-    base = (5, range(4, 8), 2)
-    variants = [(6, range(4, 8), 2), (5, range(3, 8), 2), (5, range(4, 9), 2), (5, range(4, 8), 3)]
+    base = (5, range(4, 8), b"")
+    variants = [
+        (6, range(4, 8), b""),
+        (5, range(3, 8), b""),
+        (5, range(4, 9), b""),
+        (5, range(4, 8), b"x"),
+    ]
     assert len({wire.associated_data(*args) for args in [base, *variants]}) == 5
 
 
+def test_answer_binding_differs_in_every_field() -> None:
+    rows = (Row(1, 4), Row(2, 9))
+    base = (Kind.TOKEN, 0, 3, rows)
+    variants = [
+        (Kind.READY, 0, 3, rows),
+        (Kind.TOKEN, 1, 3, rows),  # another micro-batch
+        (Kind.TOKEN, 0, 4, rows),  # another step
+        (Kind.TOKEN, 0, 3, (Row(1, 4), Row(3, 9))),  # a flipped uid
+        (Kind.TOKEN, 0, 3, (Row(1, 4), Row(2, 8))),  # another position
+        (Kind.TOKEN, 0, 3, rows[::-1]),  # rows swapped
+        (Kind.TOKEN, 0, 3, rows[:1]),  # a row dropped
+    ]
+    assert len({wire.answer_binding(*args) for args in [base, *variants]}) == 8
+    frame = wire.token_frame(9, 0, 3, rows, [11, 12])
+    assert wire.binding_of(frame) == wire.answer_binding(*base)
+    assert wire.binding_of(wire.hidden_frame(9, 0, 3, rows, mx.zeros((2, 1, 4)))) == b""
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        wire.token_frame(5, 1, 3, [Row(1, 4), Row(2, 9)], [11, 12]),  # another micro-batch
+        wire.token_frame(5, 0, 2, [Row(1, 4), Row(2, 9)], [11, 12]),  # a replayed step
+        wire.token_frame(5, 0, 3, [Row(1, 4), Row(3, 9)], [11, 12]),  # a flipped uid
+        wire.token_frame(4, 0, 3, [Row(1, 4), Row(2, 9)], [11, 12]),  # another frame's answer
+        wire.token_frame(5, 0, 3, [Row(1, 4)], [11]),  # a row dropped
+    ],
+    ids=["micro-batch", "step", "uid", "number", "row"],
+)
+def test_answer_the_coordinator_does_not_wait_for_does_not_open(sent: Frame) -> None:
+    expected = Frame(Kind.TOKEN, 5, 0, 3, (Row(1, 4), Row(2, 9)))
+    sealer, opener = SESSION.sealer("client"), SESSION.opener("server")
+    sealed = sealer.seal(
+        wire.encode(sent), wire.associated_data(sent.number, LAST, wire.binding_of(sent))
+    )
+    ad = wire.associated_data(expected.number, LAST, wire.binding_of(expected))
+    with pytest.raises(ChannelError):
+        opener.open(sealed, ad)
+
+
 KEY = bytes(range(32))
-AD = wire.associated_data(1, UPSTREAM, 1)
+AD = wire.associated_data(1, UPSTREAM)
 SESSION = derive_session_keys(os.urandom(32), KEY, os.urandom(32))
 PLAINTEXTS = [
-    wire.encode(wire.hidden_frame(1, 1, activation(1, 16), True)),
-    wire.encode(wire.token_frame(1, 1, 42)),
-    wire.encode(wire.document_frame(Kind.BEGIN, 1, 1, {"seed": 1, "temperature": 0.0})),
-    wire.encode(Frame(Kind.END, 1, 1)),
+    wire.encode(wire.hidden_frame(1, 0, 1, [Row(1, 0), Row(2, 3)], mx.zeros((2, 1, 16)))),
+    wire.encode(wire.hidden_frame(1, wire.PREFILL_GROUP, 1, [Row(1, 0)], mx.zeros((1, 3, 16)))),
+    wire.encode(wire.token_frame(1, 0, 1, [Row(1, 0), Row(2, 3)], [42, 43])),
+    wire.encode(wire.token_frame(1, wire.PREFILL_GROUP, 1, [Row(1, 0)], [])),
+    wire.encode(wire.document_frame(Kind.BEGIN, 1, {"seed": 1, "temperature": 0.0}, [Row(1, 0)])),
+    wire.encode(wire.end_frame(1, [1, 2, 3])),
 ]
 
 

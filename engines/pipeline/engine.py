@@ -1,14 +1,12 @@
-"""EncryptedPipelineEngine: stage 0 in this process, sealed activations down a chain of stages."""
+"""EncryptedPipelineEngine: stage 0 here, sealed micro-batches in flight down a chain of stages."""
 
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
-import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,15 +14,17 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load_config, load_tokenizer
 
-from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
 from planner.errors import ChannelError, EngineError
 
 from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
 from ..sampling import request_seed
 from . import wire
+from .batches import StageBatches
+from .chain import Chain, open_chain
+from .schedule import MicroBatchSchedule, Planned
 from .stage_model import StageModel
-from .wire import PURPOSE, Kind
+from .wire import Kind, Row
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,11 @@ class EncryptedPipelineEngine(Engine):
     """Pipeline parallel over sealed hops: this process -> stage 1 -> ... -> last -> this process.
 
     Stage 0 (embeddings and the first layers) runs here on the runner thread; the stage worker
-    processes run the rest, and the last one samples and sends the token back. Every read has
-    a timeout; a lost stage turns into EngineError and healthy() == False.
+    processes run the rest, and the last one samples and sends the tokens back. The batch is
+    split into `micro_batches` (default: one per stage) that travel the chain one behind the
+    other, so every stage computes at once; each step() sends whatever is ready and returns
+    the tokens of the one micro-batch that comes back. Every read has a timeout; a lost stage
+    turns into EngineError for the whole batch and healthy() == False.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class EncryptedPipelineEngine(Engine):
         token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         *,
+        micro_batches: int | None = None,
         return_listen_port: int = 0,
         return_listener: socket.socket | None = None,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
@@ -81,10 +85,12 @@ class EncryptedPipelineEngine(Engine):
             raise EngineError("a pipeline needs at least one remote stage; use SingleEngine")
         if layers.start != 0 or len(layers) < 1:
             raise EngineError(f"stage 0 must start at layer 0, got [{layers.start}, {layers.stop})")
-        if prefill_chunk < 1 or token_timeout_s <= 0 or connect_timeout_s <= 0:
+        groups = micro_batches if micro_batches is not None else 1 + len(stages)
+        if prefill_chunk < 1 or token_timeout_s <= 0 or connect_timeout_s <= 0 or groups < 1:
             raise EngineError(
                 f"invalid pipeline settings: prefill_chunk={prefill_chunk}, "
-                f"token_timeout_s={token_timeout_s}, connect_timeout_s={connect_timeout_s}"
+                f"token_timeout_s={token_timeout_s}, connect_timeout_s={connect_timeout_s}, "
+                f"micro_batches={micro_batches}"
             )
         self.model_path = Path(model_path)
         self.layers = layers
@@ -100,17 +106,16 @@ class EncryptedPipelineEngine(Engine):
         self.tokenizer = None
         self.stage: StageModel | None = None
         self._listener: socket.socket | None = return_listener
-        self._outbound: Any = None  # channel to stage 1
-        self._inbound: Any = None  # channel from the last stage
-        self._last_layers: range | None = None
-        self._reports: list[dict[str, Any]] = []
-        self._next_request = 1
+        self._chain: Chain | None = None
+        self._schedule = MicroBatchSchedule(groups, prefill_chunk, 1 + len(stages))
+        self._local: StageBatches | None = None  # stage 0's caches
+        self._sampling: dict[int, wire.Sampling] = {}
+        self._awaiting: deque[wire.Frame] = deque()  # the answers due, in the order sent
+        self._number = 0  # the last frame number sent down this session
         self._healthy = False
         self._failure: str | None = None
         self._abort_reason: str | None = None
         self._io_lock = threading.Lock()
-        self._waiting: deque[tuple[int, GenerationRequest]] = deque()
-        self._current: tuple[int, Iterator[int]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -151,51 +156,35 @@ class EncryptedPipelineEngine(Engine):
         """(Re)build the sealed chain with fresh session keys and run the SETUP roll call."""
         if self.stage is None:
             raise EngineError("pipeline engine used before load()")
-        self._close_channels()
-        self._abort_reason = None
-        first = self.stages[0]
-        deadline = time.monotonic() + self.connect_timeout_s
-        try:
-            sock = connect(first.host, first.port, self.connect_timeout_s)
-            self._outbound = self._channel_class.client(
-                sock, self._cluster_key, PURPOSE, self.connect_timeout_s
-            )
-            self._inbound = self._accept_last_stage(sock, deadline)
-            self._setup(deadline)
-        except (ChannelError, EngineError) as error:
-            self._close_channels()
-            self._fail(str(error))
-            if isinstance(error, EngineError):
-                raise
-            raise EngineError(
-                f"cannot build the pipeline through stage 1 at {first.host}:{first.port}: {error}"
-            ) from error
-        self._healthy, self._failure = True, None
-        log.info(
-            "pipeline ready: %s",
-            " -> ".join(f"[{r['layers'][0]}, {r['layers'][1]})" for r in self._reports),
-        )
+        with self._io_lock:
+            if self._schedule.active:
+                raise EngineError(
+                    f"cannot rebuild the pipeline while {self._schedule.active} sequences run on it"
+                )
+            self._open()
 
     def close(self) -> None:
         self._healthy = False
-        self._close_channels()
+        self._close_chain()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
         self.stage = None
+        self._local = None
         mx.clear_cache()
 
     def abort(self, reason: str) -> None:
         """From any thread: close the hops so a blocked read returns at once with EngineError."""
         self._abort_reason = reason
         self._fail(f"aborted: {reason}")
-        self._close_channels()
+        self._close_chain()
 
     def healthy(self) -> bool:
         return self._healthy
 
     def info(self) -> EngineInfo:
         addresses = ["coordinator", *(f"{stage.host}:{stage.port}" for stage in self.stages)]
+        reports = self._chain.reports if self._chain is not None else []
         stages = [
             {
                 "stage": index,
@@ -203,12 +192,13 @@ class EncryptedPipelineEngine(Engine):
                 "layers": list(report["layers"]),
                 "peak_memory_bytes": report.get("peak_memory_bytes"),
             }
-            for index, (address, report) in enumerate(zip(addresses, self._reports, strict=False))
+            for index, (address, report) in enumerate(zip(addresses, reports, strict=False))
         ]
         detail: dict[str, Any] = {
             "model_path": str(self.model_path),
             "stages": stages,
             "prefill_chunk": self.prefill_chunk,
+            "micro_batches": self._schedule.groups,
             "healthy": self._healthy,
         }
         if self._failure:
@@ -216,68 +206,36 @@ class EncryptedPipelineEngine(Engine):
         return EngineInfo(strategy="pp", world_size=1 + len(self.stages), detail=detail)
 
     def stage_status(self) -> list[dict[str, Any]]:
-        """A STATUS roll call: every stage's layers, active and served request counts."""
+        """A STATUS roll call (while no sequence runs): every stage's layers and counters."""
         if not self._io_lock.acquire(timeout=self.token_timeout_s):
-            raise EngineError("the pipeline is busy with a request; status unavailable")
+            raise EngineError("the pipeline is busy; status unavailable")
         try:
+            if self._schedule.active:
+                raise EngineError(f"the pipeline runs {self._schedule.active} sequences")
             self._ensure_connected()
-            request = self._take_request_number()
-            reports = [self._local_report(active=0)]
             try:
-                self._send(wire.document_frame(Kind.STATUS, request, 0, {"reports": reports}))
-                answer = self._receive(self.token_timeout_s, request, 0, (Kind.READY,))
+                while self._awaiting:  # answers for sequences already removed
+                    self._receive_answer()
+                reports = [self._local_report()]
+                number = self._take_number()
+                self._send(wire.document_frame(Kind.STATUS, number, {"reports": reports}))
+                expected = wire.Frame(Kind.READY, number)
+                answer = wire.receive_answer(
+                    self._chain.inbound, self.token_timeout_s, expected, self._chain.last_layers
+                )
                 return list(answer.document()["reports"])
             except ChannelError as error:
                 raise self._lost("waiting for the status roll call", error) from error
         finally:
             self._io_lock.release()
 
-    # -- generation --------------------------------------------------------------------------
-
-    # -- the batch: one sequence through the chain at a time ---------------------------------
+    # -- the batch ---------------------------------------------------------------------------
 
     def insert(self, uid: int, request: GenerationRequest) -> None:
+        if self.stage is None:
+            raise EngineError("pipeline engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
-        self._waiting.append((uid, request))
-
-    def remove(self, uids: Sequence[int]) -> None:
-        gone = set(uids)
-        self._waiting = deque(entry for entry in self._waiting if entry[0] not in gone)
-        if self._current is not None and self._current[0] in gone:
-            _, tokens = self._current
-            self._current = None
-            tokens.close()  # sends END down the chain when the sequence ended cleanly
-
-    def step(self) -> list[StepOutput]:
-        """Advance the oldest sequence by one token; the others wait their turn."""
-        if self._current is None:
-            if not self._waiting:
-                return []
-            uid, request = self._waiting.popleft()
-            self._current = (uid, self.generate_tokens(request))
-        uid, tokens = self._current
-        try:
-            return [StepOutput(uid, next(tokens))]
-        except StopIteration:
-            self._current = None
-            return []
-        except EngineError:
-            self._current = None
-            self._waiting.clear()
-            raise
-
-    def generate_tokens(self, request: GenerationRequest) -> Iterator[int]:
-        if not request.prompt_tokens:
-            raise EngineError("the prompt is empty: a request needs at least one token")
-        if not self._io_lock.acquire(timeout=self.token_timeout_s):
-            raise EngineError("the pipeline is still busy with another request")
-        try:
-            yield from self._generate(request)
-        finally:
-            self._io_lock.release()
-
-    def _generate(self, request: GenerationRequest) -> Iterator[int]:
         sampling = wire.Sampling(
             request.temperature, request.top_p, request_seed(request), request.request_id
         )
@@ -285,164 +243,146 @@ class EncryptedPipelineEngine(Engine):
             wire.Sampling.of(sampling.document())  # refuse here what the last stage would
         except wire.WireError as error:
             raise EngineError(f"request {request.request_id}: {error}") from None
-        self._ensure_connected()
-        stage = self.stage
-        number = self._take_request_number()
-        cache = stage.make_cache()
-        prompt = mx.array(request.prompt_tokens, dtype=mx.uint32)
-        step = 0
-        finished_cleanly = False
-        try:
-            self._send(wire.document_frame(Kind.BEGIN, number, 0, sampling.document()))
-            # As mlx-lm's generate_step: all but the last prompt token fill the caches in
-            # chunks; the last token alone produces the first sampled token.
-            body = prompt[:-1]
-            for start in range(0, body.size, self.prefill_chunk):
-                step += 1
-                self._forward(number, step, body[start : start + self.prefill_chunk], cache, False)
-            chunks_in_flight = step
-            last = prompt[-1:]
-            while True:
-                step += 1
-                self._forward(number, step, last, cache, True)
-                waited = self.token_timeout_s * (1 + chunks_in_flight)
-                chunks_in_flight = 0
-                token = self._receive(waited, number, step, (Kind.TOKEN,)).token()
-                finished_cleanly = True
-                yield token
-                finished_cleanly = False
-                last = mx.array([token], dtype=mx.uint32)
-        except ChannelError as error:
-            raise self._lost(f"at step {step} of request {request.request_id}", error) from error
-        except Exception as error:  # the stages are mid-request: this chain is unusable now
-            self._lost(f"at step {step} of request {request.request_id}", ChannelError(str(error)))
-            raise
-        finally:
-            # finished_cleanly: closed at a yield (EOS, max_tokens, stop, cancel); no frame is
-            # in flight, so END frees every stage's KV cache and the chain stays usable.
-            if finished_cleanly and self._healthy:
-                try:
-                    self._send(wire.Frame(Kind.END, number, step + 1))
-                except ChannelError as error:
-                    self._lost(f"ending request {request.request_id}", error)
+        self._schedule.add(uid, request.prompt_tokens)
+        self._sampling[uid] = sampling
 
-    def _forward(self, number: int, step: int, tokens: mx.array, cache: list, sample: bool) -> None:
-        """Embed and run stage 0 over `tokens` (L,), then seal the (1, L, D) result downstream."""
-        hidden = self.stage.forward(self.stage.embed(tokens[None]), cache)  # (1, L, D)
+    def remove(self, uids: Sequence[int]) -> None:
+        known = self._schedule.remove(uids)
+        for uid in uids:
+            self._sampling.pop(uid, None)
+        if not known or self._local is None:
+            return
+        self._local.end(known)
+        with self._io_lock:
+            if self._chain is None or not self._healthy:
+                return  # the session is gone, and the stages' caches with it
+            try:
+                self._send(wire.end_frame(self._take_number(), known))
+            except ChannelError as error:
+                raise self._lost(f"ending sequences {known}", error) from error
+
+    def step(self) -> list[StepOutput]:
+        if self.stage is None:
+            raise EngineError("pipeline engine used before load()")
+        with self._io_lock:
+            self._ensure_connected()
+            expected = None
+            try:
+                for planned in self._schedule.plan():
+                    self._run_stage_zero(planned)
+                if not self._awaiting:
+                    return []
+                expected = self._awaiting[0]
+                produced = self._receive_answer()
+            except ChannelError as error:
+                waiting = f"for {expected.describe()}" if expected else "sending"
+                raise self._lost(waiting, error) from error
+            except Exception as error:  # the stages are mid-batch: this chain is unusable now
+                self._lost("in a step", ChannelError(str(error)))
+                raise
+        return [StepOutput(uid, token) for uid, token in produced]
+
+    def _run_stage_zero(self, planned: Planned) -> None:
+        """BEGIN the newcomers, embed and run stage 0 over the frame's tokens, send it down."""
+        for uid in planned.begins:
+            self._local.begin(uid)
+            begin = self._sampling[uid].document()
+            self._send(wire.document_frame(Kind.BEGIN, self._take_number(), begin, [Row(uid, 0)]))
+        tokens = mx.array(planned.tokens, dtype=mx.uint32)
+        group, step, rows = planned.group, planned.step, planned.rows
+        if planned.is_prefill:
+            hidden = self._local.prefill(rows[0], self.stage.embed(tokens[None]))  # (1, L, D)
+        else:
+            hidden = self._local.decode(group, rows, self.stage.embed(tokens[:, None]))  # (B, 1, D)
         mx.eval(hidden)
-        self._send(wire.hidden_frame(number, step, hidden, sample))
+        number = self._take_number()
+        self._send(wire.hidden_frame(number, group, step, rows, hidden))
+        self._awaiting.append(wire.Frame(Kind.TOKEN, number, group, step, rows))
+
+    def _receive_answer(self) -> list[tuple[int, int]]:
+        expected = self._awaiting[0]
+        chain = self._chain
+        if chain is None:
+            raise ChannelError(self._abort_reason or "the pipeline is not connected")
+        answer = wire.receive_answer(
+            chain.inbound, self.token_timeout_s, expected, chain.last_layers
+        )
+        self._awaiting.popleft()
+        return self._schedule.answered(answer.tokens())
 
     # -- the hops ----------------------------------------------------------------------------
 
+    def _take_number(self) -> int:
+        """The next frame number down the chain: every stage expects them one by one."""
+        self._number += 1
+        return self._number
+
     def _send(self, frame: wire.Frame) -> None:
-        outbound = self._outbound
-        if outbound is None:
+        chain = self._chain
+        if chain is None:
             raise ChannelError(self._abort_reason or "the pipeline is not connected")
-        wire.send(outbound, frame, self.layers)
-
-    def _receive(
-        self, timeout_s: float, request: int, step: int, kinds: tuple[Kind, ...]
-    ) -> wire.Frame:
-        inbound = self._inbound
-        if inbound is None:
-            raise ChannelError(self._abort_reason or "the pipeline is not connected")
-        return wire.receive(inbound, timeout_s, request, self._last_layers, step, kinds)
-
-    def _take_request_number(self) -> int:
-        number = self._next_request
-        self._next_request += 1
-        return number
+        wire.send(chain.outbound, frame, self.layers)
 
     def _ensure_connected(self) -> None:
-        if self._outbound is None or self._inbound is None or not self._healthy:
+        if self._chain is None or not self._healthy:
             log.info("pipeline not connected (%s); reconnecting", self._failure or "new")
-            self.connect()
+            self._open()
 
-    def _accept_last_stage(self, outbound_sock: socket.socket, deadline: float) -> Any:
-        """Accept the last stage's connection; unauthenticated callers are turned away."""
+    def _open(self) -> None:
+        self._close_chain()
+        self._abort_reason = None
+        first = self.stages[0]
         self.open_return_listener()
-        listener = self._listener
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ChannelError(
-                    f"the last stage did not connect back to "
-                    f"{self.return_listen_host}:{listener.getsockname()[1]} within "
-                    f"{self.connect_timeout_s} s"
-                )
-            readable, _, _ = select.select([listener, outbound_sock], [], [], min(remaining, 1.0))
-            if outbound_sock in readable:
-                raise ChannelError("stage 1 closed the connection while the chain was forming")
-            if listener not in readable:
-                continue
-            sock, address = listener.accept()
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                return self._channel_class.server(
-                    sock, self._cluster_key, PURPOSE, max(deadline - time.monotonic(), 0.1)
-                )
-            except ChannelError as error:
-                log.warning("turned away a return connection from %s:%s: %s", *address[:2], error)
+        try:
+            self._chain = open_chain(
+                (first.host, first.port),
+                self._listener,
+                self._cluster_key,
+                self._local_report(),
+                [stage.layers for stage in self.stages],
+                self.stage.total_layers,
+                self.connect_timeout_s,
+                self._channel_class,
+            )
+        except (ChannelError, EngineError) as error:
+            self._fail(str(error))
+            if isinstance(error, EngineError):
+                raise
+            raise EngineError(
+                f"cannot build the pipeline through stage 1 at {first.host}:{first.port}: {error}"
+            ) from error
+        self._local = StageBatches(self.stage)
+        self._schedule.restart()
+        self._awaiting.clear()
+        self._number = 0
+        self._healthy, self._failure = True, None
+        log.info(
+            "pipeline ready (%d micro-batches): %s",
+            self._schedule.groups,
+            " -> ".join(f"[{r['layers'][0]}, {r['layers'][1]})" for r in self._chain.reports),
+        )
 
-    def _setup(self, deadline: float) -> None:
-        """SETUP roll call: each stage checks it continues the previous one and reports."""
-        self._next_request = 1
-        setup = wire.document_frame(Kind.SETUP, 0, 0, {"reports": [self._local_report(0)]})
-        wire.send(self._outbound, setup, wire.SETUP_SENDER)
-        # Request 0 is bound to SETUP_SENDER both ways: nobody knows the ranges before it.
-        timeout = max(deadline - time.monotonic(), 0.1)
-        ready = wire.receive(self._inbound, timeout, 0, wire.SETUP_SENDER, 0, (Kind.READY,))
-        self._reports = self._check_reports(ready.document().get("reports"))
-        self._last_layers = range(*self._reports[-1]["layers"])
-
-    def _check_reports(self, reports: Any) -> list[dict[str, Any]]:
-        """The READY roll call must list contiguous stages covering the model, as planned."""
-        expected = 1 + len(self.stages)
-        if not isinstance(reports, list) or len(reports) != expected:
-            count = len(reports) if isinstance(reports, list) else 0
-            raise ChannelError(f"the roll call came back with {count} stages, expected {expected}")
-        problems = []
-        next_start = 0
-        for index, report in enumerate(reports):
-            layers = report.get("layers") if isinstance(report, dict) else None
-            if not (isinstance(layers, list) and len(layers) == 2):
-                raise ChannelError(f"stage {index} sent a malformed roll call report")
-            start, stop = layers
-            if "problem" in report:
-                problems.append(f"stage {index}: {report['problem']}")
-            if start != next_start:
-                problems.append(f"stage {index} starts at layer {start}, expected {next_start}")
-            planned = self.stages[index - 1].layers if index else None
-            if planned is not None and planned != range(start, stop):
-                problems.append(
-                    f"stage {index} serves [{start}, {stop}), the plan says "
-                    f"[{planned.start}, {planned.stop})"
-                )
-            next_start = stop
-        if next_start != self.stage.total_layers:
-            total = self.stage.total_layers
-            problems.append(f"the stages end at layer {next_start}, the model has {total}")
-        if problems:
-            raise EngineError("the pipeline stages do not form the model: " + "; ".join(problems))
-        return reports
-
-    def _local_report(self, active: int) -> dict[str, Any]:
+    def _local_report(self) -> dict[str, Any]:
         return {
             "layers": [self.layers.start, self.layers.stop],
             "peak_memory_bytes": self.stage.peak_memory_bytes,
-            "active_requests": active,
+            "active_requests": self._local.active if self._local is not None else 0,
         }
 
     # -- failure -----------------------------------------------------------------------------
 
     def _lost(self, context: str, error: ChannelError) -> EngineError:
-        """Mark the chain broken, close it, and describe why (the abort reason wins)."""
+        """Mark the chain broken, close it, drop the batch, and say why (abort reason first)."""
         aborted = self._abort_reason
         self._fail(f"aborted: {aborted}" if aborted else str(error))
-        self._close_channels()
+        self._close_chain()
+        lost = self._schedule.active
+        self._schedule.clear()
+        self._sampling.clear()
+        self._awaiting.clear()
         if aborted:
-            return EngineError(f"pipeline request aborted {context}: {aborted}")
-        return EngineError(f"pipeline stage lost {context}: {error}")
+            return EngineError(f"pipeline aborted {context} ({lost} sequences): {aborted}")
+        return EngineError(f"pipeline stage lost {context} ({lost} sequences): {error}")
 
     def _fail(self, reason: str) -> None:
         if self._healthy:
@@ -450,8 +390,7 @@ class EncryptedPipelineEngine(Engine):
         self._healthy = False
         self._failure = reason
 
-    def _close_channels(self) -> None:
-        for channel in (self._outbound, self._inbound):
-            if channel is not None:
-                channel.close()
-        self._outbound = self._inbound = None
+    def _close_chain(self) -> None:
+        chain, self._chain = self._chain, None
+        if chain is not None:
+            chain.close()

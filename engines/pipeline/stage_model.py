@@ -148,22 +148,23 @@ class StageModel:
         return stage
 
     def make_cache(self) -> list[Any]:
-        """A fresh KV cache for this stage's layers (one request)."""
+        """A fresh KV cache for this stage's layers (one sequence; batches.py batches them)."""
         return copy.deepcopy(self._cache_template)
 
     def embed(self, tokens: mx.array) -> mx.array:
-        """Token ids (1, L) -> hidden states (1, L, D); first stage only."""
+        """Token ids (B, L) -> hidden states (B, L, D); first stage only."""
         if not self.is_first or self.embed_tokens is None:
             raise EngineError(f"stage [{self.layers.start}, {self.layers.stop}) has no embeddings")
         return self.embed_tokens(tokens)
 
     def forward(self, hidden: mx.array, cache: list[Any]) -> mx.array:
-        """Run this stage's layers over hidden states (1, L, D), updating `cache` in place."""
+        """Run this stage's layers over hidden states (B, L, D), updating `cache` in place."""
         masks: dict[bool, Any] = {}
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             sliding = bool(getattr(block, "use_sliding", False))
             if sliding not in masks:
-                # Same call as the full model; every layer's cache has the same offset.
+                # Same call as the full model; every layer's cache has the same offset (a
+                # BatchKVCache also masks each row's left padding).
                 if sliding:
                     masks[sliding] = create_attention_mask(
                         hidden, layer_cache, window_size=self.sliding_window
@@ -174,17 +175,17 @@ class StageModel:
         return hidden
 
     def logits(self, hidden: mx.array) -> mx.array:
-        """Hidden (1, L, D) -> log-probabilities of the next token (1, V); last stage only."""
+        """Hidden (B, L, D) -> each row's next-token log-probabilities (B, V); last stage only."""
         if self.norm is None:
             raise EngineError(f"stage [{self.layers.start}, {self.layers.stop}) has no output head")
-        out = self.norm(hidden)  # (1, L, D)
+        out = self.norm(hidden)  # (B, L, D)
         if self.tied_head:
-            out = self.embed_tokens.as_linear(out)  # (1, L, V)
+            out = self.embed_tokens.as_linear(out)  # (B, L, V)
         else:
             out = self.head(out)
-        logits = out[:, -1, :]  # (1, V)
-        # As mlx-lm's generate_step: samplers see log-probabilities.
-        return logits - mx.logsumexp(logits, keepdims=True)
+        logits = out[:, -1, :]  # (B, V)
+        # As mlx-lm's GenerationBatch: samplers see log-probabilities, row by row.
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _has_llama_layout(model: nn.Module) -> bool:

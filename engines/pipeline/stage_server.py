@@ -13,10 +13,11 @@ import mlx.core as mx
 
 from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
-from engines.sampling import make_request_sampler
+from engines.sampling import Sampler, make_request_sampler
 from planner.errors import ChannelError
 
 from . import wire
+from .batches import StageBatches
 from .stage_model import StageModel
 from .wire import PURPOSE, Kind, WireError
 
@@ -31,17 +32,25 @@ MAX_CONNECT_WAIT_S = 5.0
 
 
 class _Session:
-    """One chain session: the sealed hop from the previous stage and the one to the next."""
+    """One chain session: the sealed hops, and the sequences this stage holds for it."""
 
     def __init__(
-        self, inbound: Any, inbound_sock: socket.socket, outbound: Any, outbound_sock: socket.socket
+        self,
+        inbound: Any,
+        inbound_sock: socket.socket,
+        outbound: Any,
+        outbound_sock: socket.socket,
+        stage: StageModel,
     ) -> None:
         self.inbound = inbound
         self.inbound_sock = inbound_sock
         self.outbound = outbound
         self.outbound_sock = outbound_sock
         self.previous: range | None = None  # the previous stage's layers, known after SETUP
-        self.next_request = 0  # 0 = SETUP; requests and status roll calls count from 1
+        self.next_number = 0  # 0 = SETUP; every later frame down the chain counts from 1
+        self.batches = StageBatches(stage)
+        self.samplers: dict[int, Sampler] = {}  # last stage: uid -> its own sampler
+        self.last_frame_at = time.monotonic()
         self.closed = False
 
     def sockets(self) -> list[socket.socket]:
@@ -66,8 +75,7 @@ class EncryptedPipelineServer:
         self._channel_class = channel_class
         self._listener: socket.socket | None = None
         self._stopping = False
-        self.active_requests: dict[int, list[Any]] = {}  # request -> KV cache
-        self.served_requests = 0
+        self.served_requests = 0  # sequences ended, over every session
         self.sessions = 0
 
     def bind(self) -> int:
@@ -94,6 +102,8 @@ class EncryptedPipelineServer:
                 if stop_fd is not None and stop_fd in readable and not os.read(stop_fd, 4096):
                     log.info("stdin closed: the agent went away; exiting")
                     return
+                if session is not None and not readable:
+                    self._check_silence(session)
                 if self._listener in readable:
                     fresh = self._accept()
                     if fresh is not None:
@@ -161,42 +171,110 @@ class EncryptedPipelineServer:
             self.spec.next_host,
             self.spec.next_port,
         )
-        return _Session(inbound, sock, outbound, outbound_sock)
+        return _Session(inbound, sock, outbound, outbound_sock, self.stage)
+
+    def _check_silence(self, session: _Session) -> None:
+        """While sequences are active the coordinator keeps sending; silence means it is lost."""
+        quiet = time.monotonic() - session.last_frame_at
+        if session.batches.active and quiet > self.spec.read_timeout_s:
+            log.warning(
+                "rejecting the session: no frame arrived within %g s while %d sequences are active",
+                self.spec.read_timeout_s,
+                session.batches.active,
+            )
+            session.close()
 
     def _serve_frame(self, session: _Session) -> None:
-        """Handle the next idle-time frame (SETUP, BEGIN, STATUS); any failure ends the session."""
+        """Handle the next frame down the chain; any failure ends the session."""
         try:
             if session.previous is None:
                 frame = wire.receive(
-                    session.inbound,
-                    self.spec.read_timeout_s,
-                    0,
-                    wire.SETUP_SENDER,
-                    0,
-                    (Kind.SETUP,),
+                    session.inbound, self.spec.read_timeout_s, 0, wire.SETUP_SENDER, (Kind.SETUP,)
                 )
                 self._roll_call(session, frame, setup=True)
-                return
-            request = session.next_request
-            frame = wire.receive(
-                session.inbound,
-                self.spec.read_timeout_s,
-                request,
-                session.previous,
-                0,
-                (Kind.BEGIN, Kind.STATUS),
-            )
-            session.next_request += 1
-            if frame.kind is Kind.STATUS:
-                self._roll_call(session, frame, setup=False)
             else:
-                self._run_request(session, frame)
+                frame = wire.receive(
+                    session.inbound,
+                    self.spec.read_timeout_s,
+                    session.next_number,
+                    session.previous,
+                    (Kind.BEGIN, Kind.HIDDEN, Kind.END, Kind.STATUS),
+                )
+                session.next_number += 1
+                self._handle(session, frame)
+            session.last_frame_at = time.monotonic()
         except ChannelError as error:  # includes WireError and timeouts
             log.warning("rejecting the session: %s", error)
             session.close()
         except Exception:  # a bug or an mlx failure must not kill the stage process
             log.exception("stage failure; closing the session")
             session.close()
+
+    def _handle(self, session: _Session, frame: wire.Frame) -> None:
+        me, last = self.stage.layers, self.spec.is_last
+        if frame.kind is Kind.STATUS:
+            self._roll_call(session, frame, setup=False)
+        elif frame.kind is Kind.BEGIN:
+            sampling = wire.Sampling.of(frame.document())
+            session.batches.begin(frame.rows[0].uid)
+            if last:
+                session.samplers[frame.rows[0].uid] = make_request_sampler(
+                    sampling.temperature, sampling.top_p, sampling.seed
+                )
+            else:
+                wire.send(session.outbound, frame, me)
+            log.debug("sequence %d (%s) began", frame.rows[0].uid, sampling.label)
+        elif frame.kind is Kind.END:
+            held = session.batches.active
+            session.batches.end(frame.uids)
+            self.served_requests += held - session.batches.active
+            for uid in frame.uids:
+                session.samplers.pop(uid, None)
+            if not last:
+                wire.send(session.outbound, frame, me)
+        else:
+            self._run_hidden(session, frame)
+
+    def _run_hidden(self, session: _Session, frame: wire.Frame) -> None:
+        """Run a HIDDEN frame through this stage's layers; pass it on, or answer with tokens."""
+        batches = session.batches
+        batches.check_step(frame.group, frame.step)
+        hidden = frame.tensor()  # (B, L, D)
+        if hidden.shape[-1] != self.stage.hidden_size:
+            raise WireError(
+                f"activation width {hidden.shape[-1]} does not match the model's hidden size "
+                f"{self.stage.hidden_size}"
+            )
+        if frame.is_prefill:
+            hidden = batches.prefill(frame.rows[0], hidden)
+        else:
+            hidden = batches.decode(frame.group, frame.rows, hidden)
+        number, group, step, rows = frame.number, frame.group, frame.step, frame.rows
+        if not self.spec.is_last:
+            mx.eval(hidden)
+            wire.send(
+                session.outbound,
+                wire.hidden_frame(number, group, step, rows, hidden),
+                self.stage.layers,
+            )
+            return
+        if frame.is_prefill:  # nothing to sample: acknowledge once the caches hold the chunk
+            mx.eval(batches.prefill_caches_of(rows[0].uid))
+            tokens: list[int] = []
+        else:
+            tokens = self._sample(session, frame.uids, self.stage.logits(hidden))
+        answer = wire.token_frame(number, group, step, rows, tokens)
+        wire.send(session.outbound, answer, self.stage.layers)
+
+    def _sample(self, session: _Session, uids: list[int], logprobs: mx.array) -> list[int]:
+        """Each row with its own sampler; one batched call when they share one (greedy)."""
+        samplers = [session.samplers[uid] for uid in uids]
+        if all(sampler is samplers[0] for sampler in samplers):
+            sampled = samplers[0](logprobs)  # (B,)
+        else:
+            rows = [sampler(logprobs[index : index + 1]) for index, sampler in enumerate(samplers)]
+            sampled = mx.concatenate(rows, axis=0)  # (B,)
+        return sampled.tolist()
 
     def _roll_call(self, session: _Session, frame: wire.Frame, setup: bool) -> None:
         """SETUP or STATUS: append this stage's report and pass it on (the last one answers)."""
@@ -206,7 +284,7 @@ class EncryptedPipelineServer:
         report: dict[str, Any] = {
             "layers": [self.stage.layers.start, self.stage.layers.stop],
             "peak_memory_bytes": self.stage.peak_memory_bytes,
-            "active_requests": len(self.active_requests),
+            "active_requests": session.batches.active,
             "served_requests": self.served_requests,
         }
         if setup:
@@ -217,58 +295,12 @@ class EncryptedPipelineServer:
                     f"at {self.stage.layers.start}"
                 )
             session.previous = previous
-            session.next_request = 1
-        # Request 0 (SETUP and its READY) binds SETUP_SENDER: no one knows the ranges before it.
+            session.next_number = 1
+        # Frame 0 (SETUP and its READY) binds SETUP_SENDER: no one knows the ranges before it.
         sender = wire.SETUP_SENDER if setup else self.stage.layers
         kind = Kind.READY if self.spec.is_last else frame.kind
         document = {"reports": [*reports, report]}
-        wire.send(session.outbound, wire.document_frame(kind, frame.request, 0, document), sender)
-
-    def _run_request(self, session: _Session, begin: wire.Frame) -> None:
-        """Serve one request: HIDDEN frames until END; the last stage samples and answers."""
-        request = begin.request
-        sampling = wire.Sampling.of(begin.document())
-        me, previous, timeout = self.stage.layers, session.previous, self.spec.read_timeout_s
-        if not self.spec.is_last:
-            wire.send(session.outbound, begin, me)
-        sampler = None
-        if self.spec.is_last:
-            sampler = make_request_sampler(sampling.temperature, sampling.top_p, sampling.seed)
-        cache = self.stage.make_cache()
-        self.active_requests[request] = cache
-        log.debug("request %d (%s) started", request, sampling.label)
-        try:
-            step = 0
-            while True:
-                step += 1
-                frame = wire.receive(
-                    session.inbound, timeout, request, previous, step, (Kind.HIDDEN, Kind.END)
-                )
-                if frame.kind is Kind.END:
-                    if not self.spec.is_last:
-                        wire.send(session.outbound, frame, me)
-                    return
-                hidden = frame.tensor()  # (1, L, D)
-                if hidden.shape[-1] != self.stage.hidden_size:
-                    raise WireError(
-                        f"activation width {hidden.shape[-1]} does not match the model's "
-                        f"hidden size {self.stage.hidden_size}"
-                    )
-                hidden = self.stage.forward(hidden, cache)
-                if not self.spec.is_last:
-                    mx.eval(hidden)
-                    wire.send(
-                        session.outbound, wire.hidden_frame(request, step, hidden, frame.sample), me
-                    )
-                elif frame.sample:
-                    token = sampler(self.stage.logits(hidden))  # (1,)
-                    wire.send(session.outbound, wire.token_frame(request, step, token.item()), me)
-                else:
-                    mx.eval([layer_cache.state for layer_cache in cache])
-        finally:
-            del self.active_requests[request]
-            self.served_requests += 1
-            log.debug("request %d ended", request)
+        wire.send(session.outbound, wire.document_frame(kind, frame.number, document), sender)
 
 
 def _report_layers(report: Any) -> range:

@@ -1,15 +1,17 @@
-"""The pipeline wire: frame header, tensor bytes, and the associated data that binds each frame.
+"""The pipeline wire: frame header, rows, tensor bytes, and the associated data that binds frames.
 
 A frame's plaintext (sealed whole by the hop's SecureChannel) is
 
-    version u8 | kind u8 | flags u8 | dtype u8 | ndim u8 | request u64 | step u32 |
-    shape (ndim x u32) | body
+    version u8 | kind u8 | flags u8 | dtype u8 | ndim u8 | number u64 | group u16 | step u32 |
+    rows u16 | shape (ndim x u32) | rows x (uid u64, position u32) | body
 
-all big-endian. HIDDEN bodies are the raw row-major bytes of a (1, L, D) activation; TOKEN
-bodies one u32; BEGIN / SETUP / STATUS / READY bodies UTF-8 JSON objects; END bodies empty.
-The associated data (see `associated_data`) binds request, the sender's layer range and step,
-on top of what the channel binds (cluster id, session id, direction, counter). docs/pipeline.md
-describes the flow.
+all big-endian. `number` counts the frames the coordinator sends down a session (SETUP is 0);
+an answer (TOKEN, READY) carries the number of the frame it answers. `group` is the micro-batch
+(PREFILL_GROUP for a prefill chunk) and `step` that micro-batch's frame count. Each row is a
+sequence (uid) and how many of its tokens the KV caches held before this frame (position).
+HIDDEN bodies are the raw row-major bytes of a (B, L, D) activation, one row per sequence;
+TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement); BEGIN / SETUP /
+STATUS / READY bodies UTF-8 JSON objects; END bodies empty. docs/pipeline.md describes the flow.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import enum
 import json
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,19 +29,22 @@ import numpy as np
 
 from planner.errors import ChannelError
 
-VERSION = 1
+VERSION = 2
 PURPOSE = b"pipeline"  # the SecureChannel purpose of every pipeline hop
-AD_LABEL = b"tandem pipeline v1"
-HEADER = struct.Struct(">BBBBBQI")
+AD_LABEL = b"tandem pipeline v2"
+HEADER = struct.Struct(">BBBBBQHIH")
 DIM = struct.Struct(">I")
-AD_FIELDS = struct.Struct(">QIII")
+ROW = struct.Struct(">QI")
+AD_FIELDS = struct.Struct(">QII")
+BINDING = struct.Struct(">BHIH")
 TOKEN = struct.Struct(">I")
 MAX_NDIM = 4
+MAX_ROWS = 1024
 MAX_JSON_BYTES = 64 * 1024
 # 64 MiB of activation per frame: a 256-token chunk of a 16384-wide float32 model fits.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
-FLAG_SAMPLE = 0x01
-KNOWN_FLAGS = FLAG_SAMPLE
+KNOWN_FLAGS = 0
+PREFILL_GROUP = 0xFFFF  # the group of prefill chunks; decode micro-batches are 0, 1, ...
 # SETUP is the first frame of a session: nobody knows the sender's range yet.
 SETUP_SENDER = range(0, 0)
 MAX_SEED = 2**64 - 1  # mlx seeds are unsigned 64-bit
@@ -53,12 +59,16 @@ class WireError(ChannelError):
 class Kind(enum.IntEnum):
     SETUP = 1  # coordinator -> ... -> last: roll call of the stages' layer ranges
     READY = 2  # last -> coordinator: the completed roll call
-    BEGIN = 3  # a request starts: sampling parameters and seed
-    HIDDEN = 4  # one forward pass worth of activations (a prefill chunk or a decode step)
-    TOKEN = 5  # last -> coordinator: the sampled token
-    END = 6  # the request is over: free its KV cache
+    BEGIN = 3  # a sequence joins: its sampling parameters and seed
+    HIDDEN = 4  # activations of a micro-batch (decode) or of one prefill chunk
+    TOKEN = 5  # last -> coordinator: the sampled tokens (or a prefill chunk's acknowledgement)
+    END = 6  # sequences are over: free their KV caches
     STATUS = 7  # roll call of the stages' counters (answered with READY)
 
+
+ANSWERS = (Kind.TOKEN, Kind.READY)  # what comes back to the coordinator
+ROW_KINDS = (Kind.BEGIN, Kind.HIDDEN, Kind.TOKEN, Kind.END)
+DOCUMENT_KINDS = (Kind.BEGIN, Kind.SETUP, Kind.STATUS, Kind.READY)
 
 # wire code -> (mlx dtype, numpy carrier of the same width: bfloat16 travels as uint16)
 DTYPES: dict[int, tuple[mx.Dtype, type[np.generic]]] = {
@@ -80,20 +90,34 @@ class Channel(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class Row:
+    """One sequence in a frame: its uid and the tokens its KV caches held before the frame."""
+
+    uid: int
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
 class Frame:
     """One decoded pipeline frame."""
 
     kind: Kind
-    request: int
-    step: int
+    number: int
+    group: int = 0
+    step: int = 0
+    rows: tuple[Row, ...] = ()
     flags: int = 0
     dtype: int = 0
     shape: tuple[int, ...] = ()
     body: bytes = b""
 
     @property
-    def sample(self) -> bool:
-        return bool(self.flags & FLAG_SAMPLE)
+    def is_prefill(self) -> bool:
+        return self.group == PREFILL_GROUP
+
+    @property
+    def uids(self) -> list[int]:
+        return [row.uid for row in self.rows]
 
     def tensor(self) -> mx.array:
         """The activation of a HIDDEN frame as an mlx array of its wire dtype and shape."""
@@ -102,8 +126,9 @@ class Frame:
         array = mx.array(values)
         return array.view(dtype) if array.dtype != dtype else array
 
-    def token(self) -> int:
-        return TOKEN.unpack(self.body)[0]
+    def tokens(self) -> list[int]:
+        """A TOKEN frame's sampled tokens, one per row (none for a prefill acknowledgement)."""
+        return [value for (value,) in TOKEN.iter_unpack(self.body)]
 
     def document(self) -> dict[str, Any]:
         """The JSON object a BEGIN / SETUP / STATUS / READY frame carries."""
@@ -115,40 +140,79 @@ class Frame:
             raise WireError(f"{self.kind.name} frame body is JSON but not an object")
         return value
 
+    def describe(self) -> str:
+        return (
+            f"{self.kind.name} #{self.number} group {self.group} step {self.step} "
+            f"rows {[(row.uid, row.position) for row in self.rows]}"
+        )
 
-def associated_data(request: int, sender: range, step: int) -> bytes:
-    """What every frame binds besides the channel's own fields: request, sender layers, step."""
-    return AD_LABEL + AD_FIELDS.pack(request, sender.start, sender.stop, step)
+
+def associated_data(number: int, sender: range, binding: bytes = b"") -> bytes:
+    """What a frame binds besides the channel's own fields: its number, the sender's layers,
+    and (answers only) `binding`, the rest of the header the receiver is waiting for."""
+    return AD_LABEL + AD_FIELDS.pack(number, sender.start, sender.stop) + binding
 
 
-def hidden_frame(request: int, step: int, hidden: mx.array, sample: bool) -> Frame:
-    """A HIDDEN frame from an evaluated (1, L, D) activation."""
+def answer_binding(kind: Kind, group: int, step: int, rows: Sequence[Row]) -> bytes:
+    """An answer's kind, micro-batch, step, uids and positions: the coordinator knows them all."""
+    packed = b"".join(ROW.pack(row.uid, row.position) for row in rows)
+    return BINDING.pack(kind, group, step, len(rows)) + packed
+
+
+def binding_of(frame: Frame) -> bytes:
+    """The AD binding a frame is sealed with: its whole header for answers, nothing else."""
+    if frame.kind in ANSWERS:
+        return answer_binding(frame.kind, frame.group, frame.step, frame.rows)
+    return b""
+
+
+def hidden_frame(
+    number: int, group: int, step: int, rows: Sequence[Row], hidden: mx.array
+) -> Frame:
+    """A HIDDEN frame from an evaluated (B, L, D) activation, one row per sequence."""
     code = DTYPE_CODES.get(hidden.dtype)
     if code is None:
         raise WireError(f"activations of dtype {hidden.dtype} cannot travel on the pipeline wire")
     body = memoryview(hidden).tobytes()  # row-major, whatever the array's strides
-    flags = FLAG_SAMPLE if sample else 0
-    return Frame(Kind.HIDDEN, request, step, flags, code, tuple(hidden.shape), body)
+    return Frame(Kind.HIDDEN, number, group, step, tuple(rows), 0, code, tuple(hidden.shape), body)
 
 
-def token_frame(request: int, step: int, token: int) -> Frame:
-    return Frame(Kind.TOKEN, request, step, body=TOKEN.pack(token))
+def token_frame(
+    number: int, group: int, step: int, rows: Sequence[Row], tokens: Sequence[int]
+) -> Frame:
+    body = b"".join(TOKEN.pack(token) for token in tokens)
+    return Frame(Kind.TOKEN, number, group, step, tuple(rows), body=body)
 
 
-def document_frame(kind: Kind, request: int, step: int, document: dict[str, Any]) -> Frame:
+def document_frame(
+    kind: Kind, number: int, document: dict[str, Any], rows: Sequence[Row] = ()
+) -> Frame:
     body = json.dumps(document, separators=(",", ":")).encode("utf-8")
     if len(body) > MAX_JSON_BYTES:
         raise WireError(f"{kind.name} document of {len(body)} bytes exceeds {MAX_JSON_BYTES}")
-    return Frame(kind, request, step, body=body)
+    return Frame(kind, number, rows=tuple(rows), body=body)
+
+
+def end_frame(number: int, uids: Sequence[int]) -> Frame:
+    return Frame(Kind.END, number, rows=tuple(Row(uid, 0) for uid in uids))
 
 
 def encode(frame: Frame) -> bytes:
     """The plaintext of a frame; the channel seals it."""
     header = HEADER.pack(
-        VERSION, frame.kind, frame.flags, frame.dtype, len(frame.shape), frame.request, frame.step
+        VERSION,
+        frame.kind,
+        frame.flags,
+        frame.dtype,
+        len(frame.shape),
+        frame.number,
+        frame.group,
+        frame.step,
+        len(frame.rows),
     )
     dims = b"".join(DIM.pack(size) for size in frame.shape)
-    return header + dims + frame.body
+    rows = b"".join(ROW.pack(row.uid, row.position) for row in frame.rows)
+    return header + dims + rows + frame.body
 
 
 def decode(payload: bytes) -> Frame:
@@ -157,7 +221,7 @@ def decode(payload: bytes) -> Frame:
         raise WireError(
             f"frame of {len(payload)} bytes is shorter than the {HEADER.size}-byte header"
         )
-    version, kind, flags, dtype, ndim, request, step = HEADER.unpack_from(payload)
+    version, kind, flags, dtype, ndim, number, group, step, count = HEADER.unpack_from(payload)
     if version != VERSION:
         raise WireError(f"pipeline wire version {version}; this node speaks {VERSION}")
     try:
@@ -168,45 +232,72 @@ def decode(payload: bytes) -> Frame:
         raise WireError(f"unknown flags {flags:#x} on a {kind.name} frame")
     if ndim > MAX_NDIM:
         raise WireError(f"{kind.name} frame claims {ndim} dimensions (at most {MAX_NDIM})")
-    offset = HEADER.size + ndim * DIM.size
+    if count > MAX_ROWS:
+        raise WireError(f"{kind.name} frame claims {count} rows (at most {MAX_ROWS})")
+    offset = HEADER.size + ndim * DIM.size + count * ROW.size
     if len(payload) < offset:
-        raise WireError(f"{kind.name} frame ends inside its shape")
+        raise WireError(f"{kind.name} frame ends inside its shape or rows")
     shape = tuple(
         DIM.unpack_from(payload, HEADER.size + index * DIM.size)[0] for index in range(ndim)
     )
+    start = HEADER.size + ndim * DIM.size
+    rows = tuple(Row(*ROW.unpack_from(payload, start + index * ROW.size)) for index in range(count))
     body = payload[offset:]
-    frame = Frame(kind, request, step, flags, dtype, shape, bytes(body))
-    _validate_body(frame)
+    frame = Frame(kind, number, group, step, rows, flags, dtype, shape, bytes(body))
+    _validate(frame)
     return frame
 
 
-def _validate_body(frame: Frame) -> None:
+def _validate(frame: Frame) -> None:
     kind = frame.kind
+    if kind in ROW_KINDS and not frame.rows:
+        raise WireError(f"{kind.name} frame has no rows")
+    if kind not in ROW_KINDS and frame.rows:
+        raise WireError(f"{kind.name} frame carries {len(frame.rows)} rows")
+    if kind is Kind.BEGIN and len(frame.rows) != 1:
+        raise WireError(f"BEGIN frame has {len(frame.rows)} rows, not 1")
+    if len({row.uid for row in frame.rows}) != len(frame.rows):
+        raise WireError(f"{kind.name} frame lists a uid twice: {frame.uids}")
+    if kind not in (Kind.HIDDEN, Kind.TOKEN) and (frame.group or frame.step):
+        raise WireError(f"{kind.name} frame carries a group or step")
     if kind is Kind.HIDDEN:
-        if frame.dtype not in DTYPES:
-            raise WireError(f"HIDDEN frame has unknown dtype code {frame.dtype}")
-        if len(frame.shape) != 3 or frame.shape[0] != 1 or 0 in frame.shape:
-            raise WireError(f"HIDDEN frame shape {frame.shape} is not (1, L, D) with L, D > 0")
-        itemsize = np.dtype(DTYPES[frame.dtype][1]).itemsize
-        expected = math.prod(frame.shape) * itemsize
-        if len(frame.body) != expected:
-            raise WireError(
-                f"HIDDEN frame of shape {frame.shape} needs {expected} bytes, carries "
-                f"{len(frame.body)}"
-            )
+        _validate_hidden(frame)
         return
     if frame.dtype or frame.shape:
         raise WireError(f"{kind.name} frame carries a dtype or shape")
-    if frame.flags and kind is not Kind.HIDDEN:
-        raise WireError(f"{kind.name} frame carries flags {frame.flags:#x}")
-    if kind is Kind.TOKEN and len(frame.body) != TOKEN.size:
-        raise WireError(f"TOKEN frame body is {len(frame.body)} bytes, not {TOKEN.size}")
+    if kind is Kind.TOKEN:
+        expected = 0 if frame.is_prefill else TOKEN.size * len(frame.rows)
+        if len(frame.body) != expected:
+            raise WireError(
+                f"TOKEN frame for {len(frame.rows)} rows of group {frame.group} carries "
+                f"{len(frame.body)} bytes, not {expected}"
+            )
     if kind is Kind.END and frame.body:
         raise WireError(f"END frame carries {len(frame.body)} unexpected bytes")
-    if kind in (Kind.BEGIN, Kind.SETUP, Kind.STATUS, Kind.READY):
+    if kind in DOCUMENT_KINDS:
         if len(frame.body) > MAX_JSON_BYTES:
             raise WireError(f"{kind.name} body of {len(frame.body)} bytes exceeds {MAX_JSON_BYTES}")
         frame.document()
+
+
+def _validate_hidden(frame: Frame) -> None:
+    if frame.dtype not in DTYPES:
+        raise WireError(f"HIDDEN frame has unknown dtype code {frame.dtype}")
+    shape = frame.shape
+    if len(shape) != 3 or 0 in shape or shape[0] != len(frame.rows):
+        raise WireError(
+            f"HIDDEN frame shape {shape} is not (B, L, D) with B = {len(frame.rows)} rows"
+        )
+    if frame.is_prefill and shape[0] != 1:
+        raise WireError(f"a prefill chunk carries one sequence, this one {shape[0]}")
+    if not frame.is_prefill and shape[1] != 1:
+        raise WireError(f"a decode micro-batch carries one token per row, this one {shape[1]}")
+    itemsize = np.dtype(DTYPES[frame.dtype][1]).itemsize
+    expected = math.prod(shape) * itemsize
+    if len(frame.body) != expected:
+        raise WireError(
+            f"HIDDEN frame of shape {shape} needs {expected} bytes, carries {len(frame.body)}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,30 +335,37 @@ class Sampling:
 
 
 def send(channel: Channel, frame: Frame, sender: range) -> None:
-    """Seal and send `frame`, binding it to `sender`'s layer range."""
-    channel.send(encode(frame), associated_data(frame.request, sender, frame.step))
+    """Seal and send `frame`, binding it to its number, `sender`'s layers and (answers) header."""
+    channel.send(encode(frame), associated_data(frame.number, sender, binding_of(frame)))
 
 
 def receive(
-    channel: Channel,
-    timeout_s: float,
-    request: int,
-    sender: range,
-    step: int,
-    kinds: tuple[Kind, ...],
+    channel: Channel, timeout_s: float, number: int, sender: range, kinds: tuple[Kind, ...]
 ) -> Frame:
-    """Open the next frame, which must be `request`/`step` from `sender` and one of `kinds`.
+    """Open the next frame down the chain, which must be number `number` from `sender`.
 
+    A stage cannot know which micro-batch comes next, so only the number and the sender are
+    bound here; the stage checks the rows against its own caches (engines/pipeline/batches.py).
     Raises ChannelError (framing.ChannelTimeout when nothing arrived in time) or WireError.
     """
-    payload = channel.recv(timeout_s, associated_data(request, sender, step))
-    frame = decode(payload)
-    if frame.request != request or frame.step != step:
+    frame = decode(channel.recv(timeout_s, associated_data(number, sender)))
+    if frame.number != number:
         raise WireError(
-            f"frame header says request {frame.request} step {frame.step}, the sealed binding "
-            f"says request {request} step {step}"
+            f"frame header says number {frame.number}, the sealed binding says {number}"
         )
     if frame.kind not in kinds:
         expected = " or ".join(kind.name for kind in kinds)
-        raise WireError(f"expected a {expected} frame for request {request}, got {frame.kind.name}")
+        raise WireError(f"expected a {expected} frame as #{number}, got {frame.kind.name}")
+    return frame
+
+
+def receive_answer(channel: Channel, timeout_s: float, expected: Frame, sender: range) -> Frame:
+    """Open the answer the coordinator waits for: kind, number, micro-batch, step and rows of
+    `expected` are all bound, so an answer for another micro-batch or step does not open."""
+    binding = binding_of(expected)
+    frame = decode(channel.recv(timeout_s, associated_data(expected.number, sender, binding)))
+    if binding_of(frame) != binding or frame.number != expected.number:
+        raise WireError(
+            f"answer header says {frame.describe()}, the sealed binding says {expected.describe()}"
+        )
     return frame

@@ -1,0 +1,141 @@
+"""One stage's KV caches per sequence: alone while prefilling, then inside its micro-batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from .stage_model import StageModel
+from .wire import PREFILL_GROUP, Row, WireError
+
+MAX_GROUPS = 256  # decode micro-batches a stage accepts (the coordinator uses one per stage)
+
+
+@dataclass(slots=True)
+class _Group:
+    """A decode micro-batch: its members in row order and their batched (left-padded) caches."""
+
+    members: list[int] = field(default_factory=list)
+    caches: list[Any] | None = None  # one mlx-lm BatchKVCache per layer, rows = members
+
+
+class StageBatches:
+    """Runs frames over the right caches and refuses rows that do not match them.
+
+    The coordinator decides who is in which micro-batch; a stage follows, checking each frame
+    against what it holds: a decode frame lists the micro-batch's members in order, then
+    newcomers whose prefill is done; every row's position is the length of its KV cache here;
+    every micro-batch's steps count 1, 2, 3, ... As in mlx-lm's BatchGenerator, a newcomer is
+    prefilled in a batch of its own and then merged (left-padded) into its micro-batch.
+    """
+
+    def __init__(self, stage: StageModel) -> None:
+        self.stage = stage
+        self._alone: dict[int, list[Any]] = {}  # uid -> caches of a sequence still prefilling
+        self._positions: dict[int, int] = {}  # uid -> tokens in its KV caches here
+        self._groups: dict[int, _Group] = {}
+        self._group_of: dict[int, int] = {}
+        self._steps: dict[int, int] = {}  # group -> its last step
+
+    @property
+    def active(self) -> int:
+        return len(self._positions)
+
+    def begin(self, uid: int) -> None:
+        """A new sequence with empty caches."""
+        if uid in self._positions:
+            raise WireError(f"sequence {uid} began twice")
+        self._alone[uid] = [type(cache).merge([cache]) for cache in self.stage.make_cache()]
+        self._positions[uid] = 0
+
+    def check_step(self, group: int, step: int) -> None:
+        """Each micro-batch's frames arrive as steps 1, 2, 3, ...: no replay, none skipped."""
+        if group != PREFILL_GROUP and group >= MAX_GROUPS:
+            raise WireError(f"micro-batch {group} is out of range (at most {MAX_GROUPS})")
+        expected = self._steps.get(group, 0) + 1
+        if step != expected:
+            raise WireError(f"micro-batch {group} sent step {step}, expected step {expected}")
+        self._steps[group] = step
+
+    def prefill(self, row: Row, hidden: mx.array) -> mx.array:
+        """Run a prefill chunk (1, L, D) of one sequence over its own caches."""
+        caches = self._alone.get(row.uid)
+        if caches is None:
+            raise WireError(f"prefill chunk for sequence {row.uid}, which is not prefilling here")
+        self._check_position(row)
+        hidden = self.stage.forward(hidden, caches)  # (1, L, D)
+        self._positions[row.uid] += hidden.shape[1]
+        return hidden
+
+    def decode(self, group: int, rows: Sequence[Row], hidden: mx.array) -> mx.array:
+        """Run one decode step (B, 1, D) of micro-batch `group`, merging newcomers first."""
+        batch = self._groups.setdefault(group, _Group())
+        uids = [row.uid for row in rows]
+        held = len(batch.members)
+        if uids[:held] != batch.members:
+            raise WireError(
+                f"micro-batch {group} holds sequences {batch.members} here, the frame's rows "
+                f"are {uids}"
+            )
+        newcomers = uids[held:]
+        for uid in newcomers:
+            if uid not in self._alone:
+                raise WireError(
+                    f"row {uid} of micro-batch {group} is neither in it nor a prefilled newcomer"
+                )
+        for row in rows:
+            self._check_position(row)
+        for uid in newcomers:
+            batch.caches = _extend(batch.caches, self._alone.pop(uid))
+            batch.members.append(uid)
+            self._group_of[uid] = group
+        hidden = self.stage.forward(hidden, batch.caches)  # (B, 1, D)
+        for uid in uids:
+            self._positions[uid] += 1
+        return hidden
+
+    def end(self, uids: Sequence[int]) -> None:
+        """Free the caches of `uids` (unknown uids are ignored: they may never have begun)."""
+        leaving: dict[int, set[int]] = {}
+        for uid in uids:
+            self._positions.pop(uid, None)
+            self._alone.pop(uid, None)
+            group = self._group_of.pop(uid, None)
+            if group is not None:
+                leaving.setdefault(group, set()).add(uid)
+        for group, gone in leaving.items():
+            batch = self._groups[group]
+            keep = [index for index, uid in enumerate(batch.members) if uid not in gone]
+            batch.members = [batch.members[index] for index in keep]
+            if not keep:
+                batch.caches = None
+            else:
+                for cache in batch.caches:
+                    cache.filter(keep)
+
+    def caches_of(self, group: int) -> list[Any]:
+        """Every layer's cache state of a micro-batch, for mx.eval."""
+        batch = self._groups.get(group)
+        return [] if batch is None or batch.caches is None else [c.state for c in batch.caches]
+
+    def prefill_caches_of(self, uid: int) -> list[Any]:
+        return [cache.state for cache in self._alone.get(uid, [])]
+
+    def _check_position(self, row: Row) -> None:
+        held = self._positions[row.uid]
+        if row.position != held:
+            raise WireError(
+                f"sequence {row.uid} holds {held} tokens here, the frame says {row.position}"
+            )
+
+
+def _extend(caches: list[Any] | None, newcomer: list[Any]) -> list[Any]:
+    """Append a newcomer's rows to a micro-batch's caches, layer by layer (mlx-lm's extend)."""
+    if caches is None:
+        return newcomer
+    for cache, other in zip(caches, newcomer, strict=True):
+        cache.extend(other)
+    return caches

@@ -1,0 +1,227 @@
+"""The coordinator's micro-batch schedule: which frames go down the pipeline, and what comes back.
+
+Plain bookkeeping, no mlx and no sockets: engine.py runs stage 0 over the frames planned here
+and sends them; every HIDDEN frame comes back as exactly one answer, in the order sent (each
+hop is one ordered stream), so the frames in flight are a queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .wire import PREFILL_GROUP, Row
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A HIDDEN frame to run through stage 0 and send: its rows and their input tokens."""
+
+    group: int
+    step: int
+    rows: tuple[Row, ...]
+    tokens: tuple[int, ...]  # decode: one per row; prefill: the chunk of the one row
+    begins: tuple[int, ...] = ()  # uids whose BEGIN must go down before this frame
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.group == PREFILL_GROUP
+
+
+@dataclass(slots=True)
+class _Sequence:
+    uid: int
+    prompt: tuple[int, ...]
+    prefilled: int = 0  # prompt tokens sent down in prefill chunks
+    position: int = 0  # tokens the stages' caches hold once every sent frame is processed
+    next_token: int | None = None  # the next decode input; None while its answer is out
+    group: int | None = None  # None while prefilling
+    begun: bool = False  # BEGIN went down: the stages know it and must be told when it ends
+
+
+@dataclass(slots=True)
+class _Group:
+    members: list[int] = field(default_factory=list)
+    steps: int = 0
+    in_flight: bool = False
+
+
+class MicroBatchSchedule:
+    """Sequences in `groups` decode micro-batches, prefilled one chunk at a time in between.
+
+    A micro-batch is sent when its previous answer is back, so with one micro-batch per stage
+    every stage can work at once. A newcomer's prompt (all but its last token, as in mlx-lm)
+    goes down in chunks of `prefill_chunk`: while others decode, one chunk at a time, so a
+    long prompt delays each of their tokens by one chunk (as SingleEngine's one chunk per
+    step); while nobody decodes, up to `prefill_in_flight` chunks fill the pipeline. Newcomers
+    take turns, a chunk each. A newcomer then joins the smallest micro-batch, its last prompt
+    token as input.
+    """
+
+    def __init__(self, groups: int, prefill_chunk: int, prefill_in_flight: int) -> None:
+        if groups < 1 or groups >= PREFILL_GROUP or prefill_chunk < 1 or prefill_in_flight < 1:
+            raise ValueError(
+                f"invalid schedule: groups={groups}, prefill_chunk={prefill_chunk}, "
+                f"prefill_in_flight={prefill_in_flight}"
+            )
+        self.prefill_chunk = prefill_chunk
+        self.prefill_in_flight = prefill_in_flight
+        self._groups = [_Group() for _ in range(groups)]
+        self._sequences: dict[int, _Sequence] = {}
+        self._prefilling: deque[int] = deque()  # uids in arrival order
+        self._prefill_steps = 0
+        self._in_flight: deque[Planned] = deque()
+
+    # -- membership --------------------------------------------------------------------------
+
+    def add(self, uid: int, prompt: Sequence[int]) -> None:
+        if uid in self._sequences or not prompt:
+            raise ValueError(f"sequence {uid} is already scheduled or has an empty prompt")
+        sequence = _Sequence(uid, tuple(prompt))
+        self._sequences[uid] = sequence
+        if len(prompt) > 1:
+            self._prefilling.append(uid)
+        else:
+            self._join(sequence)
+
+    def remove(self, uids: Sequence[int]) -> list[int]:
+        """Forget `uids`; returns those the stages know (their caches must be freed)."""
+        known = []
+        for uid in uids:
+            sequence = self._sequences.pop(uid, None)
+            if sequence is None:
+                continue
+            if sequence.begun:
+                known.append(uid)
+            if sequence.group is not None:
+                self._groups[sequence.group].members.remove(uid)
+            elif uid in self._prefilling:
+                self._prefilling.remove(uid)
+        return known
+
+    def clear(self) -> None:
+        """The chain was lost: every sequence and frame in flight is gone."""
+        self._sequences.clear()
+        self._prefilling.clear()
+        for group in self._groups:
+            group.members.clear()
+        self.restart()
+
+    def restart(self) -> None:
+        """A fresh session: nothing in flight, every micro-batch counts its steps from 1.
+
+        Only while no sequence has begun (the new session's stages know none)."""
+        if any(sequence.begun for sequence in self._sequences.values()):
+            raise ValueError("a session cannot restart under sequences the old one knew")
+        self._in_flight.clear()
+        self._prefill_steps = 0
+        for group in self._groups:
+            group.steps = 0
+            group.in_flight = False
+
+    @property
+    def active(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def groups(self) -> int:
+        return len(self._groups)
+
+    def sizes(self) -> list[int]:
+        return [len(group.members) for group in self._groups]
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def plan(self) -> list[Planned]:
+        """The frames to send now, in order; they count as in flight from here on."""
+        frames = self._plan_decodes()
+        frames += self._plan_prefills(decoding=bool(frames) or self._decoding())
+        frames += self._plan_decodes()  # a newcomer may have joined an idle micro-batch
+        self._in_flight.extend(frames)
+        return frames
+
+    def expected(self) -> Planned | None:
+        """The frame whose answer comes back next."""
+        return self._in_flight[0] if self._in_flight else None
+
+    def answered(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """The next answer arrived: (uid, token) for the rows still scheduled."""
+        frame = self._in_flight.popleft()
+        if frame.is_prefill:
+            return []
+        self._groups[frame.group].in_flight = False
+        produced = []
+        for row, token in zip(frame.rows, tokens, strict=True):
+            sequence = self._sequences.get(row.uid)
+            if sequence is not None:  # else removed while its token was on the way
+                sequence.next_token = token
+                produced.append((row.uid, token))
+        return produced
+
+    def _decoding(self) -> bool:
+        return any(group.members for group in self._groups)
+
+    def _plan_decodes(self) -> list[Planned]:
+        frames = []
+        for index, group in enumerate(self._groups):
+            if group.in_flight or not group.members:
+                continue
+            rows, tokens = [], []
+            for uid in group.members:
+                sequence = self._sequences[uid]
+                rows.append(Row(uid, sequence.position))
+                tokens.append(sequence.next_token)
+                sequence.position += 1
+                sequence.next_token = None
+            group.steps += 1
+            group.in_flight = True
+            begins = self._take_begins(group.members)
+            frames.append(Planned(index, group.steps, tuple(rows), tuple(tokens), begins))
+        return frames
+
+    def _plan_prefills(self, decoding: bool) -> list[Planned]:
+        frames: list[Planned] = []
+        in_flight = sum(frame.is_prefill for frame in self._in_flight)
+        limit = 1 if decoding else self.prefill_in_flight
+        while self._prefilling and in_flight < limit:
+            sequence = self._sequences[self._prefilling[0]]
+            body = len(sequence.prompt) - 1
+            start, stop = sequence.prefilled, min(sequence.prefilled + self.prefill_chunk, body)
+            self._prefill_steps += 1
+            row = Row(sequence.uid, start)
+            begins = self._take_begins([sequence.uid])
+            chunk = sequence.prompt[start:stop]
+            frames.append(Planned(PREFILL_GROUP, self._prefill_steps, (row,), chunk, begins))
+            in_flight += 1
+            sequence.prefilled = sequence.position = stop
+            self._prefilling.popleft()
+            if stop == body:
+                self._join(sequence)
+            else:  # round robin: a short prompt behind a long one waits one chunk, not all
+                self._prefilling.append(sequence.uid)
+        return frames
+
+    def _join(self, sequence: _Sequence) -> None:
+        """Into the smallest micro-batch (an idle one on a tie), last prompt token as input."""
+        index = min(
+            range(len(self._groups)),
+            key=lambda i: (len(self._groups[i].members), self._groups[i].in_flight, i),
+        )
+        sequence.group = index
+        sequence.position = len(sequence.prompt) - 1
+        sequence.next_token = sequence.prompt[-1]
+        self._groups[index].members.append(sequence.uid)
+
+    def _take_begins(self, uids: Sequence[int]) -> tuple[int, ...]:
+        fresh = []
+        for uid in uids:
+            sequence = self._sequences[uid]
+            if not sequence.begun:
+                sequence.begun = True
+                fresh.append(uid)
+        return tuple(fresh)
