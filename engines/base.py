@@ -47,6 +47,7 @@ class TokenEvent:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, not recomputed
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +91,16 @@ class Engine(abc.ABC):
         """Load weights (and start any worker processes); called on the scheduler thread."""
 
     @abc.abstractmethod
-    def insert(self, uid: int, request: GenerationRequest) -> None:
-        """Add a sequence to the batch; its prefill runs during the next steps."""
+    def insert(self, uid: int, request: GenerationRequest) -> int:
+        """Add a sequence to the batch; its prefill runs during the next steps.
+
+        Returns how many prompt tokens come from the prefix cache (0 on a miss, or for an
+        engine without one): only the rest is prefilled.
+        """
 
     @abc.abstractmethod
     def remove(self, uids: Sequence[int]) -> None:
-        """Drop sequences from the batch and free their KV caches."""
+        """Drop sequences from the batch; their KV caches go to the prefix cache, if any."""
 
     @abc.abstractmethod
     def step(self) -> list[StepOutput]:

@@ -217,12 +217,12 @@ class EngineRunner:
             return
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         try:
-            self.engine.insert(uid, submission.request)
+            cached_tokens = self.engine.insert(uid, submission.request) or 0
         except EngineError as error:
             submission.fail(str(error))
             return
         self._active[uid] = ActiveSequence(
-            uid, submission, self.engine.tokenizer, self.engine.eos_token_ids
+            uid, submission, self.engine.tokenizer, self.engine.eos_token_ids, cached_tokens
         )
 
     def _step(self) -> None:

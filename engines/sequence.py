@@ -19,8 +19,16 @@ class ActiveSequence:
     client gave up or the deadline passed (`expired`); `finish` sends the one final event.
     """
 
-    def __init__(self, uid: int, submission: Submission, tokenizer: Any, eos: set[int]) -> None:
+    def __init__(
+        self,
+        uid: int,
+        submission: Submission,
+        tokenizer: Any,
+        eos: set[int],
+        cached_tokens: int = 0,
+    ) -> None:
         self.uid = uid
+        self.cached_tokens = cached_tokens
         self.submission = submission
         self.request = submission.request
         self._detokenizer = tokenizer.detokenizer
@@ -70,6 +78,7 @@ class ActiveSequence:
                 error=error,
                 prompt_tokens=len(self.request.prompt_tokens),
                 completion_tokens=self.completion_tokens,
+                cached_tokens=self.cached_tokens,
             )
         )
         self.submission.done = True

@@ -9,11 +9,14 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import load as load_model_and_tokenizer
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from planner.errors import EngineError
 
 from .base import Engine, EngineInfo, GenerationRequest, StepOutput
 from .precision import upcast_on_cpu
+from .prefix_index import PrefixIndex
+from .prefix_store import PrefixStore
 from .sampling import make_request_processors, make_request_sampler, request_seed, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -36,8 +39,12 @@ class SingleEngine(Engine):
         max_batch: int = DEFAULT_MAX_BATCH,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         upcast: bool = False,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.model_path = Path(model_path)
+        # the prefix cache: which token prefixes are kept (index) and their KV (store)
+        self.prefix_index = PrefixIndex(prefix_cache_bytes)
+        self._prefix_store = PrefixStore()
         self.upcast = upcast  # half-precision weights to float32 on the CPU
         self.compute_dtype = ""
         self.max_batch = max_batch
@@ -55,6 +62,7 @@ class SingleEngine(Engine):
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
         self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
+        self.prefix_index.trimmable = can_trim_prompt_cache(make_prompt_cache(self.model))
         self._generator = BatchGenerator(
             self.model,
             completion_batch_size=self.max_batch,
@@ -72,9 +80,15 @@ class SingleEngine(Engine):
         processors = make_request_processors(
             request.repetition_penalty, request.presence_penalty, request.frequency_penalty
         )
+        hit = self.prefix_index.lookup(request.prompt_tokens)
+        caches, prefix = None, []
+        if hit is not None:
+            caches, prefix = self._prefix_store.take_prefix(hit.entry_id, hit.tokens)
         (generator_uid,) = self._generator.insert(
-            [list(request.prompt_tokens)],
+            [list(request.prompt_tokens[len(prefix) :])],
             max_tokens=[request.max_tokens],
+            caches=[caches],
+            all_tokens=[prefix],
             samplers=[sampler],
             logits_processors=[processors],
         )
@@ -82,13 +96,30 @@ class SingleEngine(Engine):
         self._from_generator[generator_uid] = uid
         if request.logprobs is not None:
             self._logprobs[uid] = request.logprobs
+        return len(prefix)
 
     def remove(self, uids: Sequence[int]) -> None:
         gone = [self._to_generator.pop(uid) for uid in uids if uid in self._to_generator]
         for generator_uid in gone:
-            self._logprobs.pop(self._from_generator.pop(generator_uid), None)
+            self._logprobs.pop(self._from_generator[generator_uid], None)
         if gone and self._generator is not None:
-            self._generator.remove(gone)
+            kept = self._generator.remove(gone, return_prompt_caches=self.prefix_index.enabled)
+            for generator_uid, (caches, tokens) in kept.items():
+                self._keep_prefix(self._from_generator[generator_uid], caches, tokens)
+        for generator_uid in gone:
+            del self._from_generator[generator_uid]
+
+    def evict_prefix_cache(self, keep_fraction: float) -> int:
+        before = self.prefix_index.nbytes
+        self._prefix_store.drop(self.prefix_index.evict(keep_fraction))
+        return before - self.prefix_index.nbytes
+
+    def _keep_prefix(self, uid: int, caches: list, tokens: list[int]) -> None:
+        """A finished sequence's prompt + answer becomes a prefix-cache entry named by its uid."""
+        if not self.prefix_index.enabled or not tokens:
+            return
+        nbytes = self._prefix_store.put(uid, caches, tokens)
+        self._prefix_store.drop(self.prefix_index.add(uid, tokens, nbytes))
 
     def step(self) -> list[StepOutput]:
         if self._generator is None:
@@ -109,6 +140,7 @@ class SingleEngine(Engine):
                 del self._from_generator[response.uid]
                 del self._to_generator[uid]
                 self._logprobs.pop(uid, None)
+                self._keep_prefix(uid, response.prompt_cache, response.all_tokens)
         return outputs
 
     def info(self) -> EngineInfo:
@@ -117,6 +149,7 @@ class SingleEngine(Engine):
             "max_batch": self.max_batch,
             "prefill_chunk": self.prefill_chunk,
             "compute_dtype": self.compute_dtype,
+            "prefix_cache": self.prefix_index.snapshot(),
         }
         return EngineInfo(strategy="single", world_size=1, detail=detail)
 
@@ -124,5 +157,7 @@ class SingleEngine(Engine):
         if self._generator is not None:
             self._generator.close()
         self._generator = None
+        self._prefix_store.clear()
+        self.prefix_index.clear()
         self.model = None
         mx.clear_cache()

@@ -21,6 +21,7 @@ class Outcome:
     events: int
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 async def collect(
@@ -46,6 +47,7 @@ async def collect(
                 events,
                 event.prompt_tokens,
                 event.completion_tokens,
+                event.cached_tokens,
             )
     raise AssertionError("the event stream ended without a final event")
 

@@ -77,7 +77,9 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
             )
             return EventStreamResponse(events, on_close=submission.cancel)
         outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
-        usage = Usage.counted(outcome.prompt_tokens, outcome.completion_tokens)
+        usage = Usage.counted(
+            outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens
+        )
         choice = ChatChoice(
             message=AssistantMessage(content=outcome.text), finish_reason=outcome.finish_reason
         )

@@ -71,7 +71,9 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
             created=created,
             model=service.model_id,
             choices=[choice],
-            usage=Usage.counted(outcome.prompt_tokens, outcome.completion_tokens),
+            usage=Usage.counted(
+                outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens
+            ),
         )
         return JSONResponse(completion.model_dump())
 

@@ -36,6 +36,7 @@ class Outcome:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 def check_supported(service: Service, body: SamplingFields) -> None:
@@ -174,7 +175,11 @@ async def collect(
                 if event.finish_reason in ("stop", "length"):
                     text = "".join(parts)
                     return Outcome(
-                        text, event.finish_reason, event.prompt_tokens, event.completion_tokens
+                        text,
+                        event.finish_reason,
+                        event.prompt_tokens,
+                        event.completion_tokens,
+                        event.cached_tokens,
                     )
                 if event.finish_reason is not None:
                     raise failure_of(event)

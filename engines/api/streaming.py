@@ -91,7 +91,9 @@ async def stream_generation(
                         yield encode_event(writer.content(event.text))
                     yield encode_event(writer.finish(event.finish_reason))
                     if include_usage:
-                        usage = Usage.counted(event.prompt_tokens, event.completion_tokens)
+                        usage = Usage.counted(
+                            event.prompt_tokens, event.completion_tokens, event.cached_tokens
+                        )
                         yield encode_event(writer.usage(usage))
                 elif event.finish_reason is not None:
                     yield encode_event(failure_of(event).body())

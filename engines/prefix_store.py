@@ -1,0 +1,94 @@
+"""PrefixStore: one node's share of every prefix-cache entry (its layers, or its tp shard).
+
+The index (engines/prefix_index.py) decides; the store only keeps, hands out and drops.
+Handing out never changes the stored entry: a plain KV cache is re-wrapped around a slice of
+the stored arrays (mlx arrays are values, so the new sequence's writes cannot reach them);
+any other cache is deep-copied and trimmed. Two conversations branching from one system
+prompt therefore both start from the same entry.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
+
+from planner.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+
+class PrefixStore:
+    """Entry id -> (per-layer caches, the tokens they hold)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[list[Any], tuple[int, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, entry_id: int) -> bool:
+        return entry_id in self._entries
+
+    @property
+    def nbytes(self) -> int:
+        return sum(cache_bytes(caches) for caches, _ in self._entries.values())
+
+    def put(self, entry_id: int, caches: list[Any], tokens: Iterable[int]) -> int:
+        """Keep a finished sequence's caches; returns their bytes. The arrays are evaluated
+        now so that the entry holds memory, not a graph of the batch it came from."""
+        mx.eval([cache.state for cache in caches])
+        self._entries[entry_id] = (caches, tuple(tokens))
+        return cache_bytes(caches)
+
+    def tokens(self, entry_id: int) -> tuple[int, ...]:
+        return self._require(entry_id)[1]
+
+    def take_prefix(self, entry_id: int, length: int) -> tuple[list[Any], list[int]]:
+        """Fresh caches holding the entry's first `length` tokens, and those tokens."""
+        caches, tokens = self._require(entry_id)
+        if not 0 < length <= len(tokens):
+            raise EngineError(
+                f"prefix-cache entry {entry_id} holds {len(tokens)} tokens, asked for {length}"
+            )
+        if all(type(cache) is KVCache for cache in caches):
+            return [_kv_prefix(cache, length) for cache in caches], list(tokens[:length])
+        fresh = copy.deepcopy(caches)
+        if length < len(tokens):
+            if not can_trim_prompt_cache(fresh):
+                raise EngineError(f"prefix-cache entry {entry_id} cannot be cut back to {length}")
+            trim_prompt_cache(fresh, len(tokens) - length)
+        return fresh, list(tokens[:length])
+
+    def drop(self, entry_ids: Iterable[int]) -> None:
+        for entry_id in entry_ids:
+            self._entries.pop(entry_id, None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def _require(self, entry_id: int) -> tuple[list[Any], tuple[int, ...]]:
+        try:
+            return self._entries[entry_id]
+        except KeyError:
+            raise EngineError(
+                f"prefix-cache entry {entry_id} is not held here: the nodes disagree on the "
+                "cache's contents"
+            ) from None
+
+
+def cache_bytes(caches: list[Any]) -> int:
+    return sum(cache.nbytes for cache in caches)
+
+
+def _kv_prefix(cache: KVCache, length: int) -> KVCache:
+    fresh = KVCache()
+    if cache.keys is not None:
+        fresh.keys = cache.keys[..., :length, :]  # (B, kv_heads, length, head_dim)
+        fresh.values = cache.values[..., :length, :]
+        fresh.offset = length
+    return fresh
