@@ -186,6 +186,7 @@ def serve(config: ServeConfig) -> int:
             config.max_batch,
             config.rediscover_interval_s,
             config.cpu_float32,
+            config.prefix_cache_bytes,
         ),
         launch_settings=None,  # set below, once the members (and so our address) are known
         coordinator=lambda: coordinator,

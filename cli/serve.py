@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from discovery.capabilities import parse_memory_size
 from planner import Parallelism
 from planner.errors import ConfigError
 
@@ -28,6 +29,7 @@ class ServeConfig:
     port: int
     queue_size: int
     max_batch: int
+    prefix_cache_bytes: int | None  # None: derived by the planner from the memory left
     cpu_float32: bool
     max_tokens_cap: int
     request_timeout_s: float
@@ -67,6 +69,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=16,
         cast=int,
         help="sequences decoded together (continuous batching)",
+    )
+    add_flag(
+        parser,
+        "--prefix-cache-bytes",
+        default="auto",
+        help="KV kept for prompt reuse, whole model (e.g. 2G; 0 turns it off; auto: half "
+        "of the memory the tightest node has left after weights and the batch's KV)",
     )
     add_flag(
         parser,
@@ -145,6 +154,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ConfigError(f"--max-tokens-cap must be at least 1, got {args.max_tokens_cap}")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
+    prefix_cache_bytes = None  # auto
+    if str(args.prefix_cache_bytes).strip() in ("0", "off"):
+        prefix_cache_bytes = 0
+    elif str(args.prefix_cache_bytes) != "auto":
+        try:
+            prefix_cache_bytes = parse_memory_size(str(args.prefix_cache_bytes))
+        except ConfigError as error:
+            raise ConfigError(f"--prefix-cache-bytes: {error}, 0 or auto") from None
     return ServeConfig(
         model=args.model,
         model_id=args.model_id,
@@ -153,6 +170,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         port=args.port,
         queue_size=args.queue_size,
         max_batch=args.max_batch,
+        prefix_cache_bytes=prefix_cache_bytes,
         cpu_float32=args.cpu_float32 == "auto",
         max_tokens_cap=args.max_tokens_cap,
         request_timeout_s=args.request_timeout,

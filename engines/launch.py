@@ -63,7 +63,12 @@ def build_engine(
     if chosen == Parallelism.SINGLE:
         from .single import SingleEngine
 
-        return SingleEngine(settings.model_path, max_batch=settings.max_batch, upcast=_upcast(plan))
+        return SingleEngine(
+            settings.model_path,
+            max_batch=settings.max_batch,
+            upcast=_upcast(plan),
+            prefix_cache_bytes=plan.prefix_cache_bytes,
+        )
     if membership is None or settings.cluster_key is None:
         raise EngineError(f"a {chosen.value} plan needs cluster membership and a cluster key")
     if chosen == Parallelism.TP:
@@ -88,6 +93,7 @@ def _build_tensor_parallel(
         settings.model_path,
         max_batch=settings.max_batch,
         upcast_float32=_upcast(plan),
+        prefix_cache_bytes=plan.prefix_cache_bytes,
     )
     share = _share_cores(plan, addresses, settings.coordinator_address)
     for spec, address in zip(specs, rank_addresses, strict=True):

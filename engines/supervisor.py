@@ -41,6 +41,7 @@ class PlanSettings:
     max_batch: int = 16
     rediscover_interval_s: float = 10.0  # 0 disables looking for agents that join later
     cpu_float32: bool = True  # upcast half-precision weights on the CPU when that fits
+    prefix_cache_bytes: int | None = 0  # None: the planner derives it from the memory left
 
 
 class ClusterSupervisor:
@@ -103,6 +104,7 @@ class ClusterSupervisor:
             collective=self.plan_settings.collective,
             context_tokens=self.plan_settings.context_tokens,
             max_batch=self.plan_settings.max_batch,
+            prefix_cache_bytes=self.plan_settings.prefix_cache_bytes,
         )
 
     def start(self) -> ClusterPlan:

@@ -72,6 +72,7 @@ class ClusterPlan:
     batch_capacity: int = 1  # sequences decoded together, each with a full context of KV
     context_tokens: int = 0  # the KV budget of one sequence
     compute_dtype: str = "as stored"  # "float32" when half-precision weights are upcast
+    prefix_cache_bytes: int = 0  # KV kept for reuse, whole model; each node holds its share
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; layer ranges become [start, stop]."""
@@ -89,6 +90,7 @@ class ClusterPlan:
             "batch_capacity": self.batch_capacity,
             "context_tokens": self.context_tokens,
             "compute_dtype": self.compute_dtype,
+            "prefix_cache_bytes": self.prefix_cache_bytes,
             "stages": [
                 {
                     "node_id": stage.node_id,
@@ -124,6 +126,8 @@ class ClusterPlan:
             "of KV cache, counted in every node's need"
         )
         lines.append(f"compute precision on every node: {self.compute_dtype}")
+        cache = format_bytes(self.prefix_cache_bytes) if self.prefix_cache_bytes else "off"
+        lines.append(f"prefix cache: {cache} of KV (each node its share, counted in its need)")
         if self.stages:
             for index, stage in enumerate(self.stages):
                 first, last = stage.layers.start, stage.layers.stop - 1
@@ -138,6 +142,9 @@ class ClusterPlan:
         if self.refusal is not None:
             lines.append(f"refused: {self.refusal}")
         return lines
+
+
+PREFIX_CACHE_SHARE = 0.5  # of the memory left after weights and the batch's KV
 
 
 def _validate(nodes: Sequence[NodeResources], collective: str | None) -> None:
@@ -284,13 +291,24 @@ def plan_cluster(
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
     headroom: float = DEFAULT_HEADROOM,
     max_batch: int = 1,
+    prefix_cache_bytes: int | None = 0,
 ) -> ClusterPlan:
     """Decide the strategy for these nodes (rank order) and check it fits every node's memory.
 
     Every node must hold its weights plus the KV cache of a full batch: `max_batch`
-    sequences of `context_tokens` each. A plan that does not fit comes back with `refusal`
-    set; PlanError means invalid input.
+    sequences of `context_tokens` each, plus its share of the prefix cache. The prefix
+    cache is `prefix_cache_bytes` of whole-model KV, or with None, PREFIX_CACHE_SHARE of
+    the memory the tightest node has left. A plan that does not fit comes back with
+    `refusal` set; PlanError means invalid input.
     """
+    if prefix_cache_bytes is None:
+        plan = plan_cluster(
+            choice, shape, nodes, collective, context_tokens, headroom, max_batch, 0
+        )
+        prefix_cache_bytes = _spare_prefix_cache_bytes(plan, shape) if plan.refusal is None else 0
+    if prefix_cache_bytes < 0:
+        raise PlanError(f"prefix_cache_bytes={prefix_cache_bytes} must not be negative")
+    cached_tokens = prefix_cache_bytes // _kv_bytes_per_token(shape)
     _validate(nodes, collective)
     if max_batch < 1:
         raise PlanError(f"max_batch={max_batch} must be at least 1")
@@ -311,11 +329,42 @@ def plan_cluster(
         checks.append(check)
         if check.name == GROUP_RULE:
             checks.append(backend_check)  # right after the rule it explains
-    sizing = _Sizing(shape, tuple(nodes), context_tokens * max_batch, headroom)
+    sizing = _Sizing(shape, tuple(nodes), context_tokens * max_batch + cached_tokens, headroom)
     if decision.chosen is Parallelism.TP:
         plan = _plan_tp(choice, decision, tuple(checks), sizing, backend)
     elif decision.chosen is Parallelism.PP:
         plan = _plan_pp(decision, tuple(checks), sizing)
     else:
         plan = _plan_single(decision, tuple(checks), sizing)
-    return replace(plan, batch_capacity=max_batch, context_tokens=context_tokens)
+    return replace(
+        plan,
+        batch_capacity=max_batch,
+        context_tokens=context_tokens,
+        prefix_cache_bytes=cached_tokens * _kv_bytes_per_token(shape),
+    )
+
+
+def _kv_bytes_per_token(shape: ModelShape) -> int:
+    """KV bytes of one token over every layer (all ranks or stages together)."""
+    return shape.kv_bytes_per_token_per_layer * shape.num_layers
+
+
+def _spare_prefix_cache_bytes(plan: ClusterPlan, shape: ModelShape) -> int:
+    """PREFIX_CACHE_SHARE of what the tightest node has left, in whole-model KV bytes.
+
+    A node holds a fraction of each cached token's KV (its layers, or its tp shard), so
+    its spare bytes buy spare / fraction bytes of whole-model cache; the tightest node
+    bounds everyone.
+    """
+    fractions = _kv_fractions(plan, shape)
+    spare = [
+        max(fit.available_bytes - fit.need_bytes, 0) / fraction
+        for fit, fraction in zip(plan.fits, fractions, strict=True)
+    ]
+    return int(min(spare, default=0) * PREFIX_CACHE_SHARE)
+
+
+def _kv_fractions(plan: ClusterPlan, shape: ModelShape) -> list[float]:
+    if plan.stages:
+        return [len(stage.layers) / shape.num_layers for stage in plan.stages]
+    return [1 / len(plan.fits)] * len(plan.fits)

@@ -418,9 +418,9 @@ def test_an_invalid_spec_is_reported_on_stdout(tmp_path):
 def test_step_commands_round_trip_exact_floats_and_large_seeds():
     inserts = (
         Insert(7, (5, 6, 7), 99, 2**63 + 11, 0.7, 0.95, 1.3, 0.25, 0.5, 3),
-        Insert(8, (1,), 3, 0, 0.0, 1.0),
+        Insert(8, (1,), 3, 0, 0.0, 1.0, entry=5, cached=40),
     )
-    command = Command(STEP, inserts, (2, 4), advance=False, sync=True, wait_after_s=0.032)
+    command = Command(STEP, inserts, (2, 4), (5, 9), advance=False, sync=True, wait_after_s=0.032)
     payload = encode_payload(command)
     header, words = decode_header(encode_header(command, len(payload)))
     assert words == len(payload)
@@ -430,7 +430,7 @@ def test_step_commands_round_trip_exact_floats_and_large_seeds():
         True,
         0.032,
     )
-    assert decode_payload(payload) == ((2, 4), inserts)
+    assert decode_payload(payload) == ((2, 4), inserts, (5, 9))
     with pytest.raises(EngineError, match="out of step"):
         decode_payload(payload + [0])
 
@@ -485,3 +485,26 @@ def test_specs_for_ring_and_jaccl(tmp_path):
         jaccl_specs([[None, "x"], ["x"]], "h:1", "/m")
     with pytest.raises(ValueError, match="unknown worker spec keys"):
         WorkerSpec.from_dict({**ring[0], "hosst": []})
+
+
+def test_a_shard_batch_keeps_ended_sequences_and_starts_from_them(single_runner):
+    """Rank-local prefix entries: a removed sequence is kept under its uid; a later insert
+    that names it prefills only the rest and samples what a cold start samples."""
+    engine = single_runner.engine
+    shared = tuple(engine.tokenizer.encode(" ".join(PROMPTS) * 4))
+    follow_up = shared + tuple(engine.tokenizer.encode(" and so on"))
+    cold = run_one(single_runner, GenerationRequest("cold", follow_up, 12)).tokens
+    batch = ShardBatch(engine.model, max_batch=4, keep_prefixes=True)
+    batch.apply(Command(STEP, (Insert(0, shared, 1),)))
+    batch.apply(Command(STEP, removes=(0,), advance=False))
+    ((uid, held, nbytes),) = batch.drain_kept()
+    assert uid == 0 and held <= len(shared) and nbytes > 0
+    rest = follow_up[held:]
+    got: list[int] = []
+    command = Command(STEP, (Insert(1, rest, 12, entry=0, cached=held),), evicts=(0,))
+    while len(got) < 12:
+        got += [token for _, token in batch.apply(command)]
+        command = Command(STEP)
+    assert got == cold
+    assert 0 not in batch.prefixes  # evicted after the insert took its prefix
+    batch.close()

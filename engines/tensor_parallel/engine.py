@@ -19,6 +19,7 @@ from mlx_lm.utils import load_config, load_tokenizer
 from planner.errors import EngineError
 
 from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
+from ..prefix_index import PrefixIndex
 from ..sampling import request_seed
 from .group import WorkerSpec
 
@@ -74,6 +75,11 @@ class TensorParallelEngine(Engine):
         self._removes: list[int] = []
         self._active: set[int] = set()  # uids the ranks hold
         self._prefilling: set[int] = set()  # uids with no token yet
+        # The prefix cache: this engine decides hits and evictions, every rank holds its
+        # shard of each entry (engines/tensor_parallel/shard_batch.py).
+        self.prefix_index = PrefixIndex(self.spec.prefix_cache_bytes)
+        self._evicts: list[int] = []  # entries every rank drops with the next step
+        self._tokens: dict[int, list[int]] = {}  # uid -> prompt + tokens so far, until kept
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -164,10 +170,16 @@ class TensorParallelEngine(Engine):
             raise EngineError("tensor-parallel engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
+        hit = self.prefix_index.lookup(request.prompt_tokens)
+        cached = hit.tokens if hit is not None else 0
+        if self.prefix_index.enabled:
+            self._tokens[uid] = list(request.prompt_tokens)
         self._inserts.append(
             {
                 "uid": uid,
-                "prompt": list(request.prompt_tokens),
+                "entry": hit.entry_id if hit is not None else -1,
+                "cached": cached,
+                "prompt": list(request.prompt_tokens[cached:]),
                 "max_tokens": request.max_tokens,
                 "temperature": request.temperature,
                 "top_p": request.top_p,
@@ -179,11 +191,14 @@ class TensorParallelEngine(Engine):
             }
         )
         self._prefilling.add(uid)
+        return cached
 
     def remove(self, uids: Sequence[int]) -> None:
         gone = set(uids)
         unsent = [entry for entry in self._inserts if entry["uid"] in gone]
         self._inserts = [entry for entry in self._inserts if entry["uid"] not in gone]
+        for entry in unsent:
+            self._tokens.pop(entry["uid"], None)
         self._removes += [uid for uid in gone & self._active]
         self._active -= gone
         self._prefilling -= gone
@@ -200,6 +215,8 @@ class TensorParallelEngine(Engine):
         answer = self._exchange(advance=True)
         outputs = [StepOutput(uid, error=reason) for uid, reason in answer["refused"]]
         for uid, token, *logprobs in answer["tokens"]:
+            if uid in self._tokens:
+                self._tokens[uid].append(token)
             if uid in self._active:
                 self._prefilling.discard(uid)
                 if logprobs:
@@ -209,22 +226,57 @@ class TensorParallelEngine(Engine):
                 else:
                     outputs.append(StepOutput(uid, token))
         self._active -= {output.uid for output in outputs if output.error}
+        for output in outputs:
+            if output.error:
+                self._tokens.pop(output.uid, None)
+        self._index_kept(answer.get("kept", []))
         return outputs
+
+    def evict_prefix_cache(self, keep_fraction: float) -> int:
+        before = self.prefix_index.nbytes
+        self._evicts += self.prefix_index.evict(keep_fraction)
+        if self._evicts and not self._active and not self._inserts:
+            self._exchange(advance=False)  # idle: drop them on every rank now
+        return before - self.prefix_index.nbytes
+
+    def _index_kept(self, kept: list[list[int]]) -> None:
+        """Index the entries the ranks kept ([uid, tokens held, bytes on rank 0])."""
+        for uid, length, rank_bytes in kept:
+            tokens = self._tokens.pop(uid, [])[:length]
+            if len(tokens) < length:  # never expected: the ranks hold tokens we never saw
+                log.warning(
+                    "rank 0 kept %d tokens of sequence %d, %d known", length, uid, len(tokens)
+                )
+                self._evicts.append(uid)
+                continue
+            # every rank holds an equal shard, so the group holds world_size times rank 0's
+            self._evicts += self.prefix_index.add(uid, tokens, rank_bytes * self.spec.world_size)
 
     def _exchange(self, advance: bool) -> dict[str, Any]:
         """Send one step command to rank 0 and wait for its answer."""
         self._raise_if_lost()
         inserts, self._inserts = self._inserts, []
         removes, self._removes = self._removes, []
+        evicts, self._evicts = self._evicts, []
         self._active |= {entry["uid"] for entry in inserts}
         # Prefill is chunked, but a step that prefills still takes far longer than a decode.
         slow = advance and bool(self._prefilling)
-        self._send({"cmd": "step", "insert": inserts, "remove": removes, "advance": advance})
+        self._send(
+            {
+                "cmd": "step",
+                "insert": inserts,
+                "remove": removes,
+                "evict": evicts,
+                "advance": advance,
+            }
+        )
         while True:
             message = self._next_message(
                 self.first_token_timeout_s if slow else self.token_timeout_s
             )
             if "tokens" in message:
+                if not advance:
+                    self._index_kept(message.get("kept", []))
                 return message
             if "error" in message:  # rank 0 could not read the command: an engine bug
                 raise self._lose(f"rank 0 refused a step command: {message['error']}")
@@ -262,6 +314,7 @@ class TensorParallelEngine(Engine):
             "model_path": str(self.model_path),
             "sync_every": self.spec.sync_every,
             "ranks": ranks,
+            "prefix_cache": self.prefix_index.snapshot(),
             "healthy": self.healthy(),
         }
         if self._lost_reason is not None:

@@ -44,6 +44,7 @@ class WorkerSpec:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     blas_threads: int = 0  # this rank's share of its machine's cores; 0 keeps the default
     upcast_float32: bool = False  # half-precision weights to float32 when on the CPU
+    prefix_cache_bytes: int = 0  # the whole group's prefix-cache budget; 0 keeps no entries
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:

@@ -27,8 +27,9 @@ COMMAND_NAMES = {STEP: "step", PING: "ping", SHUTDOWN: "shutdown"}
 HEADER_SIZE = 5
 # per inserted sequence: uid, prompt length, max_tokens, seed lo/hi, temperature lo/hi,
 # top_p lo/hi, repetition / presence / frequency penalty lo/hi each, logprobs (-1 = off),
-# then the prompt's token ids
-INSERT_FIELDS = 16
+# prefix-cache entry (-1 = none), cached tokens taken from it, then the prompt's token ids
+# (only those after the cached prefix)
+INSERT_FIELDS = 18
 # Idle ranks must not wait inside a collective: mlx's ring (and JACCL) backends busy-poll
 # there, one core per idle rank. Every rank instead sleeps `wait_after` between headers,
 # starting short after real work and doubling up to the heartbeat while idle.
@@ -55,6 +56,8 @@ class Insert:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int = -1  # -1 = off; k >= 0: the token's logprob and the top k
+    entry: int = -1  # start from this prefix-cache entry (-1: from nothing) ...
+    cached: int = 0  # ... its first `cached` tokens; `prompt` holds only the rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,7 @@ class Command:
     kind: int
     inserts: tuple[Insert, ...] = ()
     removes: tuple[int, ...] = ()
+    evicts: tuple[int, ...] = ()  # prefix-cache entries every rank drops, after the inserts
     advance: bool = True  # False: apply the batch changes only (nothing left to step)
     sync: bool = False  # compare token checksums after this step
     wait_after_s: float = 0.0  # every rank sleeps this long before the next header
@@ -93,13 +97,18 @@ def encode_payload(command: Command) -> list[int]:
             *_words("<d", insert.presence_penalty),
             *_words("<d", insert.frequency_penalty),
             insert.logprobs,
+            insert.entry,
+            insert.cached,
             *insert.prompt,
         ]
-    return words
+    return words + [len(command.evicts), *command.evicts]
 
 
-def decode_payload(words: list[int]) -> tuple[tuple[int, ...], tuple[Insert, ...]]:
-    """(removed uids, inserts) from a payload; malformed means the ranks are out of step."""
+def decode_payload(
+    words: list[int],
+) -> tuple[tuple[int, ...], tuple[Insert, ...], tuple[int, ...]]:
+    """(removed uids, inserts, evicted entries) from a payload; malformed means the ranks are
+    out of step."""
     try:
         count = words[0]
         removes = tuple(words[1 : 1 + count])
@@ -108,6 +117,7 @@ def decode_payload(words: list[int]) -> tuple[tuple[int, ...], tuple[Insert, ...
         for _ in range(words[at]):
             fields = words[at + 1 : at + 1 + INSERT_FIELDS]
             uid, length, max_tokens, logprobs = fields[0], fields[1], fields[2], fields[15]
+            entry, cached = fields[16], fields[17]
             seed = int(_value("<Q", *fields[3:5]))
             temperature, top_p, repetition, presence, frequency = (
                 float(_value("<d", *fields[index : index + 2])) for index in range(5, 15, 2)
@@ -127,13 +137,18 @@ def decode_payload(words: list[int]) -> tuple[tuple[int, ...], tuple[Insert, ...
                     presence,
                     frequency,
                     logprobs,
+                    entry,
+                    cached,
                 )
             )
+        at += 1
+        evicts = tuple(words[at + 1 : at + 1 + words[at]])
+        at += len(evicts)
     except (IndexError, ValueError, struct.error) as error:
         raise EngineError(f"malformed lockstep payload ({error}): ranks are out of step") from None
     if at + 1 != len(words):
         raise EngineError("lockstep payload has trailing words: ranks are out of step")
-    return removes, tuple(inserts)
+    return removes, tuple(inserts), evicts
 
 
 def encode_header(command: Command, payload_words: int) -> list[int]:
@@ -201,9 +216,15 @@ class Lockstep:
         received, payload_words = decode_header(self.broadcast(header, HEADER_SIZE))
         if not payload_words:
             return received
-        removes, inserts = decode_payload(self.broadcast(payload, payload_words))
+        removes, inserts, evicts = decode_payload(self.broadcast(payload, payload_words))
         return Command(
-            received.kind, inserts, removes, received.advance, received.sync, received.wait_after_s
+            received.kind,
+            inserts,
+            removes,
+            evicts,
+            received.advance,
+            received.sync,
+            received.wait_after_s,
         )
 
     def sync(self, checksum: int) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
+from ..prefix_store import PrefixStore
 from ..sampling import make_request_processors, make_request_sampler, token_logprobs
 from .lockstep import Command, update_checksum
 
@@ -18,9 +19,19 @@ class ShardBatch:
     Every rank applies the same removes and inserts in the same order and steps the same
     number of times, so the generators assign the same uids, run the same sharded forward
     passes (whose `all_sum`s meet across ranks), and sample the same tokens.
+
+    With `keep_prefixes`, every sequence that ends leaves its KV shard in this rank's prefix
+    store under its uid; rank 0's engine indexes it (from `drain_kept`) and names the
+    entries to start from and to drop in later commands.
     """
 
-    def __init__(self, model: Any, max_batch: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    def __init__(
+        self,
+        model: Any,
+        max_batch: int,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        keep_prefixes: bool = False,
+    ):
         self._generator = BatchGenerator(
             model,
             completion_batch_size=max_batch,
@@ -31,6 +42,9 @@ class ShardBatch:
         self._from_generator: dict[int, int] = {}
         self._logprobs: dict[int, int] = {}  # uid -> top k, for sequences that asked
         self.checksum = 0
+        self.keep_prefixes = keep_prefixes
+        self.prefixes = PrefixStore()
+        self._kept: list[list[int]] = []  # [uid, tokens held, bytes] since the last drain
 
     def __len__(self) -> int:
         return len(self._to_generator)
@@ -40,17 +54,26 @@ class ShardBatch:
         followed by (logprob, [[id, logprob], ...]) when the sequence asked for logprobs."""
         gone = [self._to_generator.pop(uid) for uid in command.removes if uid in self._to_generator]
         for generator_uid in gone:
-            self._logprobs.pop(self._from_generator.pop(generator_uid), None)
+            self._logprobs.pop(self._from_generator[generator_uid], None)
         if gone:
-            self._generator.remove(gone)
+            kept = self._generator.remove(gone, return_prompt_caches=self.keep_prefixes)
+            for generator_uid, (caches, tokens) in kept.items():
+                self._keep(self._from_generator[generator_uid], caches, tokens)
+        for generator_uid in gone:
+            del self._from_generator[generator_uid]
         for insert in command.inserts:
             sampler = make_request_sampler(insert.temperature, insert.top_p, insert.seed)
             processors = make_request_processors(
                 insert.repetition_penalty, insert.presence_penalty, insert.frequency_penalty
             )
+            caches, prefix = None, []
+            if insert.entry >= 0:
+                caches, prefix = self.prefixes.take_prefix(insert.entry, insert.cached)
             (generator_uid,) = self._generator.insert(
                 [list(insert.prompt)],
                 max_tokens=[insert.max_tokens],
+                caches=[caches],
+                all_tokens=[prefix],
                 samplers=[sampler],
                 logits_processors=[processors],
             )
@@ -58,6 +81,7 @@ class ShardBatch:
             self._from_generator[generator_uid] = insert.uid
             if insert.logprobs >= 0:
                 self._logprobs[insert.uid] = insert.logprobs
+        self.prefixes.drop(command.evicts)  # after the inserts: one may start from an evictee
         if not command.advance or not self._to_generator:
             return []
         _, responses = self._generator.next()
@@ -77,7 +101,19 @@ class ShardBatch:
                 del self._from_generator[response.uid]
                 del self._to_generator[uid]
                 self._logprobs.pop(uid, None)
+                self._keep(uid, response.prompt_cache, response.all_tokens)
         return tokens
 
+    def drain_kept(self) -> list[list[int]]:
+        """[uid, tokens held, bytes on this rank] of each entry kept since the last call."""
+        kept, self._kept = self._kept, []
+        return kept
+
+    def _keep(self, uid: int, caches: list[Any], tokens: list[int]) -> None:
+        if self.keep_prefixes and tokens:
+            nbytes = self.prefixes.put(uid, caches, tokens)
+            self._kept.append([uid, len(tokens), nbytes])
+
     def close(self) -> None:
+        self.prefixes.clear()
         self._generator.close()

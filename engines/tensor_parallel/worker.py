@@ -236,8 +236,24 @@ def parse_insert(message: Any, vocab_size: int | None) -> Insert:
     logprobs = -1 if logprobs is None else logprobs
     if not isinstance(logprobs, int) or not -1 <= logprobs <= 20:
         raise ValueError(f"logprobs must be an integer in [0, 20] or null, got {logprobs!r}")
+    entry, cached = message.get("entry", -1), message.get("cached", 0)
+    if not isinstance(entry, int) or not isinstance(cached, int) or not -1 <= entry < 2**31:
+        raise ValueError(f"entry and cached must be integers, got {entry!r}, {cached!r}")
+    if (entry >= 0) != (cached > 0) or not 0 <= cached < 2**31:
+        raise ValueError(
+            f"a prefix-cache start needs an entry and cached > 0, got {entry}, {cached}"
+        )
     return Insert(
-        message["uid"], tuple(prompt), max_tokens, seed, temperature, top_p, *penalties, logprobs
+        message["uid"],
+        tuple(prompt),
+        max_tokens,
+        seed,
+        temperature,
+        top_p,
+        *penalties,
+        logprobs,
+        entry,
+        cached,
     )
 
 
@@ -259,8 +275,13 @@ def parse_step(
             inserts.append(parse_insert(entry, vocab_size))
         except (TypeError, ValueError) as error:
             refused.append((uid, str(error)))
+    evicts = message.get("evict", [])
+    if not isinstance(evicts, list) or not all(
+        isinstance(entry, int) and 0 <= entry < 2**31 for entry in evicts
+    ):
+        raise ValueError("evict must be a list of prefix-cache entry ids")
     advance = bool(message.get("advance", True))
-    return Command(STEP, tuple(inserts), tuple(removes), advance), refused
+    return Command(STEP, tuple(inserts), tuple(removes), tuple(evicts), advance), refused
 
 
 @dataclass
@@ -311,7 +332,8 @@ class Rank:
             command = replace(command, wait_after_s=wait_after_s)
             tokens = self.run(command)
             if command.kind == STEP:
-                self.output.write({"tokens": tokens, "refused": refused})
+                kept = self.batch.drain_kept()
+                self.output.write({"tokens": tokens, "refused": refused, "kept": kept})
             deadline = time.monotonic() + command.wait_after_s
 
     def follow(self) -> None:
@@ -381,7 +403,9 @@ def run(spec: WorkerSpec, output: Output) -> int:
         }
     )
     try:
-        batch = ShardBatch(model, spec.max_batch, spec.prefill_chunk)
+        batch = ShardBatch(
+            model, spec.max_batch, spec.prefill_chunk, keep_prefixes=spec.prefix_cache_bytes > 0
+        )
         rank = Rank(spec, lockstep, batch, vocab_size, output, watchdog)
         if spec.rank == 0:
             rank.lead()
