@@ -1,0 +1,76 @@
+"""A multi-turn chat through the openai client hits the prefix cache of a real `tandem serve`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.helpers_cluster import AgentPool
+from tests.helpers_serve import ServeProcess, start_serve
+
+pytestmark = pytest.mark.cluster
+
+SYSTEM = "You are a careful assistant who answers in full sentences. " * 20
+MAX_TOKENS = 24
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[AgentPool]:
+    agents = AgentPool(tmp_path / "agents")
+    try:
+        yield agents
+    finally:
+        agents.stop_all()
+
+
+def chat_two_turns(server: ServeProcess, model_id: str) -> tuple[list[str], list[int]]:
+    """Two turns of one conversation: the texts and each turn's cached prompt tokens."""
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "One?"}]
+    texts, cached = [], []
+    for follow_up in ("Two?", None):
+        reply = client.chat.completions.create(
+            model=model_id, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
+        texts.append(reply.choices[0].message.content)
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        if follow_up is not None:
+            messages += [
+                {"role": "assistant", "content": texts[-1]},
+                {"role": "user", "content": follow_up},
+            ]
+    return texts, cached
+
+
+@pytest.mark.parametrize("strategy", ["single", "tp"])
+def test_the_second_turn_hits_the_cache_and_says_what_a_cold_server_says(
+    strategy: str, demo_model_dir: Path, pool: AgentPool, tmp_path: Path
+) -> None:
+    args = ["--parallelism", strategy, "--model-id", "demo"]
+    if strategy == "tp":
+        pool.start("rank1", real_roles=True)
+        args += ["--collective", "ring"]
+    servers: list[ServeProcess] = []
+    try:
+        servers.append(start_serve(tmp_path, demo_model_dir, pool.cluster_key, args, name="hot"))
+        cluster = servers[0].cluster()
+        assert cluster["strategy"] == strategy
+        assert cluster["plan"]["prefix_cache_bytes"] > 0  # auto: derived from memory left
+        hot_texts, hot_cached = chat_two_turns(servers[0], "demo")
+        snapshot = servers[0].cluster()["engine"]["prefix_cache"]
+        servers[0].stop()
+        cold_args = [*args, "--prefix-cache-bytes", "0"]
+        servers.append(
+            start_serve(tmp_path, demo_model_dir, pool.cluster_key, cold_args, name="cold")
+        )
+        cold_texts, cold_cached = chat_two_turns(servers[1], "demo")
+    finally:
+        for server in servers:
+            server.stop()
+    assert hot_cached[0] == 0 and hot_cached[1] > len(SYSTEM) // 8  # most of turn one
+    assert cold_cached == [0, 0]
+    assert hot_texts == cold_texts
+    assert snapshot["hits"] == 1 and snapshot["entries"] >= 1
