@@ -22,11 +22,17 @@ LOAD_TIMEOUT_S = 180.0
 
 @contextlib.contextmanager
 def open_tensor_parallel_runner(
-    model_path: Path, world_size: int, max_batch: int = 16
+    model_path: Path, world_size: int, max_batch: int = 16, prefix_cache_bytes: int = 0
 ) -> Iterator[EngineRunner]:
     # Every rank shares this machine: each gets its share of the cores, as launch.py does.
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    specs = loopback_ring_specs(world_size, model_path, max_batch=max_batch, blas_threads=threads)
+    specs = loopback_ring_specs(
+        world_size,
+        model_path,
+        max_batch=max_batch,
+        blas_threads=threads,
+        prefix_cache_bytes=prefix_cache_bytes,
+    )
     ranks: list[subprocess.Popen[bytes]] = []
     runner: EngineRunner | None = None
     try:
