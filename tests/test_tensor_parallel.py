@@ -39,6 +39,7 @@ from engines.tensor_parallel.lockstep import (
     decode_payload,
     encode_header,
     encode_payload,
+    idle_wait_s,
 )
 from engines.tensor_parallel.shard_batch import ShardBatch
 from planner.errors import EngineError
@@ -508,3 +509,10 @@ def test_a_shard_batch_keeps_ended_sequences_and_starts_from_them(single_runner)
     assert got == cold
     assert 0 not in batch.prefixes  # evicted after the insert took its prefix
     batch.close()
+
+
+def test_the_idle_wait_grows_to_the_heartbeat_and_survives_hours_of_idling():
+    assert idle_wait_s(0, 1.0) == pytest.approx(0.002)
+    assert idle_wait_s(3, 1.0) == pytest.approx(0.016)
+    assert idle_wait_s(20, 1.0) == 1.0
+    assert idle_wait_s(100_000, 1.0) == 1.0  # 2**100000 as a float would overflow

@@ -171,8 +171,12 @@ def decode_header(words: list[int]) -> tuple[Command, int]:
 
 
 def idle_wait_s(pings_in_a_row: int, heartbeat_s: float) -> float:
-    """How long every rank sleeps before the next header: grows while idle, up to heartbeat_s."""
-    return min(FIRST_IDLE_WAIT_S * 2**pings_in_a_row, heartbeat_s)
+    """How long every rank sleeps before the next header: grows while idle, up to heartbeat_s.
+
+    The exponent is capped: after ~1,000 idle pings (a quarter of an hour) 2**n as a float
+    would overflow and end the group.
+    """
+    return min(FIRST_IDLE_WAIT_S * 2 ** min(pings_in_a_row, 64), heartbeat_s)
 
 
 def update_checksum(checksum: int, token: int) -> int:
