@@ -89,7 +89,7 @@ def test_an_agent_over_its_budget_evicts_refuses_and_the_server_recovers(
         tmp_path,
         demo_model_dir,
         pool.cluster_key,
-        ["--parallelism", "pp", "--model-id", "demo"],
+        ["--parallelism", "pp", "--model-id", "demo", "--rediscover-interval", "2"],
         wait=False,
     )
     servers.append(server)
@@ -148,3 +148,17 @@ def test_an_agent_over_its_budget_evicts_refuses_and_the_server_recovers(
     assert log.count("refusing new requests") == 1
     assert "accepting new requests again" in log
     assert agent.log_text().count("memory on node") == 1  # the agent logged its own tier once
+
+    # The same node back without the budget: planned in again, ok, and serving through it.
+    again = pool.start("pressed", real_roles=True)
+    assert again.node_id == agent.node_id
+    wait_for(lambda: server.cluster()["strategy"] == "pp", "the agent to be planned in again")
+    wait_for(lambda: server.get("/health")[1].get("status") == "ok", "serving as pp")
+    back = server.cluster()
+    assert member_of(back, agent.node_id)["memory_tier"] == "ok"
+    assert back["memory_pressure"]["tiers"] == {
+        back["coordinator"]["node_id"]: "ok",
+        agent.node_id: "ok",
+    }
+    status, _, reply = post_chat(server, "demo")
+    assert status == 200, reply
