@@ -152,3 +152,21 @@ def test_heartbeats_carry_the_memory_report_over_the_wire() -> None:
     assert decode(encode(legacy)).memory is None
     with pytest.raises(Exception, match="tier"):
         decode(encode(heartbeat).replace(b'"critical"', b'"panic"'))
+
+
+@pytest.mark.parametrize("command", ["serve", "join"])
+def test_memory_budget_flag_and_its_environment_twin(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cli import join, serve
+    from cli.main import build_parser
+
+    module = {"serve": serve, "join": join}[command]
+    key = ["--cluster-key", "tandem-" + "A" * 43]
+    args = build_parser().parse_args([command, *key, "--memory-budget", "2GiB"])
+    assert module.config_from_args(args).memory_budget == 2 * GIB
+    monkeypatch.setenv("TANDEM_MEMORY_BUDGET", "512M")
+    args = build_parser().parse_args([command, *key])
+    assert module.config_from_args(args).memory_budget == 512 * MIB
+    monkeypatch.delenv("TANDEM_MEMORY_BUDGET")
+    assert module.config_from_args(build_parser().parse_args([command, *key])).memory_budget is None
