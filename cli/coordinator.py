@@ -147,6 +147,7 @@ def serve(config: ServeConfig) -> int:
     from engines import blas
     from engines.api.app import create_app
     from engines.launch import LaunchSettings
+    from engines.pressure import watch_memory
     from engines.service import Service, ServiceLimits
     from engines.supervisor import ClusterSupervisor, PlanSettings
 
@@ -210,6 +211,7 @@ def serve(config: ServeConfig) -> int:
         max_batch=config.max_batch,
     )
     service.cluster_status = supervisor.status
+    service.pressure = watch_memory(service, supervisor, node_id, config.memory_budget)
     try:
         try:
             supervisor.start()
@@ -219,6 +221,7 @@ def serve(config: ServeConfig) -> int:
         log.info("serving %s on http://%s:%d/v1", model_id, config.host, config.port)
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
     finally:
+        service.pressure.close()
         supervisor.close()
         if membership is not None:
             membership.close()

@@ -10,7 +10,13 @@ from pathlib import Path
 
 from planner.errors import ConfigError
 
-from .options import add_flag, add_interface_flag, add_key_flags, env_default
+from .options import (
+    add_flag,
+    add_interface_flag,
+    add_key_flags,
+    add_memory_budget_flag,
+    env_default,
+)
 
 ROLE_SEPARATOR = "="
 # A well-known port lets a hostfile name agents without ports; zeroconf advertises any port.
@@ -42,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="where the node id lives",
     )
     add_flag(parser, "--memory-limit", help="report at most this much memory, e.g. 512M or 8G")
+    add_memory_budget_flag(parser)
     add_flag(
         parser, "--heartbeat-interval", default=1.0, cast=float, help="seconds between heartbeats"
     )
@@ -130,6 +137,7 @@ def config_from_args(args: argparse.Namespace):  # -> AgentConfig (imported lazi
         interface=args.interface or None,
         port=args.control_port,
         memory_limit=parse_memory_size(args.memory_limit) if args.memory_limit else None,
+        memory_budget=parse_memory_size(args.memory_budget) if args.memory_budget else None,
         heartbeat_interval_s=args.heartbeat_interval,
         coordinator_timeout_s=args.lost_after,
         # Detected within the limit plus one heartbeat: inside the coordinator's --lost-after.

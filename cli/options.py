@@ -53,6 +53,16 @@ def add_interface_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_memory_budget_flag(parser: argparse.ArgumentParser) -> None:
+    """The run-time memory monitor's budget, shared by serve and join."""
+    add_flag(
+        parser,
+        "--memory-budget",
+        help="memory tiers (ok/warn/critical) treat this node as having at most this much, "
+        "tandem's own processes counted against it, e.g. 8G (default: the machine's memory)",
+    )
+
+
 def add_blas_flags(parser: argparse.ArgumentParser) -> None:
     """Which BLAS mlx runs on here and in every worker started from here (Linux CPU)."""
     add_flag(

@@ -11,7 +11,14 @@ from discovery.capabilities import parse_memory_size
 from planner import Parallelism
 from planner.errors import ConfigError
 
-from .options import add_blas_flags, add_flag, add_interface_flag, add_key_flags, apply_blas_flags
+from .options import (
+    add_blas_flags,
+    add_flag,
+    add_interface_flag,
+    add_key_flags,
+    add_memory_budget_flag,
+    apply_blas_flags,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,7 @@ class ServeConfig:
     collective: str | None
     context_tokens: int
     memory_limit: str | None
+    memory_budget: int | None
     lost_after_s: float
     rediscover_interval_s: float
     cache_dir: Path
@@ -106,6 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
     add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
+    add_memory_budget_flag(parser)
     add_flag(
         parser,
         "--lost-after",
@@ -146,6 +155,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    from discovery.capabilities import parse_memory_size
+
     if args.queue_size < 1:
         raise ConfigError(f"--queue-size must be at least 1, got {args.queue_size}")
     if args.max_batch < 1:
@@ -183,6 +194,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         collective=args.collective,
         context_tokens=args.context_tokens,
         memory_limit=args.memory_limit,
+        memory_budget=parse_memory_size(args.memory_budget) if args.memory_budget else None,
         lost_after_s=args.lost_after,
         rediscover_interval_s=args.rediscover_interval,
         cache_dir=args.cache_dir,

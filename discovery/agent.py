@@ -21,6 +21,7 @@ from discovery.control import (
     Failed,
     Heartbeat,
     Hello,
+    MemoryReport,
     Ready,
     Release,
     accept_control,
@@ -28,6 +29,7 @@ from discovery.control import (
 )
 from discovery.control import RdmaDevice as WireRdmaDevice
 from discovery.framing import ChannelTimeout, wait_readable
+from discovery.memory_monitor import MemoryMonitor
 from discovery.node_identity import StateDirLock, load_or_create_node_id
 from discovery.role_worker import RoleWorker
 from discovery.zeroconf_service import (
@@ -60,6 +62,7 @@ class AgentConfig:
     interface: str | None = None  # None: every interface
     port: int = 0  # control port; 0 picks a free one (zeroconf advertises it)
     memory_limit: int | None = None
+    memory_budget: int | None = None  # what the memory monitor measures tiers against
     heartbeat_interval_s: float = 1.0
     coordinator_timeout_s: float = 5.0
     worker_frozen_s: float = 3.0  # a ready worker whose process is stopped this long has failed
@@ -267,6 +270,7 @@ class Agent:
         self.node_id = ""
         self.control_port = 0
         self.capabilities: Capabilities | None = None
+        self.memory_monitor: MemoryMonitor | None = None
         self._state_lock = StateDirLock(config.state_dir)
         self._zeroconf: Any = None
         self._advertisement: Advertisement | None = None
@@ -293,6 +297,9 @@ class Agent:
         self.node_id = node_id
         self._state_lock.acquire(node_id)
         self.capabilities = probe_capabilities(self.config.memory_limit)
+        self.memory_monitor = MemoryMonitor(
+            self.config.memory_budget, self.config.heartbeat_interval_s, f"node {node_id}"
+        ).start()
         self._zeroconf = open_zeroconf(self.config.interface)
         if not created:  # a fresh id cannot be on the network yet
             check_not_advertised(self._zeroconf, node_id, self.config.duplicate_check_s)
@@ -336,6 +343,8 @@ class Agent:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self.memory_monitor is not None:
+            self.memory_monitor.stop()
         self._state_lock.release()
 
     def wait(self, stop: threading.Event) -> None:
@@ -386,7 +395,13 @@ class Agent:
             worker_state=worker.state if worker is not None else None,
             worker_pid=worker.pid if worker is not None else None,
             sent_at=time.time(),
+            memory=self._memory_report(),
         )
+
+    def _memory_report(self) -> MemoryReport | None:
+        if self.memory_monitor is None:
+            return None
+        return MemoryReport(**self.memory_monitor.latest().to_dict())
 
     def _require_capabilities(self) -> Capabilities:
         if self.capabilities is None:

@@ -71,6 +71,16 @@ class Failed(_Message):
     reason: str
 
 
+class MemoryReport(_Message):
+    """A node's memory as its monitor sees it (discovery/memory_monitor.py)."""
+
+    total: int = Field(ge=0)
+    available: int = Field(ge=0)
+    tandem_bytes: int = Field(ge=0)
+    tier: Literal["ok", "warn", "critical"]
+    budget: int | None = Field(default=None, gt=0)
+
+
 class Heartbeat(_Message):
     """Agent -> coordinator, periodically: alive, memory, worker state."""
 
@@ -81,6 +91,7 @@ class Heartbeat(_Message):
     worker_state: str | None = None
     worker_pid: int | None = None
     sent_at: float  # seconds since the epoch, sender's clock
+    memory: MemoryReport | None = None  # the agent's memory tier; None from a coordinator
 
 
 class Release(_Message):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from discovery.control import ControlConnection, Heartbeat, Hello
+from discovery.control import ControlConnection, Heartbeat, Hello, MemoryReport
 from discovery.zeroconf_service import PeerRecord
 
 CONNECTED = "connected"  # verified, heartbeating, assignable
@@ -33,6 +33,7 @@ class Member:
     worker_pid: int | None
     memory_available: int
     assignment_id: str | None
+    memory: MemoryReport | None = None  # from the last heartbeat: the agent's memory tier
 
 
 @dataclass(slots=True)
@@ -73,6 +74,7 @@ class Link:
             worker_pid=self.heartbeat.worker_pid if self.heartbeat else None,
             memory_available=memory,
             assignment_id=self.assignment_id,
+            memory=self.heartbeat.memory if self.heartbeat else None,
         )
 
     def has_released(self, since: float) -> bool:

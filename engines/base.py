@@ -114,6 +114,12 @@ class Engine(abc.ABC):
         """False once a rank or stage is lost; /health then reports degraded."""
         return True
 
+    def evict_prefix_cache(self, keep_fraction: float) -> int:
+        """Scheduler thread only: drop least-recently-used prefix-cache entries on every node
+        until at most keep_fraction of the current cached bytes remain; returns bytes freed.
+        Engines without a prefix cache free nothing."""
+        return 0
+
     def abort(self, reason: str) -> None:  # noqa: B027 (optional: single has nothing remote)
         """From any thread: make a blocked step() raise EngineError at once."""
 

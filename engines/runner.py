@@ -101,6 +101,9 @@ class EngineRunner:
         self._closed = False
         self._next_uid = 0
         self.steps = 0
+        self._eviction_keep: float | None = None  # a requested prefix-cache eviction
+        self.prefix_evictions = 0
+        self.prefix_evicted_bytes = 0
         self._thread = threading.Thread(target=self._work, name="engine-runner", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -160,6 +163,18 @@ class EngineRunner:
             self._wakeup.notify()
         return submission
 
+    def request_prefix_eviction(self, keep_fraction: float) -> None:
+        """From any thread: have the scheduler call engine.evict_prefix_cache between two steps
+        (at once when idle); requests that meet before it runs merge into the smallest."""
+        if not 0.0 <= keep_fraction <= 1.0:
+            raise ValueError(f"keep_fraction must be within [0, 1], got {keep_fraction}")
+        with self._wakeup:
+            if self._closed:
+                return
+            pending = self._eviction_keep
+            self._eviction_keep = keep_fraction if pending is None else min(pending, keep_fraction)
+            self._wakeup.notify()
+
     @property
     def queued(self) -> int:
         return len(self._pending)
@@ -200,16 +215,40 @@ class EngineRunner:
         Returns False once the runner is closed.
         """
         with self._wakeup:
-            while not self._closed and not self._pending and not self._active:
+            while (
+                not self._closed
+                and not self._pending
+                and not self._active
+                and self._eviction_keep is None
+            ):
                 self._wakeup.wait()
             if self._closed:
                 return False
+            keep_fraction, self._eviction_keep = self._eviction_keep, None
             admitted = []
             while self._pending and len(self._active) + len(admitted) < self.max_batch:
                 admitted.append(self._pending.popleft())
+        if keep_fraction is not None:  # first: free memory before new sequences take some
+            self._evict(keep_fraction)
         for submission in admitted:
             self._insert(submission)
         return True
+
+    def _evict(self, keep_fraction: float) -> None:
+        try:
+            freed = self.engine.evict_prefix_cache(keep_fraction)
+        except Exception:  # an eviction that failed must not take the batch with it
+            log.exception("prefix-cache eviction (keep %.0f%%) failed", keep_fraction * 100)
+            return
+        self.prefix_evictions += 1
+        self.prefix_evicted_bytes += freed
+        log.log(
+            logging.INFO if freed else logging.DEBUG,
+            "prefix-cache eviction #%d (keep %.0f%%) freed %d bytes",
+            self.prefix_evictions,
+            keep_fraction * 100,
+            freed,
+        )
 
     def _insert(self, submission: Submission) -> None:
         if submission.cancelled.is_set():

@@ -38,10 +38,13 @@ class Service:
     state: str = "starting"
     state_reason: str = ""
     cluster_status: Callable[[], dict[str, Any]] = dict
+    pressure: Any = None  # engines/pressure.PressureController: memory tiers, 503 at critical
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def submit(self, request: GenerationRequest) -> Submission:
         """Queue on the current runner; raises QueueFullError or EngineError (503)."""
+        if self.pressure is not None:
+            self.pressure.check_admission()  # OverloadedError while a node's memory is critical
         with self._lock:
             runner = self.runner
         if runner is None:
@@ -59,7 +62,7 @@ class Service:
         runner = self.runner
         healthy = runner is not None and runner.engine.healthy()
         state = self.state if (healthy or self.state != "ok") else "degraded"
-        return {
+        status = {
             "status": state,
             "reason": self.state_reason,
             "model": self.model_id,
@@ -68,3 +71,8 @@ class Service:
             "queued": runner.queued if runner else 0,
             "queue_size": runner.queue_size if runner else 0,
         }
+        if self.pressure is not None:
+            status |= self.pressure.health()
+            if state == "ok" and self.pressure.refusal:
+                status |= {"status": "overloaded", "reason": self.pressure.refusal}
+        return status

@@ -273,6 +273,10 @@ class ClusterSupervisor:
             "members": self._members(),
             "model": self.facts.to_dict(),
         }
+        pressure = self.service.pressure
+        if pressure is not None:  # memory tiers (engines/pressure.py)
+            body["coordinator"] |= pressure.coordinator_memory()
+            body["memory_pressure"] = pressure.describe()
         return body
 
     def _members(self) -> list[dict[str, Any]]:
@@ -290,6 +294,8 @@ class ClusterSupervisor:
                 "last_heartbeat_age_s": m.last_heartbeat_age_s,
                 "worker_state": m.worker_state,
                 "worker_pid": m.worker_pid,
+                "memory_tier": m.memory.tier if m.memory else None,
+                "memory": m.memory.model_dump() if m.memory else None,
             }
             for m in self.membership.members()
         ]

@@ -31,5 +31,14 @@ class QueueFullError(EngineError):
     """The request queue is full; the client should retry later (HTTP 429)."""
 
 
+class OverloadedError(EngineError):
+    """New requests are refused for now (a node's memory is critical); HTTP 503 with
+    Retry-After: retry_after_s."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class ConfigError(TandemError):
     """A flag, environment variable, or file given by the operator is invalid."""

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from planner.errors import EngineError, QueueFullError
+from planner.errors import EngineError, OverloadedError, QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ def queue_full(error: QueueFullError) -> APIError:
 
 def engine_unavailable(message: str) -> APIError:
     return APIError(503, message, type=SERVER_ERROR, code="engine_unavailable")
+
+
+def overloaded(error: OverloadedError) -> APIError:
+    headers = {"Retry-After": str(error.retry_after_s)}
+    return APIError(503, str(error), type=SERVER_ERROR, code="memory_pressure", headers=headers)
 
 
 def model_not_found(requested: str, served: str) -> APIError:
@@ -140,6 +145,10 @@ async def handle_engine_error(_: Request, error: EngineError) -> JSONResponse:
     return engine_unavailable(str(error)).response()
 
 
+async def handle_overloaded(_: Request, error: OverloadedError) -> JSONResponse:
+    return overloaded(error).response()
+
+
 async def handle_unexpected(request: Request, error: Exception) -> JSONResponse:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
     body = error_body("internal server error; see the server log", type=SERVER_ERROR)
@@ -155,4 +164,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, handle_http_error)
     app.add_exception_handler(QueueFullError, handle_queue_full)
     app.add_exception_handler(EngineError, handle_engine_error)
+    app.add_exception_handler(OverloadedError, handle_overloaded)
     app.add_exception_handler(Exception, handle_unexpected)
