@@ -203,6 +203,49 @@ def test_a_reconnect_forgets_every_entry(warm: Warm) -> None:
     assert_exact(warm, prompt, again)
 
 
+def generate(engine: EncryptedPipelineEngine, uid: int) -> list[int]:
+    """Step until `uid` (inserted) has MAX_TOKENS tokens (the engine alone, on this thread)."""
+    tokens: list[int] = []
+    for _ in range(1000):
+        tokens += [output.token for output in engine.step() if output.uid == uid]
+        if len(tokens) >= MAX_TOKENS:
+            return tokens[:MAX_TOKENS]
+    raise AssertionError(f"sequence {uid} produced {len(tokens)} tokens in 1000 steps")
+
+
+def test_an_entry_evicted_before_its_hit_begins_is_dropped_after(
+    warm: Warm, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """Evicting the entry a waiting newcomer will start from: the stages keep it until the
+    newcomer's BEGIN went down, then drop it; the newcomer is exact."""
+    key = generate_key()
+    ranges = allocate_layers(4, [8, 8])
+    listener, workers = start_workers(demo_model_dir, ranges, key, tmp_path)
+    engine = make_engine(
+        demo_model_dir, ranges, key, listener, workers, prefix_cache_bytes=CACHE_BYTES
+    )
+    try:
+        engine.load()
+        prompt = tuple(engine.tokenizer.encode(SYSTEM + "Pinned entry."))
+        engine.insert(0, GenerationRequest("first", prompt, MAX_TOKENS))
+        answer = generate(engine, 0)
+        engine.remove([0])
+        follow_up = prompt + tuple(answer) + tuple(engine.tokenizer.encode(" Next?"))
+        cached = engine.insert(1, GenerationRequest("pinned", follow_up, MAX_TOKENS))
+        assert cached == len(prompt) + len(answer) - 1
+        assert engine.evict_prefix_cache(0.0) > 0  # the index forgets entry 0 at once ...
+        assert engine.prefix_index.snapshot()["entries"] == 0
+        tokens = generate(engine, 1)  # ... the stages still start uid 1 from it
+        assert tokens == ask(warm.cold, follow_up).tokens
+        engine.remove([1])
+        # entry 0 is gone everywhere now; uid 1's caches are the only entry
+        assert [report["prefix_entries"] for report in engine.stage_status()] == [1, 1]
+        assert engine.prefix_index.snapshot()["entries"] == 1
+    finally:
+        engine.close()
+        stop_workers(workers)
+
+
 # -- the schedule --------------------------------------------------------------------------------
 
 
