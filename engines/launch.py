@@ -138,6 +138,8 @@ def _build_pipeline(
         token_timeout_s=settings.token_timeout_s,
         return_listener=listener,
         upcast=_upcast(plan),
+        # the plan's field lands with the lead's planner budget; until then the cache is off
+        prefix_cache_bytes=getattr(plan, "prefix_cache_bytes", 0),
     )
 
 

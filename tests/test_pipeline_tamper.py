@@ -104,9 +104,12 @@ class Chain:
     def send(self, frame: Frame) -> None:
         wire.send(self.out, frame, UPSTREAM)
 
-    def begin(self, uid: int) -> None:
+    def begin(self, uid: int, position: int = 0, entry: object = None) -> None:
+        """BEGIN `uid`, from the first `position` tokens of prefix entry `entry` if given."""
         document = {"id": "tamper", "temperature": 0.0, "top_p": 1.0, "seed": 0}
-        self.send(wire.document_frame(Kind.BEGIN, self.take(), document, [Row(uid, 0)]))
+        if entry is not None:
+            document["prefix_entry"] = entry
+        self.send(wire.document_frame(Kind.BEGIN, self.take(), document, [Row(uid, position)]))
 
     def decode(
         self, group: int, rows: list[Row], width: int = HIDDEN_SIZE, step: int | None = None
@@ -122,8 +125,16 @@ class Chain:
     def tokens(self, expected: Frame) -> list[int]:
         return wire.receive_answer(self.back, 5.0, expected, LAST).tokens()
 
-    def end(self, uids: list[int]) -> None:
-        self.send(wire.end_frame(self.take(), uids))
+    def end(self, uids: list[int], keep: list[tuple[int, int]] = (), evict: list[int] = ()) -> None:
+        self.send(wire.end_frame(self.take(), uids, keep, evict))
+
+    def status(self) -> dict:
+        """A STATUS roll call: the live stage's report."""
+        number = self.take()
+        roll_call = {"reports": [{"layers": [UPSTREAM.start, UPSTREAM.stop]}]}
+        self.send(wire.document_frame(Kind.STATUS, number, roll_call))
+        ready = wire.receive_answer(self.back, 5.0, Frame(Kind.READY, number), LAST)
+        return ready.document()["reports"][-1]
 
     def first_tokens(self, uid: int = 1) -> list[int]:
         """A whole sequence: BEGIN, two decode steps alone in micro-batch 0, END."""
@@ -216,6 +227,8 @@ def baseline(stage: LiveStage) -> list[int]:
                 "peak_memory_bytes": stage.worker.peak_memory_bytes,
                 "active_requests": 0,
                 "served_requests": 0,
+                "prefix_entries": 0,
+                "prefix_bytes": 0,
             },
         ]
         return chain.first_tokens()
@@ -283,6 +296,96 @@ def test_prefill_chunks_are_acknowledged_and_fill_the_cache(chain: Chain) -> Non
     for position in (0, 1):
         chain.tokens(chain.decode(1, [Row(2, position)]))
     assert chain.tokens(chain.decode(0, [Row(1, 2)])) == chain.tokens(chain.decode(1, [Row(2, 2)]))
+
+
+def test_a_prefix_entry_starts_sequences_where_it_left_off(
+    chain: Chain, baseline: list[int]
+) -> None:
+    """Sequence 1 decodes positions 0-1 and is kept as entry 1; sequences starting from it
+    continue exactly as one that decoded every position itself, and the entry stays intact."""
+    chain.begin(9)
+    for position in (0, 1):
+        chain.tokens(chain.decode(1, [Row(9, position)]))
+    reference = chain.tokens(chain.decode(1, [Row(9, 2)]))  # position 2 after 0 and 1
+    chain.begin(1)
+    assert (
+        chain.tokens(chain.decode(0, [Row(1, 0)])) + chain.tokens(chain.decode(0, [Row(1, 1)]))
+        == baseline
+    )
+    chain.end([1, 9], keep=[(1, 2)])
+    report = chain.status()
+    assert report["prefix_entries"] == 1 and report["prefix_bytes"] > 0
+    assert report["active_requests"] == 0
+    chain.begin(2, position=2, entry=1)
+    chain.begin(3, position=1, entry=1)  # a shorter prefix of the same entry
+    assert chain.tokens(chain.decode(0, [Row(2, 2), Row(3, 1)])) == reference + baseline[1:]
+    chain.begin(4, position=2, entry=1)  # the entry is intact after two sequences used it
+    assert chain.tokens(chain.decode(1, [Row(4, 2)])) == reference
+    chain.end([2, 3, 4], evict=[1])
+    assert chain.status()["prefix_entries"] == 0
+
+
+def keep_entry_one(chain: Chain) -> None:
+    """Sequence 1 decodes positions 0-1 and is kept as prefix entry 1 (2 tokens)."""
+    chain.begin(1)
+    for position in (0, 1):
+        chain.tokens(chain.decode(0, [Row(1, position)]))
+    chain.end([1], keep=[(1, 2)])
+
+
+# Each attack is sealed and well-formed; what it names does not match what the stage holds.
+PREFIX_ATTACKS = {
+    "unknown-entry": (
+        lambda chain: chain.begin(2, position=1, entry=99),
+        "begins from prefix entry 99, not held here",
+    ),
+    "evicted-entry": (
+        lambda chain: (keep_entry_one(chain), chain.end([], evict=[1]), chain.begin(2, 1, 1)),
+        "begins from prefix entry 1, not held here",
+    ),
+    "longer-than-the-entry": (
+        lambda chain: (keep_entry_one(chain), chain.begin(2, position=5, entry=1)),
+        "holds 2 tokens, asked for 5",
+    ),
+    "position-without-entry": (
+        lambda chain: chain.begin(2, position=3),
+        "begins at 3 without a prefix entry",
+    ),
+    "entry-id-not-a-number": (
+        lambda chain: chain.begin(2, position=1, entry="1"),
+        "is not an entry id",
+    ),
+    "keep-the-wrong-length": (
+        lambda chain: (
+            chain.begin(1),
+            chain.tokens(chain.decode(0, [Row(1, 0)])),
+            chain.end([1], keep=[(1, 5)]),
+        ),
+        "keep sequence 1 of 5 tokens: this stage holds 1",
+    ),
+    "keep-a-sequence-not-ended": (
+        lambda chain: (chain.begin(1), chain.end([1], keep=[(2, 1)])),
+        "END keeps sequence 2, which the frame does not end",
+    ),
+    "keep-twice": (
+        lambda chain: (
+            keep_entry_one(chain),
+            chain.begin(1),
+            chain.tokens(chain.decode(0, [Row(1, 0)])),
+            chain.tokens(chain.decode(0, [Row(1, 1)])),
+            chain.end([1], keep=[(1, 2)]),
+        ),
+        "prefix entry 1 exists already",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFIX_ATTACKS))
+def test_prefix_entries_that_do_not_match_the_stage(
+    stage: LiveStage, chain: Chain, name: str
+) -> None:
+    attack, logged = PREFIX_ATTACKS[name]
+    reject(stage, chain, lambda: attack(chain), logged)
 
 
 @pytest.mark.parametrize("where", [12, 30, -1])  # ciphertext start, middle, tag
@@ -439,8 +542,25 @@ def test_an_ended_sequence_cannot_decode(stage: LiveStage, chain: Chain) -> None
         (Frame(Kind.READY, 1, body=b"{}"), "expected a BEGIN or HIDDEN or END or STATUS"),
         (Frame(Kind.END, 1, 2, 3, (Row(1, 0),)), "END frame carries a group or step"),
         (Frame(Kind.END, 1, rows=(Row(1, 0), Row(1, 0))), "lists a uid twice"),
+        (Frame(Kind.END, 1, rows=(Row(1, 0),)), "END frame body is not UTF-8 JSON"),
+        (
+            Frame(Kind.END, 1, rows=(Row(1, 0),), body=b'{"keep": [[1, true]]}'),
+            "malformed keep item",
+        ),
+        (Frame(Kind.END, 1, body=b'{"evict": [-1]}'), "evict must list entry ids"),
     ],
-    ids=["json", "fields", "rowless", "token-downstream", "ready-downstream", "end-step", "twice"],
+    ids=[
+        "json",
+        "fields",
+        "rowless",
+        "token-downstream",
+        "ready-downstream",
+        "end-step",
+        "twice",
+        "end-without-document",
+        "end-keeps-a-boolean",
+        "end-evicts-a-negative-id",
+    ],
 )
 def test_malformed_control_frames(
     stage: LiveStage, chain: Chain, frame: Frame, logged: str
@@ -543,6 +663,24 @@ def test_activation_round_trip(dtype: mx.Dtype) -> None:
     assert mx.array_equal(restored, hidden).item()
 
 
+def test_end_orders_round_trip_and_refusals() -> None:
+    frame = wire.decode(wire.encode(wire.end_frame(4, [1, 2], keep=[(2, 30)], evict=[7])))
+    assert frame.uids == [1, 2]
+    assert wire.EndOrders.of(frame) == wire.EndOrders(((2, 30),), (7,))
+    evict_only = wire.decode(wire.encode(wire.end_frame(5, [], evict=[3])))
+    assert evict_only.rows == () and wire.EndOrders.of(evict_only).evict == (3,)
+    too_many = wire.end_frame(6, [], evict=range(wire.MAX_EVICT_PER_END + 1))
+    with pytest.raises(WireError, match="at most"):
+        wire.EndOrders.of(too_many)
+    for keep in ([(1, 0)], [(1, 2), (1, 3)]):  # an empty entry, a sequence kept twice
+        with pytest.raises(WireError):
+            wire.EndOrders.of(wire.end_frame(7, [1], keep=keep))
+    assert wire.prefix_entry_of({"prefix_entry": 2**64 - 1}) == 2**64 - 1
+    for bad in (-1, 2**64, True, 1.5, "3"):
+        with pytest.raises(WireError, match="not an entry id"):
+            wire.prefix_entry_of({"prefix_entry": bad})
+
+
 def test_associated_data_differs_in_every_field() -> None:
     base = (5, range(4, 8), b"")
     variants = [
@@ -604,6 +742,12 @@ PLAINTEXTS = [
     wire.encode(wire.token_frame(1, wire.PREFILL_GROUP, 1, [Row(1, 0)], [])),
     wire.encode(wire.document_frame(Kind.BEGIN, 1, {"seed": 1, "temperature": 0.0}, [Row(1, 0)])),
     wire.encode(wire.end_frame(1, [1, 2, 3])),
+    wire.encode(wire.end_frame(1, [1, 2], keep=[(1, 40)], evict=[7, 8])),
+    wire.encode(
+        wire.document_frame(
+            Kind.BEGIN, 1, {"seed": 1, "temperature": 0.0, "prefix_entry": 4}, [Row(1, 9)]
+        )
+    ),
 ]
 
 

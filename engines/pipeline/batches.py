@@ -1,13 +1,17 @@
-"""One stage's KV caches per sequence: alone while prefilling, then inside its micro-batch."""
+"""One stage's KV caches per sequence (alone while prefilling, then inside its micro-batch),
+and this stage's share of the prefix cache."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
+from planner.errors import EngineError
+
+from ..prefix_store import PrefixStore
 from .stage_model import StageModel
 from .wire import PREFILL_GROUP, Row, WireError
 
@@ -30,10 +34,14 @@ class StageBatches:
     newcomers whose prefill is done; every row's position is the length of its KV cache here;
     every micro-batch's steps count 1, 2, 3, ... As in mlx-lm's BatchGenerator, a newcomer is
     prefilled in a batch of its own and then merged (left-padded) into its micro-batch.
+
+    `prefix` holds this stage's layers of every prefix-cache entry; the coordinator's index
+    decides which entries exist, and the stage refuses a frame naming one it does not hold.
     """
 
     def __init__(self, stage: StageModel) -> None:
         self.stage = stage
+        self.prefix = PrefixStore()
         self._alone: dict[int, list[Any]] = {}  # uid -> caches of a sequence still prefilling
         self._positions: dict[int, int] = {}  # uid -> tokens in its KV caches here
         self._groups: dict[int, _Group] = {}
@@ -44,12 +52,52 @@ class StageBatches:
     def active(self) -> int:
         return len(self._positions)
 
-    def begin(self, uid: int) -> None:
-        """A new sequence with empty caches."""
+    def begin(self, uid: int, position: int = 0, entry: int | None = None) -> None:
+        """A new sequence: empty caches, or the first `position` tokens of prefix entry `entry`."""
         if uid in self._positions:
             raise WireError(f"sequence {uid} began twice")
-        self._alone[uid] = [type(cache).merge([cache]) for cache in self.stage.make_cache()]
-        self._positions[uid] = 0
+        if entry is None:
+            if position != 0:
+                raise WireError(f"sequence {uid} begins at {position} without a prefix entry")
+            caches = self.stage.make_cache()
+        else:
+            if entry not in self.prefix:
+                raise WireError(f"sequence {uid} begins from prefix entry {entry}, not held here")
+            try:
+                caches, _ = self.prefix.take_prefix(entry, position)
+            except EngineError as error:  # a length the entry does not hold
+                raise WireError(f"sequence {uid}: {error}") from None
+        self._alone[uid] = [type(cache).merge([cache]) for cache in caches]
+        self._positions[uid] = position
+
+    def position(self, uid: int) -> int:
+        """Tokens in the caches of `uid` here (0 for a sequence not held)."""
+        return self._positions.get(uid, 0)
+
+    def keep(self, uid: int, tokens: int, token_ids: Sequence[int] | None = None) -> int:
+        """Keep the caches of `uid` (before end()) as prefix entry `uid`; returns their bytes.
+
+        `tokens` must be its cache length here. `token_ids`: what the cache holds, which only
+        the coordinator knows; the other stages never see token ids and keep zeros (the index
+        on the coordinator matches prompts, a stage only needs the count)."""
+        held = self._positions.get(uid)
+        if held is None or held != tokens:
+            raise WireError(f"keep sequence {uid} of {tokens} tokens: this stage holds {held}")
+        if uid in self.prefix:
+            raise WireError(f"prefix entry {uid} exists already")
+        alone = self._alone.get(uid)
+        if alone is not None:  # ended while prefilling: its own one-row batch
+            caches = [cache.extract(0) for cache in alone]
+        else:
+            batch = self._groups[self._group_of[uid]]
+            row = batch.members.index(uid)
+            caches = [cache.extract(row) for cache in batch.caches]
+        ids = token_ids if token_ids is not None else (0,) * tokens
+        return self.prefix.put(uid, caches, ids)
+
+    def drop(self, entries: Iterable[int]) -> None:
+        """Forget prefix entries (unknown ids are ignored: an entry may not have been kept)."""
+        self.prefix.drop(entries)
 
     def check_step(self, group: int, step: int) -> None:
         """Each micro-batch's frames arrive as steps 1, 2, 3, ...: no replay, none skipped."""

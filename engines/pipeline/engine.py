@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache
 from mlx_lm.utils import load_config, load_tokenizer
 
 from discovery.secure_channel import SecureChannel
 from planner.errors import ChannelError, EngineError
 
 from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
+from ..prefix_index import PrefixHit, PrefixIndex
 from ..sampling import request_seed
 from . import wire
 from .batches import StageBatches
@@ -58,6 +60,12 @@ class EncryptedPipelineEngine(Engine):
     other, so every stage computes at once; each step() sends whatever is ready and returns
     the tokens of the one micro-batch that comes back. Every read has a timeout; a lost stage
     turns into EngineError for the whole batch and healthy() == False.
+
+    Prefix cache (`prefix_cache_bytes` > 0): this coordinator's PrefixIndex decides hits and
+    evictions; every stage (stage 0 here too) keeps its own layers of each entry in its
+    StageBatches' PrefixStore under the same entry id (the uid of the sequence it came from).
+    A BEGIN names the entry and starts at the cached length; an END tells every stage which
+    ended sequences to keep and which entries to drop. Entries live as long as the session.
     """
 
     def __init__(
@@ -76,6 +84,7 @@ class EncryptedPipelineEngine(Engine):
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         channel_class: Any = SecureChannel,
         upcast: bool = False,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         """`return_listener`: an already listening socket for the last stage's connection (its
         port must be known before the last stage starts); else one is opened on
@@ -116,6 +125,11 @@ class EncryptedPipelineEngine(Engine):
         self._failure: str | None = None
         self._abort_reason: str | None = None
         self._io_lock = threading.Lock()
+        self.prefix_index = PrefixIndex(prefix_cache_bytes)
+        self._hits: dict[int, PrefixHit] = {}  # inserted, not begun yet: the entry to start from
+        # entries the index dropped while a sequence not begun yet still names them: the
+        # stages drop them once it has begun
+        self._held: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -143,6 +157,7 @@ class EncryptedPipelineEngine(Engine):
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer of {self.model_path}: {error}") from error
         self.stage = StageModel.load(self.model_path, self.layers, False, self.upcast)
+        self.prefix_index.trimmable = can_trim_prompt_cache(self.stage.make_cache())
         chunk_bytes = self.prefill_chunk * self.stage.hidden_size * 4
         if chunk_bytes > wire.MAX_FRAME_BYTES:
             raise EngineError(
@@ -171,6 +186,7 @@ class EncryptedPipelineEngine(Engine):
             self._listener = None
         self.stage = None
         self._local = None
+        self._forget_prefix_cache()
         mx.clear_cache()
 
     def abort(self, reason: str) -> None:
@@ -200,6 +216,7 @@ class EncryptedPipelineEngine(Engine):
             "prefill_chunk": self.prefill_chunk,
             "micro_batches": self._schedule.groups,
             "healthy": self._healthy,
+            "prefix_cache": self.prefix_index.snapshot(),
         }
         if self._failure:
             detail["failure"] = self._failure
@@ -231,7 +248,7 @@ class EncryptedPipelineEngine(Engine):
 
     # -- the batch ---------------------------------------------------------------------------
 
-    def insert(self, uid: int, request: GenerationRequest) -> None:
+    def insert(self, uid: int, request: GenerationRequest) -> int:
         if self.stage is None:
             raise EngineError("pipeline engine used before load()")
         if not request.prompt_tokens:
@@ -243,23 +260,53 @@ class EncryptedPipelineEngine(Engine):
             wire.Sampling.of(sampling.document())  # refuse here what the last stage would
         except wire.WireError as error:
             raise EngineError(f"request {request.request_id}: {error}") from None
-        self._schedule.add(uid, request.prompt_tokens)
+        with self._io_lock:  # the index is shared with evict_prefix_cache()
+            hit = self.prefix_index.lookup(request.prompt_tokens)
+            cached = hit.tokens if hit is not None else 0
+            self._schedule.add(uid, request.prompt_tokens, cached)
+            if hit is not None:
+                self._hits[uid] = hit
         self._sampling[uid] = sampling
+        return cached
 
     def remove(self, uids: Sequence[int]) -> None:
-        known = self._schedule.remove(uids)
-        for uid in uids:
-            self._sampling.pop(uid, None)
-        if not known or self._local is None:
-            return
-        self._local.end(known)
         with self._io_lock:
-            if self._chain is None or not self._healthy:
+            local = self._local
+            connected = local is not None and self._chain is not None and self._healthy
+            keep = self._caches_to_keep(uids) if connected else []
+            known = self._schedule.remove(uids)
+            for uid in uids:
+                self._sampling.pop(uid, None)
+            evict = self._unpin(uids)
+            if local is None:
+                return
+            if not connected:
+                local.end(known)
                 return  # the session is gone, and the stages' caches with it
+            evict += self._keep_on_stage_zero(keep)
+            local.end(known)
+            local.drop(evict)
+            if not known and not evict:
+                return
             try:
-                self._send(wire.end_frame(self._take_number(), known))
+                self._send_end(known, [(uid, len(tokens)) for uid, tokens in keep], evict)
             except ChannelError as error:
                 raise self._lost(f"ending sequences {known}", error) from error
+
+    def evict_prefix_cache(self, keep_fraction: float) -> int:
+        """Drop least recently used prefix-cache entries on every stage until at most
+        `keep_fraction` of the cached bytes remain; returns the bytes freed (estimated)."""
+        with self._io_lock:
+            before = self.prefix_index.nbytes
+            evict = self._release(self.prefix_index.evict(keep_fraction))
+            if self._local is not None:
+                self._local.drop(evict)
+            if evict and self._chain is not None and self._healthy:
+                try:
+                    self._send_end([], [], evict)
+                except ChannelError as error:
+                    raise self._lost("evicting prefix-cache entries", error) from error
+            return before - self.prefix_index.nbytes
 
     def step(self) -> list[StepOutput]:
         if self.stage is None:
@@ -285,9 +332,18 @@ class EncryptedPipelineEngine(Engine):
     def _run_stage_zero(self, planned: Planned) -> None:
         """BEGIN the newcomers, embed and run stage 0 over the frame's tokens, send it down."""
         for uid in planned.begins:
-            self._local.begin(uid)
+            hit = self._hits.get(uid)
+            start, entry = (hit.tokens, hit.entry_id) if hit is not None else (0, None)
+            self._local.begin(uid, start, entry)
             begin = self._sampling[uid].document()
-            self._send(wire.document_frame(Kind.BEGIN, self._take_number(), begin, [Row(uid, 0)]))
+            if entry is not None:
+                begin["prefix_entry"] = entry
+            number = self._take_number()
+            self._send(wire.document_frame(Kind.BEGIN, number, begin, [Row(uid, start)]))
+        released = self._unpin(planned.begins)
+        if released:  # entries dropped while these sequences waited to begin from them
+            self._local.drop(released)
+            self._send_end([], [], released)
         tokens = mx.array(planned.tokens, dtype=mx.uint32)
         group, step, rows = planned.group, planned.step, planned.rows
         if planned.is_prefill:
@@ -309,6 +365,64 @@ class EncryptedPipelineEngine(Engine):
         )
         self._awaiting.popleft()
         return self._schedule.answered(answer.tokens())
+
+    # -- the prefix cache --------------------------------------------------------------------
+
+    def _caches_to_keep(self, uids: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
+        """(uid, the tokens its caches hold) of the ending sequences worth keeping."""
+        if not self.prefix_index.enabled:
+            return []
+        keep = []
+        for uid in uids:
+            length = self._local.position(uid)  # every stage holds as many once END arrives
+            if length > 0:
+                keep.append((uid, self._schedule.tokens(uid)[:length]))
+        return keep
+
+    def _keep_on_stage_zero(self, keep: list[tuple[int, tuple[int, ...]]]) -> list[int]:
+        """Keep the caches here and index them; returns the entries every stage must drop."""
+        dropped: list[int] = []
+        # An estimate: stage 0's bytes scaled to all layers (the stages' layers are alike).
+        scale = self.stage.total_layers / len(self.layers)
+        for uid, tokens in keep:
+            nbytes = self._local.keep(uid, len(tokens), tokens)
+            dropped += self.prefix_index.add(uid, tokens, int(nbytes * scale))
+        return self._release(dropped)
+
+    def _release(self, dropped: list[int]) -> list[int]:
+        """Of entries the index dropped, those the stages can drop now; the others are held
+        until the sequences that will begin from them have begun."""
+        pinned = {hit.entry_id for hit in self._hits.values()}
+        self._held.update(entry for entry in dropped if entry in pinned)
+        return [entry for entry in dropped if entry not in pinned]
+
+    def _unpin(self, uids: Sequence[int]) -> list[int]:
+        """`uids` no longer wait to begin from an entry: the held entries now free to drop."""
+        for uid in uids:
+            self._hits.pop(uid, None)
+        pinned = {hit.entry_id for hit in self._hits.values()}
+        free = [entry for entry in self._held if entry not in pinned]
+        self._held.difference_update(free)
+        return free
+
+    def _send_end(
+        self, uids: Sequence[int], keep: Sequence[tuple[int, int]], evict: Sequence[int]
+    ) -> None:
+        """END frames: the first ends `uids` and keeps `keep`; evictions go in bounded lists."""
+        size = wire.MAX_EVICT_PER_END
+        chunks = [evict[start : start + size] for start in range(0, len(evict), size)] or [[]]
+        for index, chunk in enumerate(chunks):
+            ended, kept = (uids, keep) if index == 0 else ((), ())
+            self._send(wire.end_frame(self._take_number(), ended, kept, chunk))
+
+    def _forget_prefix_cache(self) -> None:
+        """The session's stages and their entries are gone: forget every entry and hit."""
+        self.prefix_index.clear()
+        self._held.clear()
+        for uid in self._hits:
+            if uid in self._schedule:  # not begun yet: it prefills its whole prompt after all
+                self._schedule.start_cold(uid)
+        self._hits.clear()
 
     # -- the hops ----------------------------------------------------------------------------
 
@@ -352,6 +466,7 @@ class EncryptedPipelineEngine(Engine):
                 f"cannot build the pipeline through stage 1 at {first.host}:{first.port}: {error}"
             ) from error
         self._local = StageBatches(self.stage)
+        self._forget_prefix_cache()
         self._schedule.restart()
         self._awaiting.clear()
         self._number = 0
@@ -367,6 +482,8 @@ class EncryptedPipelineEngine(Engine):
             "layers": [self.layers.start, self.layers.stop],
             "peak_memory_bytes": self.stage.peak_memory_bytes,
             "active_requests": self._local.active if self._local is not None else 0,
+            "prefix_entries": len(self._local.prefix) if self._local is not None else 0,
+            "prefix_bytes": self._local.prefix.nbytes if self._local is not None else 0,
         }
 
     # -- failure -----------------------------------------------------------------------------
@@ -379,6 +496,8 @@ class EncryptedPipelineEngine(Engine):
         lost = self._schedule.active
         self._schedule.clear()
         self._sampling.clear()
+        self._hits.clear()  # the sequences are gone, and with the stages every entry
+        self._forget_prefix_cache()
         self._awaiting.clear()
         if aborted:
             return EngineError(f"pipeline aborted {context} ({lost} sequences): {aborted}")

@@ -33,11 +33,13 @@ class Planned:
 class _Sequence:
     uid: int
     prompt: tuple[int, ...]
+    cached: int = 0  # prompt tokens the stages start with, from a prefix-cache entry
     prefilled: int = 0  # prompt tokens sent down in prefill chunks
     position: int = 0  # tokens the stages' caches hold once every sent frame is processed
     next_token: int | None = None  # the next decode input; None while its answer is out
     group: int | None = None  # None while prefilling
     begun: bool = False  # BEGIN went down: the stages know it and must be told when it ends
+    generated: list[int] = field(default_factory=list)  # tokens answered so far
 
 
 @dataclass(slots=True)
@@ -56,7 +58,8 @@ class MicroBatchSchedule:
     long prompt delays each of their tokens by one chunk (as SingleEngine's one chunk per
     step); while nobody decodes, up to `prefill_in_flight` chunks fill the pipeline. Newcomers
     take turns, a chunk each. A newcomer then joins the smallest micro-batch, its last prompt
-    token as input.
+    token as input. A sequence starting from a prefix-cache entry of `cached` tokens is
+    prefilled from there (positions start at `cached`).
     """
 
     def __init__(self, groups: int, prefill_chunk: int, prefill_in_flight: int) -> None:
@@ -75,13 +78,40 @@ class MicroBatchSchedule:
 
     # -- membership --------------------------------------------------------------------------
 
-    def add(self, uid: int, prompt: Sequence[int]) -> None:
+    def add(self, uid: int, prompt: Sequence[int], cached: int = 0) -> None:
+        """Schedule a sequence whose caches start with the prompt's first `cached` tokens."""
         if uid in self._sequences or not prompt:
             raise ValueError(f"sequence {uid} is already scheduled or has an empty prompt")
-        sequence = _Sequence(uid, tuple(prompt))
+        if not 0 <= cached < len(prompt):
+            raise ValueError(f"sequence {uid}: {cached} cached of {len(prompt)} prompt tokens")
+        sequence = _Sequence(uid, tuple(prompt), cached, prefilled=cached, position=cached)
         self._sequences[uid] = sequence
-        if len(prompt) > 1:
-            self._prefilling.append(uid)
+        self._queue(sequence)
+
+    def start_cold(self, uid: int) -> None:
+        """A sequence not begun yet starts with empty caches after all (its entry is gone)."""
+        sequence = self._sequences[uid]
+        if sequence.begun:
+            raise ValueError(f"sequence {uid} has begun: its caches are on the stages")
+        if sequence.group is not None:
+            self._groups[sequence.group].members.remove(uid)
+            sequence.group, sequence.next_token = None, None
+        elif uid in self._prefilling:
+            self._prefilling.remove(uid)
+        sequence.cached = sequence.prefilled = sequence.position = 0
+        self._queue(sequence)
+
+    def cached(self, uid: int) -> int:
+        return self._sequences[uid].cached
+
+    def tokens(self, uid: int) -> tuple[int, ...]:
+        """The prompt and every token answered so far (a prefix of them is in the caches)."""
+        sequence = self._sequences[uid]
+        return sequence.prompt + tuple(sequence.generated)
+
+    def _queue(self, sequence: _Sequence) -> None:
+        if sequence.prefilled < len(sequence.prompt) - 1:
+            self._prefilling.append(sequence.uid)
         else:
             self._join(sequence)
 
@@ -119,6 +149,9 @@ class MicroBatchSchedule:
         for group in self._groups:
             group.steps = 0
             group.in_flight = False
+
+    def __contains__(self, uid: int) -> bool:
+        return uid in self._sequences
 
     @property
     def active(self) -> int:
@@ -160,6 +193,7 @@ class MicroBatchSchedule:
             sequence = self._sequences.get(row.uid)
             if sequence is not None:  # else removed while its token was on the way
                 sequence.next_token = token
+                sequence.generated.append(token)
                 produced.append((row.uid, token))
         return produced
 

@@ -215,8 +215,10 @@ class EncryptedPipelineServer:
         if frame.kind is Kind.STATUS:
             self._roll_call(session, frame, setup=False)
         elif frame.kind is Kind.BEGIN:
-            sampling = wire.Sampling.of(frame.document())
-            session.batches.begin(frame.rows[0].uid)
+            document = frame.document()
+            sampling = wire.Sampling.of(document)
+            row = frame.rows[0]
+            session.batches.begin(row.uid, row.position, wire.prefix_entry_of(document))
             if last:
                 session.samplers[frame.rows[0].uid] = make_request_sampler(
                     sampling.temperature, sampling.top_p, sampling.seed
@@ -225,8 +227,12 @@ class EncryptedPipelineServer:
                 wire.send(session.outbound, frame, me)
             log.debug("sequence %d (%s) began", frame.rows[0].uid, sampling.label)
         elif frame.kind is Kind.END:
+            orders = wire.EndOrders.of(frame)
             held = session.batches.active
+            for uid, tokens in orders.keep:
+                session.batches.keep(uid, tokens)
             session.batches.end(frame.uids)
+            session.batches.drop(orders.evict)
             self.served_requests += held - session.batches.active
             for uid in frame.uids:
                 session.samplers.pop(uid, None)
@@ -286,6 +292,8 @@ class EncryptedPipelineServer:
             "peak_memory_bytes": self.stage.peak_memory_bytes,
             "active_requests": session.batches.active,
             "served_requests": self.served_requests,
+            "prefix_entries": len(session.batches.prefix),
+            "prefix_bytes": session.batches.prefix.nbytes,
         }
         if setup:
             previous = _report_layers(reports[-1])

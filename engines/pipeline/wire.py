@@ -11,7 +11,10 @@ an answer (TOKEN, READY) carries the number of the frame it answers. `group` is 
 sequence (uid) and how many of its tokens the KV caches held before this frame (position).
 HIDDEN bodies are the raw row-major bytes of a (B, L, D) activation, one row per sequence;
 TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement); BEGIN / SETUP /
-STATUS / READY bodies UTF-8 JSON objects; END bodies empty. docs/pipeline.md describes the flow.
+STATUS / READY / END bodies UTF-8 JSON objects. A BEGIN row's position is where the sequence
+starts: 0, or the tokens it takes from the prefix-cache entry its document names. An END may
+keep ended sequences' caches as prefix-cache entries and drop entries (then it may have no
+rows). docs/pipeline.md describes the flow.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import numpy as np
 
 from planner.errors import ChannelError
 
-VERSION = 2
+VERSION = 3
 PURPOSE = b"pipeline"  # the SecureChannel purpose of every pipeline hop
-AD_LABEL = b"tandem pipeline v2"
+AD_LABEL = b"tandem pipeline v3"
 HEADER = struct.Struct(">BBBBBQHIH")
 DIM = struct.Struct(">I")
 ROW = struct.Struct(">QI")
@@ -50,6 +53,9 @@ SETUP_SENDER = range(0, 0)
 MAX_SEED = 2**64 - 1  # mlx seeds are unsigned 64-bit
 MAX_TEMPERATURE = 100.0
 MAX_LABEL_CHARS = 128
+MAX_UID = 2**64 - 1  # a row's uid field; prefix-cache entry ids are uids
+MAX_POSITION = 2**32 - 1  # a row's position field
+MAX_EVICT_PER_END = 1000  # entry ids per END document: keeps it far below MAX_JSON_BYTES
 
 
 class WireError(ChannelError):
@@ -62,13 +68,13 @@ class Kind(enum.IntEnum):
     BEGIN = 3  # a sequence joins: its sampling parameters and seed
     HIDDEN = 4  # activations of a micro-batch (decode) or of one prefill chunk
     TOKEN = 5  # last -> coordinator: the sampled tokens (or a prefill chunk's acknowledgement)
-    END = 6  # sequences are over: free their KV caches
+    END = 6  # sequences are over: free (or keep as prefix-cache entries) their KV; drop entries
     STATUS = 7  # roll call of the stages' counters (answered with READY)
 
 
 ANSWERS = (Kind.TOKEN, Kind.READY)  # what comes back to the coordinator
 ROW_KINDS = (Kind.BEGIN, Kind.HIDDEN, Kind.TOKEN, Kind.END)
-DOCUMENT_KINDS = (Kind.BEGIN, Kind.SETUP, Kind.STATUS, Kind.READY)
+DOCUMENT_KINDS = (Kind.BEGIN, Kind.SETUP, Kind.STATUS, Kind.READY, Kind.END)
 
 # wire code -> (mlx dtype, numpy carrier of the same width: bfloat16 travels as uint16)
 DTYPES: dict[int, tuple[mx.Dtype, type[np.generic]]] = {
@@ -193,8 +199,16 @@ def document_frame(
     return Frame(kind, number, rows=tuple(rows), body=body)
 
 
-def end_frame(number: int, uids: Sequence[int]) -> Frame:
-    return Frame(Kind.END, number, rows=tuple(Row(uid, 0) for uid in uids))
+def end_frame(
+    number: int,
+    uids: Sequence[int],
+    keep: Sequence[tuple[int, int]] = (),
+    evict: Sequence[int] = (),
+) -> Frame:
+    """Free `uids`' caches, first keeping `keep` ((uid, tokens) of them) as prefix-cache
+    entries named by their uid; then drop the entries `evict`."""
+    orders = EndOrders(tuple(keep), tuple(evict))
+    return document_frame(Kind.END, number, orders.document(), [Row(uid, 0) for uid in uids])
 
 
 def encode(frame: Frame) -> bytes:
@@ -250,7 +264,7 @@ def decode(payload: bytes) -> Frame:
 
 def _validate(frame: Frame) -> None:
     kind = frame.kind
-    if kind in ROW_KINDS and not frame.rows:
+    if kind in ROW_KINDS and not frame.rows and kind is not Kind.END:  # END may only evict
         raise WireError(f"{kind.name} frame has no rows")
     if kind not in ROW_KINDS and frame.rows:
         raise WireError(f"{kind.name} frame carries {len(frame.rows)} rows")
@@ -272,8 +286,6 @@ def _validate(frame: Frame) -> None:
                 f"TOKEN frame for {len(frame.rows)} rows of group {frame.group} carries "
                 f"{len(frame.body)} bytes, not {expected}"
             )
-    if kind is Kind.END and frame.body:
-        raise WireError(f"END frame carries {len(frame.body)} unexpected bytes")
     if kind in DOCUMENT_KINDS:
         if len(frame.body) > MAX_JSON_BYTES:
             raise WireError(f"{kind.name} body of {len(frame.body)} bytes exceeds {MAX_JSON_BYTES}")
@@ -332,6 +344,68 @@ class Sampling:
         if not (0.0 <= temperature <= MAX_TEMPERATURE and 0.0 <= top_p <= 1.0):
             raise WireError(f"BEGIN temperature {temperature} or top_p {top_p} is out of range")
         return cls(temperature, top_p, seed, label)
+
+
+def prefix_entry_of(document: dict[str, Any]) -> int | None:
+    """The prefix-cache entry a BEGIN document starts its sequence from, or None (empty caches).
+
+    The BEGIN row's position says how many of the entry's tokens it takes."""
+    entry = document.get("prefix_entry")
+    if entry is None:
+        return None
+    if not _is_count(entry, MAX_UID):
+        raise WireError(f"BEGIN prefix_entry {str(entry)[:40]!r} is not an entry id")
+    return entry
+
+
+@dataclass(frozen=True, slots=True)
+class EndOrders:
+    """What an END frame asks besides freeing its rows' caches.
+
+    `keep`: (uid, tokens) of ended rows whose caches become prefix-cache entries named by the
+    uid; `tokens` is the sequence's cache length, which every stage checks against its own.
+    `evict`: entries every stage drops, after keeping.
+    """
+
+    keep: tuple[tuple[int, int], ...] = ()
+    evict: tuple[int, ...] = ()
+
+    def document(self) -> dict[str, Any]:
+        return {"keep": [[uid, tokens] for uid, tokens in self.keep], "evict": list(self.evict)}
+
+    @classmethod
+    def of(cls, frame: Frame) -> EndOrders:
+        """Validate an END frame's document against its rows (WireError when malformed)."""
+        document = frame.document()
+        keep, evict = document.get("keep", []), document.get("evict", [])
+        if not (isinstance(keep, list) and isinstance(evict, list)):
+            raise WireError("END document: keep and evict must be lists")
+        if len(evict) > MAX_EVICT_PER_END:
+            raise WireError(f"END evicts {len(evict)} entries (at most {MAX_EVICT_PER_END})")
+        rows = set(frame.uids)
+        pairs = []
+        for item in keep:
+            if not (
+                isinstance(item, list)
+                and len(item) == 2
+                and _is_count(item[0], MAX_UID)
+                and _is_count(item[1], MAX_POSITION)
+                and item[1] > 0
+            ):
+                raise WireError(f"END document: malformed keep item {str(item)[:40]}")
+            if item[0] not in rows:
+                raise WireError(f"END keeps sequence {item[0]}, which the frame does not end")
+            pairs.append((item[0], item[1]))
+        if len({uid for uid, _ in pairs}) != len(pairs):
+            raise WireError("END document keeps a sequence twice")
+        if not all(_is_count(entry, MAX_UID) for entry in evict):
+            raise WireError("END document: evict must list entry ids")
+        return cls(tuple(pairs), tuple(evict))
+
+
+def _is_count(value: Any, maximum: int) -> bool:
+    """An integer in [0, maximum] (JSON true / false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= maximum
 
 
 def send(channel: Channel, frame: Frame, sender: range) -> None:

@@ -23,7 +23,7 @@ LOAD_TIMEOUT_S = 180.0
 
 @contextlib.contextmanager
 def open_pipeline_runner(
-    model_path: Path, stages: int, max_batch: int = 16
+    model_path: Path, stages: int, max_batch: int = 16, prefix_cache_bytes: int = 0
 ) -> Iterator[EngineRunner]:
     layers = allocate_layers(inspect_model(model_path).num_layers, [1] * stages)
     key = generate_key()
@@ -54,7 +54,13 @@ def open_pipeline_runner(
             for worker, r in zip(workers, layers[1:], strict=True)
         ]
         engine = EncryptedPipelineEngine(
-            model_path, layers[0], remote, HOST, key, return_listener=listener
+            model_path,
+            layers[0],
+            remote,
+            HOST,
+            key,
+            return_listener=listener,
+            prefix_cache_bytes=prefix_cache_bytes,
         )
         runner = EngineRunner(engine, queue_size=64, max_batch=max_batch)
         runner.start(LOAD_TIMEOUT_S)
