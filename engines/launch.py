@@ -139,7 +139,7 @@ def _build_pipeline(
         return_listener=listener,
         upcast=_upcast(plan),
         # the plan's field lands with the lead's planner budget; until then the cache is off
-        prefix_cache_bytes=getattr(plan, "prefix_cache_bytes", 0),
+        prefix_cache_bytes=plan.prefix_cache_bytes,
     )
 
 

@@ -45,32 +45,37 @@ def chat_two_turns(server: ServeProcess, model_id: str) -> tuple[list[str], list
     return texts, cached
 
 
-@pytest.mark.parametrize("strategy", ["single", "tp"])
+@pytest.fixture(scope="module")
+def cold_texts(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """What one machine with the cache off answers: tp and pp answer the same (greedy)."""
+    tmp = tmp_path_factory.mktemp("cold")
+    args = ["--parallelism", "single", "--model-id", "demo", "--prefix-cache-bytes", "0"]
+    server = start_serve(tmp, demo_model_dir, "tandem-" + "A" * 43, args, name="cold")
+    try:
+        texts, cached = chat_two_turns(server, "demo")
+    finally:
+        server.stop()
+    assert cached == [0, 0]
+    return texts
+
+
+@pytest.mark.parametrize("strategy", ["single", "tp", "pp"])
 def test_the_second_turn_hits_the_cache_and_says_what_a_cold_server_says(
-    strategy: str, demo_model_dir: Path, pool: AgentPool, tmp_path: Path
+    strategy: str, demo_model_dir: Path, pool: AgentPool, tmp_path: Path, cold_texts: list[str]
 ) -> None:
     args = ["--parallelism", strategy, "--model-id", "demo"]
-    if strategy == "tp":
-        pool.start("rank1", real_roles=True)
+    if strategy != "single":
+        pool.start("peer", real_roles=True)
         args += ["--collective", "ring"]
-    servers: list[ServeProcess] = []
+    server = start_serve(tmp_path, demo_model_dir, pool.cluster_key, args, name="hot")
     try:
-        servers.append(start_serve(tmp_path, demo_model_dir, pool.cluster_key, args, name="hot"))
-        cluster = servers[0].cluster()
+        cluster = server.cluster()
         assert cluster["strategy"] == strategy
         assert cluster["plan"]["prefix_cache_bytes"] > 0  # auto: derived from memory left
-        hot_texts, hot_cached = chat_two_turns(servers[0], "demo")
-        snapshot = servers[0].cluster()["engine"]["prefix_cache"]
-        servers[0].stop()
-        cold_args = [*args, "--prefix-cache-bytes", "0"]
-        servers.append(
-            start_serve(tmp_path, demo_model_dir, pool.cluster_key, cold_args, name="cold")
-        )
-        cold_texts, cold_cached = chat_two_turns(servers[1], "demo")
+        texts, cached = chat_two_turns(server, "demo")
+        snapshot = server.cluster()["engine"]["prefix_cache"]
     finally:
-        for server in servers:
-            server.stop()
-    assert hot_cached[0] == 0 and hot_cached[1] > len(SYSTEM) // 8  # most of turn one
-    assert cold_cached == [0, 0]
-    assert hot_texts == cold_texts
+        server.stop()
+    assert cached[0] == 0 and cached[1] > len(SYSTEM) // 8  # most of turn one
+    assert texts == cold_texts
     assert snapshot["hits"] == 1 and snapshot["entries"] >= 1
