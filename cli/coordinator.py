@@ -17,6 +17,7 @@ from .serve import ServeConfig
 log = logging.getLogger(__name__)
 
 KEY_FILE = "cluster.key"
+SHUTDOWN_GRACE_S = 5.0  # then uvicorn cuts what still streams (an open dashboard, a generation)
 DEMO_MODEL_ID = "tandem-demo"
 
 
@@ -140,6 +141,26 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     return plan, members
 
 
+def open_request_log(config: ServeConfig, service: Any) -> Any:
+    """The JSON-lines request log the flags ask for, listening to `service`; None when off."""
+    from engines.request_log import RequestLog, RequestLogSettings
+
+    observability = config.observability
+    settings = RequestLogSettings(
+        path=observability.request_log,
+        stdout=observability.request_log_stdout,
+        max_bytes=observability.request_log_max_bytes,
+        backups=observability.request_log_backups,
+        include_prompt=observability.request_log_prompts,
+    )
+    if not settings.enabled:
+        return None
+    request_log = RequestLog(settings, tokenizer=lambda: service.tokenizer)
+    service.request_listeners.append(request_log.write)
+    log.info("request log: %s", settings.path or "stdout")
+    return request_log
+
+
 def serve(config: ServeConfig) -> int:
     """Plan, launch, and serve until interrupted; exit status 2 when nothing fits."""
     import uvicorn
@@ -209,16 +230,31 @@ def serve(config: ServeConfig) -> int:
         max_batch=config.max_batch,
     )
     service.cluster_status = supervisor.status
+    request_log = open_request_log(config, service)
     try:
         try:
             supervisor.start()
         except PlanError as error:
             raise PlanError(f"refusing to serve: {error}") from error
-        app = create_app(service, max_prompt_tokens=config.context_tokens)
+        app = create_app(
+            service,
+            max_prompt_tokens=config.context_tokens,
+            metrics_open=config.observability.metrics_open,
+            dashboard_open=config.observability.dashboard_open,
+        )
         log.info("serving %s on http://%s:%d/v1", model_id, config.host, config.port)
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+        log.info("dashboard: http://%s:%d/  metrics: /metrics", config.host, config.port)
+        uvicorn.run(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
     finally:
         supervisor.close()
         if membership is not None:
             membership.close()
+        if request_log is not None:  # last: the requests failed by the shutdown are logged too
+            request_log.close()
     return 0

@@ -153,15 +153,18 @@ def render_replans(status: dict[str, Any]) -> str:
 
 
 def _roles(plan: dict[str, Any], strategy: Any) -> dict[str, str]:
+    """node id → what it runs in the plan: tp rank, pp stage with its layers, or single."""
     roles: dict[str, str] = {}
-    for rank, node_id in enumerate(plan.get("ranks") or []):
-        roles[node_id] = f"tp rank {rank}"
-    for index, stage in enumerate(plan.get("stages") or []):
-        start, stop = stage.get("layers", [0, 0])
-        roles[stage.get("node_id")] = f"pp stage {index}: layers {start}–{stop - 1}"
-    if strategy == "single":
+    if strategy == "tp":
+        for rank, node_id in enumerate(plan.get("ranks") or []):
+            roles[node_id] = f"tp rank {rank}"
+    elif strategy == "pp":
+        for index, stage in enumerate(plan.get("stages") or []):
+            start, stop = stage.get("layers", [0, 0])
+            roles[stage.get("node_id")] = f"pp stage {index}: layers {start}–{stop - 1}"
+    else:
         for fit in plan.get("fits") or []:
-            roles.setdefault(fit.get("node_id"), "single")
+            roles.setdefault(fit.get("node_id"), f"{strategy or 'single'}: every layer")
     return roles
 
 
