@@ -95,7 +95,10 @@ def open_membership(
         addresses = [
             (entry.ips[0] if entry.ips else entry.ssh, entry.control_port) for entry in entries
         ]
-    members = membership.discover(discovery_timeout_s, addresses=addresses)
+    from .progress import waiting
+
+    with waiting("looking for peers", None if addresses else discovery_timeout_s):
+        members = membership.discover(discovery_timeout_s, addresses=addresses)
     for member in members:
         status = "verified" if member.verified else f"NOT verified ({member.reason})"
         log.info("peer %s at %s:%d: %s", member.node_id, member.address, member.port, status)
@@ -172,6 +175,7 @@ def serve(config: ServeConfig) -> int:
     from engines.supervisor import ClusterSupervisor, PlanSettings
 
     from .model_source import resolve_model
+    from .progress import waiting
 
     log.info("BLAS: %s", blas.status().describe())
     facts = resolve_model(config.model, config.cache_dir)
@@ -233,7 +237,8 @@ def serve(config: ServeConfig) -> int:
     request_log = open_request_log(config, service)
     try:
         try:
-            supervisor.start()
+            with waiting("starting the engine"):
+                supervisor.start()
         except PlanError as error:
             raise PlanError(f"refusing to serve: {error}") from error
         app = create_app(
