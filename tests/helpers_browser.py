@@ -55,6 +55,7 @@ class Browser:
             "--no-sandbox",  # tests run as root in containers
             "--disable-gpu",
             "--disable-dev-shm-usage",
+            "--hide-scrollbars",
             f"--remote-debugging-address={LOOPBACK}",
             f"--remote-debugging-port={self.port}",
             f"--user-data-dir={profile}",
