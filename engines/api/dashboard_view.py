@@ -46,7 +46,7 @@ def render_rules(status: dict[str, Any]) -> str:
         return '<p class="muted">no plan yet</p>'
     rows = "".join(
         f'<tr><td><span class="badge {"ok" if check.get("passed") else "bad"}">'
-        f'{"PASS" if check.get("passed") else "FAIL"}</span></td>'
+        f"{'PASS' if check.get('passed') else 'FAIL'}</span></td>"
         f"<td>{escape(str(check.get('name', '')))}</td>"
         f'<td class="muted">{escape(str(check.get("detail", "")))}</td></tr>'
         for check in checks
@@ -84,7 +84,7 @@ def render_members(status: dict[str, Any]) -> str:
         rows = "".join(f"<dt>{k}</dt><dd>{escape(str(v))}</dd>" for k, v in facts)
         cards.append(
             f'<div class="member" data-node="{escape(node_id)}">'
-            f'<h3>{escape(node_id)}</h3><dl>{rows}</dl>'
+            f"<h3>{escape(node_id)}</h3><dl>{rows}</dl>"
             f"{_memory_bar(need, available, tier)}</div>"
         )
     return f'<div class="members">{"".join(cards)}</div>'
@@ -100,11 +100,15 @@ def render_charts(samples: Sequence[Sample]) -> str:
         ("queue", queued, f"{int(queued[-1])}" if queued else "0"),
         ("active", active, f"{int(active[-1])} / {capacity}" if active else "0"),
     ]
-    return '<div class="charts">' + "".join(
-        f'<div class="chart"><span>{name}</span><b data-chart="{name}">{escape(now)}</b>'
-        f"{_sparkline(values)}</div>"
-        for name, values, now in charts
-    ) + "</div>"
+    return (
+        '<div class="charts">'
+        + "".join(
+            f'<div class="chart"><span>{name}</span><b data-chart="{name}">{escape(now)}</b>'
+            f"{_sparkline(values)}</div>"
+            for name, values, now in charts
+        )
+        + "</div>"
+    )
 
 
 def render_requests(records: Sequence[RequestRecord]) -> str:
