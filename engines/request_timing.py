@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 # The latency segments of a request, in order; they add up to its duration. The metrics
 # (tandem_request_segment_seconds{segment=...}) and the request log use the same names.
 SEGMENTS = ("parse", "queue", "prefill", "decode")
+REJECTED = "rejected"  # the finish reason of a request refused before it was queued
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class RequestRecord:
     decode_s: float
     time_to_first_token_s: float | None  # None when no token came
     prompt_token_ids: tuple[int, ...] = ()  # only ever logged when the operator asks for it
+    http_status: int | None = None  # set for a request the API refused before the engine saw it
 
     @property
     def duration_s(self) -> float:
@@ -59,7 +61,7 @@ class RequestRecord:
     def to_dict(self) -> dict[str, object]:
         """The JSON form (request log line, dashboard row); never the prompt."""
         return {
-            "id": self.request_id,
+            "id": self.request_id or None,
             "model": self.model,
             "strategy": self.strategy,
             "started_at": round(self.started_at, 3),
@@ -72,7 +74,7 @@ class RequestRecord:
             "time_to_first_token_s": _rounded(self.time_to_first_token_s),
             "inter_token_s": _rounded(self.inter_token_s),
             "segments_s": {name: round(value, 6) for name, value in self.segments().items()},
-        }
+        } | ({"http_status": self.http_status} if self.http_status is not None else {})
 
 
 def record_of(
@@ -104,6 +106,31 @@ def record_of(
         decode_s=(finished - first) if first is not None else 0.0,
         time_to_first_token_s=(first - received) if first is not None else None,
         prompt_token_ids=submission.request.prompt_tokens,
+    )
+
+
+def rejected_record(
+    received_at: float, status: int, error: str, model: str, strategy: str
+) -> RequestRecord:
+    """A generation request the API answered with an error before queueing it (400, 401,
+    429, 503 ...): all of its time was spent in `parse`; it has no id yet."""
+    now = time.monotonic()
+    return RequestRecord(
+        request_id="",
+        model=model,
+        strategy=strategy,
+        finish_reason=REJECTED,
+        error=error,
+        prompt_tokens=0,
+        completion_tokens=0,
+        cached_tokens=0,
+        started_at=time.time() - (now - received_at),
+        parse_s=now - received_at,
+        queue_s=0.0,
+        prefill_s=0.0,
+        decode_s=0.0,
+        time_to_first_token_s=None,
+        http_status=status,
     )
 
 

@@ -59,11 +59,12 @@ class Service:
 
         def finished(submission: Submission, event: TokenEvent) -> None:
             strategy = runner.engine.info().strategy
-            self._publish(record_of(submission, event, self.model_id, strategy))
+            self.publish(record_of(submission, event, self.model_id, strategy))
 
         return runner.submit(request, received_at=received_at, on_finish=finished)
 
-    def _publish(self, record: RequestRecord) -> None:
+    def publish(self, record: RequestRecord) -> None:
+        """Hand a finished (or rejected) request to every listener."""
         for listener in list(self.request_listeners):
             try:
                 listener(record)

@@ -179,6 +179,32 @@ async def test_every_request_leaves_one_log_line_whose_segments_add_up(
         assert entry["completion_tokens"] in (1, 3, 9, 17)
 
 
+async def test_a_request_refused_up_front_leaves_one_rejected_record(runner: Any) -> None:
+    service = make_service(runner, api_key="sesame")
+    records: list[RequestRecord] = []
+    service.request_listeners.append(records.append)
+    key = {"Authorization": "Bearer sesame"}
+    async with open_client(service) as client:
+        assert (await client.post(CHAT, json=chat(0), headers=key)).status_code == 400
+        assert (await client.post(CHAT, json=chat(2))).status_code == 401
+        assert (await client.post(CHAT, json=chat(2), headers=key)).status_code == 200
+        assert (await client.get("/v1/models")).status_code == 401  # not a generation
+        metrics = scrape_text((await client.get("/metrics", headers=key)).text)
+    invalid, unauthorized, served = records
+    assert (invalid.finish_reason, invalid.http_status) == ("rejected", 400)
+    assert "max_tokens" in (invalid.error or "") and invalid.request_id == ""
+    assert (unauthorized.http_status, unauthorized.error) == (401, unauthorized.error)
+    assert "Authorization" in (unauthorized.error or "")
+    assert served.finish_reason == "length" and served.http_status is None
+    for record in records:
+        assert record.duration_s == pytest.approx(sum(record.segments().values()))
+    assert invalid.to_dict()["id"] is None and invalid.to_dict()["http_status"] == 400
+    assert metrics["tandem_requests_finished_total{finish_reason=rejected}"] == 2
+    assert metrics["tandem_request_duration_seconds_count{}"] == 1  # rejections stay out
+    route = "tandem_http_requests_total{method=POST,route=/v1/chat/completions,status=401}"
+    assert metrics[route] == 1
+
+
 async def test_the_log_carries_the_prompt_only_when_asked(runner: Any, tmp_path: Path) -> None:
     service = make_service(runner)
     settings = RequestLogSettings(path=tmp_path / "with-prompts.log", include_prompt=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,11 +12,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..request_timing import SEGMENTS, RequestRecord
+from ..request_timing import REJECTED, SEGMENTS, RequestRecord, rejected_record
 from ..service import Service
 
 RECEIVED_AT = "tandem.received_at"  # key in the ASGI scope state: monotonic arrival time
+SUBMITTED = "tandem.submitted"  # set in the scope state once the request reached the queue
 OTHER_ROUTE = "other"  # unmatched paths share one label, so scanners cannot grow the series
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Paths answered before routing (a 401 from the key check) keep their name when they are these.
+KNOWN_PATHS = GENERATION_ROUTES | {"/v1/models", "/v1/cluster", "/metrics", "/", "/dashboard"}
+ERROR_BODY_LIMIT = 4096  # bytes of an error response kept to find its message
 
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -36,6 +42,7 @@ class Metrics:
     """One registry per app (tests build many apps in one process), fed by finished requests."""
 
     def __init__(self, service: Service) -> None:
+        self.service = service
         self.registry = CollectorRegistry()
         registry = self.registry
         self.http_requests = Counter(
@@ -91,6 +98,8 @@ class Metrics:
     def observe(self, record: RequestRecord) -> None:
         """A finished generation (scheduler thread): count it and its latencies."""
         self.finished.labels(record.finish_reason).inc()
+        if record.finish_reason == REJECTED:  # refused up front: no latency worth a histogram
+            return
         self.tokens.labels("prompt").inc(record.prompt_tokens)
         self.tokens.labels("completion").inc(record.completion_tokens)
         self.tokens.labels("cached").inc(record.cached_tokens)
@@ -221,17 +230,58 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope.setdefault("state", {})[RECEIVED_AT] = time.monotonic()
+        arrived = time.monotonic()
+        state = scope.setdefault("state", {})
+        state[RECEIVED_AT] = arrived
+        answer: dict[str, Any] = {"body": b""}
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                # The router has put the matched route into the scope by now (none: a 404).
-                route = getattr(scope.get("route"), "path", OTHER_ROUTE)
-                labels = (route, scope.get("method", ""), str(message["status"]))
-                self.metrics.http_requests.labels(*labels).inc()
+                answer["status"] = status = message["status"]
+                answer["route"] = route = self._route_of(scope)
+                self.metrics.http_requests.labels(route, scope.get("method", ""), status).inc()
+            elif message["type"] == "http.response.body" and answer.get("status", 200) >= 400:
+                answer["body"] = (answer["body"] + message.get("body", b""))[:ERROR_BODY_LIMIT]
             await send(message)
 
         await self.app(scope, receive, counting_send)
+        status = answer.get("status", 0)
+        if answer.get("route") in GENERATION_ROUTES and status >= 400 and not state.get(SUBMITTED):
+            self._publish_rejection(arrived, status, answer["body"])
+
+    @staticmethod
+    def _route_of(scope: Scope) -> str:
+        """The matched route's template (the router put it in the scope), or a known path."""
+        route = getattr(scope.get("route"), "path", None)
+        if route is None:
+            path = scope.get("path", "")
+            route = path if path in KNOWN_PATHS else OTHER_ROUTE
+        return route
+
+    def _publish_rejection(self, arrived: float, status: int, body: bytes) -> None:
+        service = self.metrics.service
+        runner = service.runner
+        strategy = runner.engine.info().strategy if runner is not None else service.state
+        record = rejected_record(
+            arrived, status, _error_message(body, status), service.model_id, strategy
+        )
+        service.publish(record)
+
+
+def _error_message(body: bytes, status: int) -> str:
+    """The OpenAI-shaped error's message, or the bare status when the body is not that."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status}"
+    return str(message)
+
+
+def mark_submitted(scope: Scope) -> None:
+    """The request reached the queue: its record comes from the scheduler, not the middleware."""
+    state = scope.get("state")
+    if isinstance(state, dict):
+        state[SUBMITTED] = True
 
 
 def received_at(scope: Scope) -> float | None:
