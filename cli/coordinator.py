@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import logging
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,6 @@ from .serve import ServeConfig
 log = logging.getLogger(__name__)
 
 KEY_FILE = "cluster.key"
-SHUTDOWN_GRACE_S = 5.0  # then uvicorn cuts what still streams (an open dashboard, a generation)
 DEMO_MODEL_ID = "tandem-demo"
 
 
@@ -166,14 +166,13 @@ def open_request_log(config: ServeConfig, service: Any) -> Any:
 
 def serve(config: ServeConfig) -> int:
     """Plan, launch, and serve until interrupted; exit status 2 when nothing fits."""
-    import uvicorn
-
     from engines import blas
     from engines.api.app import create_app
     from engines.launch import LaunchSettings
     from engines.service import Service, ServiceLimits
     from engines.supervisor import ClusterSupervisor, PlanSettings
 
+    from .http_server import run_http_server
     from .model_source import resolve_model
     from .progress import waiting
 
@@ -241,21 +240,17 @@ def serve(config: ServeConfig) -> int:
                 supervisor.start()
         except PlanError as error:
             raise PlanError(f"refusing to serve: {error}") from error
+        stopping = threading.Event()
         app = create_app(
             service,
             max_prompt_tokens=config.context_tokens,
             metrics_open=config.observability.metrics_open,
             dashboard_open=config.observability.dashboard_open,
+            stopping=stopping,
         )
         log.info("serving %s on http://%s:%d/v1", model_id, config.host, config.port)
         log.info("dashboard: http://%s:%d/  metrics: /metrics", config.host, config.port)
-        uvicorn.run(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        )
+        run_http_server(app, config.host, config.port, stopping)
     finally:
         supervisor.close()
         if membership is not None:

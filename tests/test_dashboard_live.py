@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from cli.http_server import SHUTDOWN_GRACE_S
 from engines.request_timing import SEGMENTS
 from tests.helpers_browser import Browser, find_browser
 from tests.helpers_cluster import AgentPool, run_cli
@@ -143,3 +145,18 @@ def test_the_dashboard_in_a_real_browser(live: Any, tmp_path: Path) -> None:
     assert rows >= 2  # the header and at least one request
     assert browser.console_errors == []
     assert shot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_shutdown_ends_an_open_dashboard_stream_at_once(live: Any) -> None:
+    """Last in this module: it stops the server. An endless event stream must not hold up
+    the shutdown for uvicorn's grace period."""
+    server, _, _ = live
+    with urllib.request.urlopen(server.base_url + "/dashboard/events", timeout=10) as stream:
+        while not stream.readline().startswith(b"event: update"):
+            pass
+        began = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=SHUTDOWN_GRACE_S + 10)
+        elapsed = time.monotonic() - began
+        stream.read()  # the stream ended cleanly: no reset, no hang
+    assert elapsed < SHUTDOWN_GRACE_S - 2, f"shutdown took {elapsed:.1f} s with a stream open"

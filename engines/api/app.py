@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -28,11 +29,13 @@ def create_app(
     metrics_open: bool = False,
     dashboard_open: bool = False,
     dashboard_interval_s: float = dashboard.UPDATE_INTERVAL_S,
+    stopping: threading.Event | None = None,
 ) -> FastAPI:
     """Build the app around `service`; nothing here touches mlx or blocks the event loop.
 
     With an API key, /metrics and the dashboard need it too unless `metrics_open` /
-    `dashboard_open` leave them open (a trusted network).
+    `dashboard_open` leave them open (a trusted network). Once `stopping` is set (the server
+    is shutting down) the dashboard's endless event streams end.
     """
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be at least 1, got {max_prompt_tokens}")
@@ -56,7 +59,7 @@ def create_app(
     app.include_router(chat.create_router(service, max_prompt_tokens))
     app.include_router(completions.create_router(service, max_prompt_tokens))
     app.include_router(create_info_router(service))
-    app.include_router(dashboard.create_router(service, dashboard_interval_s))
+    app.include_router(dashboard.create_router(service, dashboard_interval_s, stopping))
 
     @app.get(METRICS_PATH, include_in_schema=False)
     async def scrape() -> Response:

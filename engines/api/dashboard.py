@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -31,9 +32,15 @@ STATIC_FILES = ("dashboard.js", "dashboard.css")
 class DashboardState:
     """What the page shows beyond /v1/cluster: recent requests and a short live history."""
 
-    def __init__(self, service: Service, interval_s: float = UPDATE_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        service: Service,
+        interval_s: float = UPDATE_INTERVAL_S,
+        stopping: threading.Event | None = None,
+    ) -> None:
         self.service = service
         self.interval_s = interval_s
+        self.stopping = stopping or threading.Event()
         self.recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
         self.samples: deque[view.Sample] = deque(maxlen=SAMPLES_KEPT)
         service.request_listeners.append(self.recent.append)  # deque.append is thread-safe
@@ -68,10 +75,10 @@ class DashboardState:
         }
 
     async def events(self, updates: int | None) -> AsyncIterator[str]:
-        """SSE: one `update` event per interval (forever, or `updates` times)."""
+        """SSE: one `update` event per interval, until the server stops (or `updates` times)."""
         sent = 0
         yield f"retry: {int(self.interval_s * 1000)}\n\n"
-        while updates is None or sent < updates:
+        while (updates is None or sent < updates) and not self.stopping.is_set():
             fragments = await asyncio.to_thread(self.fragments)  # cluster status takes locks
             sent += 1
             payload = json.dumps({"sequence": sent, "fragments": fragments})
@@ -80,9 +87,13 @@ class DashboardState:
                 await asyncio.sleep(self.interval_s)
 
 
-def create_router(service: Service, interval_s: float = UPDATE_INTERVAL_S) -> APIRouter:
+def create_router(
+    service: Service,
+    interval_s: float = UPDATE_INTERVAL_S,
+    stopping: threading.Event | None = None,
+) -> APIRouter:
     router = APIRouter(include_in_schema=False)
-    state = DashboardState(service, interval_s)
+    state = DashboardState(service, interval_s, stopping)
     page = Template(_static_text("dashboard.html"))
 
     async def dashboard() -> HTMLResponse:
