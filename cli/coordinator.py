@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import logging
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,10 @@ def open_membership(
         addresses = [
             (entry.ips[0] if entry.ips else entry.ssh, entry.control_port) for entry in entries
         ]
-    members = membership.discover(discovery_timeout_s, addresses=addresses)
+    from .progress import waiting
+
+    with waiting("looking for peers", None if addresses else discovery_timeout_s):
+        members = membership.discover(discovery_timeout_s, addresses=addresses)
     for member in members:
         status = "verified" if member.verified else f"NOT verified ({member.reason})"
         log.info("peer %s at %s:%d: %s", member.node_id, member.address, member.port, status)
@@ -140,10 +144,28 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     return plan, members
 
 
+def open_request_log(config: ServeConfig, service: Any) -> Any:
+    """The JSON-lines request log the flags ask for, listening to `service`; None when off."""
+    from engines.request_log import RequestLog, RequestLogSettings
+
+    observability = config.observability
+    settings = RequestLogSettings(
+        path=observability.request_log,
+        stdout=observability.request_log_stdout,
+        max_bytes=observability.request_log_max_bytes,
+        backups=observability.request_log_backups,
+        include_prompt=observability.request_log_prompts,
+    )
+    if not settings.enabled:
+        return None
+    request_log = RequestLog(settings, tokenizer=lambda: service.tokenizer)
+    service.request_listeners.append(request_log.write)
+    log.info("request log: %s", settings.path or "stdout")
+    return request_log
+
+
 def serve(config: ServeConfig) -> int:
     """Plan, launch, and serve until interrupted; exit status 2 when nothing fits."""
-    import uvicorn
-
     from engines import blas
     from engines.api.app import create_app
     from engines.launch import LaunchSettings
@@ -151,7 +173,9 @@ def serve(config: ServeConfig) -> int:
     from engines.service import Service, ServiceLimits
     from engines.supervisor import ClusterSupervisor, PlanSettings
 
+    from .http_server import run_http_server
     from .model_source import resolve_model
+    from .progress import waiting
 
     log.info("BLAS: %s", blas.status().describe())
     facts = resolve_model(config.model, config.cache_dir)
@@ -212,17 +236,29 @@ def serve(config: ServeConfig) -> int:
     )
     service.cluster_status = supervisor.status
     service.pressure = watch_memory(service, supervisor, node_id, config.memory_budget)
+    request_log = open_request_log(config, service)
     try:
         try:
-            supervisor.start()
+            with waiting("starting the engine"):
+                supervisor.start()
         except PlanError as error:
             raise PlanError(f"refusing to serve: {error}") from error
-        app = create_app(service, max_prompt_tokens=config.context_tokens)
+        stopping = threading.Event()
+        app = create_app(
+            service,
+            max_prompt_tokens=config.context_tokens,
+            metrics_open=config.observability.metrics_open,
+            dashboard_open=config.observability.dashboard_open,
+            stopping=stopping,
+        )
         log.info("serving %s on http://%s:%d/v1", model_id, config.host, config.port)
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+        log.info("dashboard: http://%s:%d/  metrics: /metrics", config.host, config.port)
+        run_http_server(app, config.host, config.port, stopping)
     finally:
         service.pressure.close()
         supervisor.close()
         if membership is not None:
             membership.close()
+        if request_log is not None:  # last: the requests failed by the shutdown are logged too
+            request_log.close()
     return 0

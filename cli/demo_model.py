@@ -21,7 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engines.demo_model import DemoSpec, write_demo_model
+    from engines.demo_model import DEMO_BUILD_STEPS, DemoSpec, write_demo_model
+
+    from .progress import steps
 
     overrides = {
         "arch": args.arch,
@@ -32,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     spec = DemoSpec(**{k: v for k, v in overrides.items() if v is not None})
-    path = write_demo_model(args.path, spec)
+    with steps("demo model", DEMO_BUILD_STEPS) as advance:
+        path = write_demo_model(args.path, spec, progress=advance)
     print(f"wrote {spec.arch} demo model to {path}")
     return 0

@@ -12,7 +12,7 @@ from planner.errors import TandemError
 from .options import env_default
 
 # Subcommand modules, each with register(subparsers) and run(args) -> int.
-SUBCOMMANDS = ("serve", "join", "peers", "plan", "demo_model", "hostfile")
+SUBCOMMANDS = ("serve", "join", "peers", "plan", "demo_model", "hostfile", "status")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d %(name)s] %(message)s"
 

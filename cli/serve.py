@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from discovery.capabilities import parse_memory_size
 from planner import Parallelism
 from planner.errors import ConfigError
 
+from .observability import ObservabilityConfig, add_observability_flags, observability_from_args
 from .options import (
     add_blas_flags,
     add_flag,
@@ -54,6 +55,7 @@ class ServeConfig:
     rediscover_interval_s: float
     cache_dir: Path
     state_dir: Path
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -151,6 +153,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cast=Path,
         help="node id and cluster key",
     )
+    add_observability_flags(parser)
     parser.set_defaults(run=run)
 
 
@@ -199,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         rediscover_interval_s=args.rediscover_interval,
         cache_dir=args.cache_dir,
         state_dir=args.state_dir,
+        observability=observability_from_args(args),
     )
 
 

@@ -12,6 +12,7 @@ import shutil
 import string
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 # Bump when the bytes written for a given spec change, so cached demo models are rebuilt.
 GENERATOR_VERSION = 1
+DEMO_BUILD_STEPS = 4  # the progress callback's calls: tokenizer, config, weights, safetensors
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
 
 BOS_TOKEN = "<|begin|>"
@@ -148,14 +150,21 @@ def default_demo_path(cache_dir: Path | None = None, spec: DemoSpec = DEFAULT_SP
     return root / f"demo-{spec.arch}-{spec.digest()}"
 
 
-def ensure_demo_model(cache_dir: Path | None = None, spec: DemoSpec = DEFAULT_SPEC) -> Path:
-    """Return the cached demo model for `spec`, building it first if it is not there yet."""
+def ensure_demo_model(
+    cache_dir: Path | None = None,
+    spec: DemoSpec = DEFAULT_SPEC,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Return the cached demo model for `spec`, building it first if it is not there yet.
+
+    `progress`, when given, is called after each of the DEMO_BUILD_STEPS build steps.
+    """
     path = default_demo_path(cache_dir, spec)
     if (path / "config.json").is_file():
         return path
     log.info("building demo model %s at %s", spec, path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = _build_staging(path, spec)
+    staging = _build_staging(path, spec, progress)
     try:
         os.rename(staging, path)
     except OSError:
@@ -166,7 +175,13 @@ def ensure_demo_model(cache_dir: Path | None = None, spec: DemoSpec = DEFAULT_SP
     return path
 
 
-def write_demo_model(path: Path, spec: DemoSpec = DEFAULT_SPEC, *, overwrite: bool = False) -> Path:
+def write_demo_model(
+    path: Path,
+    spec: DemoSpec = DEFAULT_SPEC,
+    *,
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
     """Write the demo model for `spec` into `path` atomically and return `path`.
 
     The files are built in a hidden directory next to `path` and renamed into place, so a
@@ -179,7 +194,7 @@ def write_demo_model(path: Path, spec: DemoSpec = DEFAULT_SPEC, *, overwrite: bo
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise ConfigError(f"{path} already exists and is not empty; pass overwrite to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = _build_staging(path, spec)
+    staging = _build_staging(path, spec, progress)
     retired = None
     if path.is_dir():
         retired = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
@@ -190,21 +205,25 @@ def write_demo_model(path: Path, spec: DemoSpec = DEFAULT_SPEC, *, overwrite: bo
     return path
 
 
-def _build_staging(path: Path, spec: DemoSpec) -> Path:
+def _build_staging(
+    path: Path, spec: DemoSpec, progress: Callable[[str], None] | None = None
+) -> Path:
     """Build every file of the model in a fresh hidden directory beside `path`."""
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.partial-"))
+    advance = progress or (lambda step: None)
     try:
         tokenizer_json = _train_tokenizer(spec.vocab)
         vocab_size = _count_token_ids(tokenizer_json)
+        advance("tokenizer")
         _write_text(staging / "tokenizer.json", tokenizer_json)
         _write_text(staging / "tokenizer_config.json", _dump(_tokenizer_config()))
         _write_text(staging / "config.json", _dump(_model_config(spec, vocab_size)))
         _write_text(staging / "demo_spec.json", _dump(dataclasses.asdict(spec)))
-        _write_safetensors(
-            staging / "model.safetensors",
-            _make_weights(spec, vocab_size, _silent_ids(tokenizer_json)),
-            spec,
-        )
+        advance("config")
+        weights = _make_weights(spec, vocab_size, _silent_ids(tokenizer_json))
+        advance("weights")
+        _write_safetensors(staging / "model.safetensors", weights, spec)
+        advance("safetensors")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from planner.errors import EngineError, QueueFullError
 
@@ -30,12 +30,25 @@ SHUTTING_DOWN = "server is shutting down"
 class Submission:
     """A queued or running request; the API iterates its events and may cancel it."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        received_at: float | None = None,
+        on_finish: Callable[[Submission, TokenEvent], None] | None = None,
+    ) -> None:
         self.request = request
         self._loop = loop
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.cancelled = threading.Event()
         self.done = False
+        # Monotonic timestamps of the latency breakdown (engines/request_timing.py).
+        self.submitted_at = time.monotonic()
+        self.received_at = self.submitted_at if received_at is None else received_at
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._on_finish = on_finish
 
     def cancel(self) -> None:
         """Ask the scheduler to drop the sequence at the next step (or skip it if queued)."""
@@ -43,10 +56,20 @@ class Submission:
 
     def push(self, event: TokenEvent) -> None:
         """Called from the scheduler thread: hand the event to the event loop."""
+        if event.finish_reason is not None and self.finished_at is None:
+            self._report_finish(event)
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    def _report_finish(self, event: TokenEvent) -> None:
+        self.finished_at = time.monotonic()
+        if self._on_finish is not None:
+            try:
+                self._on_finish(self, event)
+            except Exception:  # metrics or logging must never break the scheduler
+                log.exception("recording request %s failed", self.request.request_id)
 
     def fail(self, error: str) -> None:
         self.push(
@@ -104,6 +127,7 @@ class EngineRunner:
         self._eviction_keep: float | None = None  # a requested prefix-cache eviction
         self.prefix_evictions = 0
         self.prefix_evicted_bytes = 0
+        self.generated_tokens = 0  # step outputs so far: the live tokens/s of the dashboard
         self._thread = threading.Thread(target=self._work, name="engine-runner", daemon=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -148,9 +172,19 @@ class EngineRunner:
 
     # -- submitting --------------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> Submission:
-        """Queue a request; raises QueueFullError at once when the queue is full."""
-        submission = Submission(request, asyncio.get_running_loop())
+    def submit(
+        self,
+        request: GenerationRequest,
+        *,
+        received_at: float | None = None,
+        on_finish: Callable[[Submission, TokenEvent], None] | None = None,
+    ) -> Submission:
+        """Queue a request; raises QueueFullError at once when the queue is full.
+
+        `received_at` (monotonic) is when the HTTP request arrived; `on_finish` runs on the
+        scheduler thread with the final event, before the API sees it.
+        """
+        submission = Submission(request, asyncio.get_running_loop(), received_at, on_finish)
         with self._wakeup:
             if self._closed:
                 raise EngineError("the engine is shutting down")
@@ -254,6 +288,7 @@ class EngineRunner:
         if submission.cancelled.is_set():
             ActiveSequence(-1, submission, self.engine.tokenizer, set()).finish("cancelled")
             return
+        submission.admitted_at = time.monotonic()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         try:
             cached_tokens = self.engine.insert(uid, submission.request) or 0
@@ -278,6 +313,7 @@ class EngineRunner:
             self._fail_active(f"internal engine error: {failure}")
             return
         self.steps += 1
+        self.generated_tokens += len(outputs)
         ended: list[int] = []
         for output in outputs:
             sequence = self._active.get(output.uid)

@@ -41,6 +41,8 @@ class ActiveSequence:
     def accept(self, output: StepOutput) -> str | None:
         """Emit the token's text; return the finish reason when this token ends the sequence."""
         token = output.token
+        if self.submission.first_token_at is None:
+            self.submission.first_token_at = time.monotonic()
         if token in self._eos:
             return "stop"
         self.completion_tokens += 1

@@ -17,6 +17,7 @@ from .exclusions import MemberExclusions
 from .launch import LaunchSettings, build_engine
 from .model_info import ModelFacts
 from .precision import on_cpu
+from .replan_history import ReplanHistory
 from .runner import EngineRunner
 from .service import Service
 
@@ -72,6 +73,7 @@ class ClusterSupervisor:
         self.plan: ClusterPlan | None = None
         self.replans = 0
         self.last_replan_reason = ""
+        self.replan_history = ReplanHistory()
         self._engine_factory = engine_factory or self._build_engine
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -172,6 +174,7 @@ class ClusterSupervisor:
             if self._closed.is_set():
                 return
             self.last_replan_reason = reason
+            self.replan_history.record(reason)
             self._loss_count += 1
             runner = self.service.runner
             self.service.swap_runner(None, "degraded", reason)
@@ -237,6 +240,7 @@ class ClusterSupervisor:
                 delay_s = min(delay_s * 2, RETRY_MAX_S)
                 continue
             self.replans += 1
+            self.replan_history.served(plan.decision.chosen.value)
             self.exclusions.record_success(plan)
             log.info("serving again after re-plan #%d as %s", self.replans, plan.decision.chosen)
             with self._lock:
@@ -263,6 +267,8 @@ class ClusterSupervisor:
             "collective": self.plan_settings.collective,
             "replans": self.replans,
             "last_replan_reason": self.last_replan_reason,
+            "replan_history": self.replan_history.describe(),
+            "replans_by_reason": self.replan_history.counts(),
             "excluded": self.exclusions.describe(),
             "plan": plan.to_dict() if plan else None,
             "strategy": plan.decision.chosen.value if plan else None,

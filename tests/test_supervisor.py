@@ -270,3 +270,18 @@ def test_the_runner_closes_an_engine_only_after_its_step_returned():
     assert not engine.closed.is_set()
     release.set()
     assert engine.closed.wait(WAIT_S)
+
+
+def test_replans_are_kept_in_the_history_and_counted_by_kind(demo_model_dir):
+    supervisor = make_supervisor(demo_model_dir, lambda plan: ScriptedEngine(), Members())
+    supervisor.start()
+    try:
+        supervisor.request_replan("member agent-0 lost: its worker failed: exit 3")
+        supervisor._replan()
+        status = supervisor.status()
+        (entry,) = status["replan_history"]
+        assert entry["kind"] == "worker_failed" and entry["strategy"] == "pp"
+        assert entry["reason"] == "member agent-0 lost: its worker failed: exit 3"
+        assert status["replans_by_reason"] == {"worker_failed": 1}
+    finally:
+        supervisor.close()

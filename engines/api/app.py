@@ -1,23 +1,42 @@
-"""create_app(service): the one OpenAI-compatible FastAPI app, plus /health and /v1/cluster."""
+"""create_app(service): the one OpenAI-compatible FastAPI app, plus /health, /v1/cluster,
+/metrics and the dashboard."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..service import Service
-from . import chat, completions
-from .auth import BearerKeyMiddleware
+from . import chat, completions, dashboard
+from .auth import PROTECTED_PREFIX, BearerKeyMiddleware
 from .errors import install_error_handlers, model_not_found
+from .metrics import Metrics, MetricsMiddleware
 from .prompts import DEFAULT_MAX_PROMPT_TOKENS
 from .schemas import ModelCard, ModelList
 
+METRICS_PATH = "/metrics"
+DASHBOARD_PATHS = ("/", "/dashboard")
 
-def create_app(service: Service, *, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> FastAPI:
-    """Build the app around `service`; nothing here touches mlx or blocks the event loop."""
+
+def create_app(
+    service: Service,
+    *,
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+    metrics_open: bool = False,
+    dashboard_open: bool = False,
+    dashboard_interval_s: float = dashboard.UPDATE_INTERVAL_S,
+    stopping: threading.Event | None = None,
+) -> FastAPI:
+    """Build the app around `service`; nothing here touches mlx or blocks the event loop.
+
+    With an API key, /metrics and the dashboard need it too unless `metrics_open` /
+    `dashboard_open` leave them open (a trusted network). Once `stopping` is set (the server
+    is shutting down) the dashboard's endless event streams end.
+    """
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be at least 1, got {max_prompt_tokens}")
     # strict_content_type off: a JSON body without a Content-Type (curl -d ...) is still read.
@@ -29,10 +48,24 @@ def create_app(service: Service, *, max_prompt_tokens: int = DEFAULT_MAX_PROMPT_
     install_error_handlers(app)
     app.add_middleware(FormBodyAsJsonMiddleware)
     if service.limits.api_key:
-        app.add_middleware(BearerKeyMiddleware, api_key=service.limits.api_key)
+        app.add_middleware(
+            BearerKeyMiddleware,
+            api_key=service.limits.api_key,
+            prefixes=(PROTECTED_PREFIX,) + (() if metrics_open else (METRICS_PATH,)),
+            browser_paths=() if dashboard_open else DASHBOARD_PATHS,
+        )
+    metrics = Metrics(service)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost
     app.include_router(chat.create_router(service, max_prompt_tokens))
     app.include_router(completions.create_router(service, max_prompt_tokens))
     app.include_router(create_info_router(service))
+    app.include_router(dashboard.create_router(service, dashboard_interval_s, stopping))
+
+    @app.get(METRICS_PATH, include_in_schema=False)
+    async def scrape() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
     return app
 
 
@@ -76,7 +109,7 @@ class FormBodyAsJsonMiddleware:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope.get("method") == "POST":
-            scope = dict(scope)
+            # In place, not a copy: the metrics middleware reads the matched route from it.
             scope["headers"] = [
                 (name, b"application/json")
                 if name == b"content-type" and value.startswith(FORM_CONTENT_TYPE)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -14,16 +16,32 @@ PROTECTED_PREFIX = "/v1"
 class BearerKeyMiddleware:
     """Plain ASGI (not BaseHTTPMiddleware) so streaming and disconnects pass through untouched."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str,
+        prefixes: tuple[str, ...] = (PROTECTED_PREFIX,),
+        browser_paths: tuple[str, ...] = (),
+    ) -> None:
+        """`prefixes` need the key; `browser_paths` (also protected, exact or as a prefix)
+        accept it as the password of HTTP Basic auth too, so a browser can prompt for it."""
         self.app = app
+        self._key = api_key.encode()
         self._expected = f"Bearer {api_key}".encode()
+        self._prefixes = prefixes
+        self._browser_paths = browser_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not _is_protected(scope["path"]):
+        path = scope["path"] if scope["type"] == "http" else ""
+        browser = any(_under(path, prefix) for prefix in self._browser_paths)
+        if not browser and not any(_under(path, prefix) for prefix in self._prefixes):
             await self.app(scope, receive, send)
             return
         supplied = dict(scope["headers"]).get(b"authorization")
-        if supplied is not None and hmac.compare_digest(supplied, self._expected):
+        if supplied is not None and (
+            hmac.compare_digest(supplied, self._expected)
+            or (browser and hmac.compare_digest(_basic_password(supplied), self._key))
+        ):
             await self.app(scope, receive, send)
             return
         message = (
@@ -36,10 +54,23 @@ class BearerKeyMiddleware:
             message,
             code="invalid_api_key",
             type="authentication_error",
-            headers={"WWW-Authenticate": "Bearer"},
+            headers={"WWW-Authenticate": 'Basic realm="tandem"' if browser else "Bearer"},
         )
         await error.response()(scope, receive, send)
 
 
-def _is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+def _under(path: str, prefix: str) -> bool:
+    """`path` is `prefix` or below it ("/" matches only itself)."""
+    return path == prefix or (prefix != "/" and path.startswith(prefix + "/"))
+
+
+def _basic_password(header: bytes) -> bytes:
+    """The password of `Basic base64(user:password)`; empty when the header is not that."""
+    scheme, _, encoded = header.partition(b" ")
+    if scheme.lower() != b"basic":
+        return b""
+    try:
+        decoded = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        return b""
+    return decoded.partition(b":")[2]

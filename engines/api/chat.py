@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..service import Service
 from .generation import build_request, check_supported, collect, wait_budget_s
+from .metrics import mark_submitted, received_at
 from .prompts import chat_prompt_tokens
 from .schemas import (
     AssistantMessage,
@@ -68,8 +69,10 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
             chat_prompt_tokens, service.tokenizer, body.messages, max_prompt_tokens
         )
         submission = service.submit(
-            build_request(service, completion_id, body, prompt, max_prompt_tokens)
+            build_request(service, completion_id, body, prompt, max_prompt_tokens),
+            received_at=received_at(request.scope),
         )
+        mark_submitted(request.scope)
         if body.stream:
             writer = ChatChunks(completion_id, created, service.model_id)
             events = stream_generation(

@@ -1,0 +1,114 @@
+"""`tandem status`: the cluster at a glance, from a running server's /v1/cluster and /metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from planner.errors import PeerError
+
+from .options import add_flag
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TIMEOUT_S = 5.0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("status", help="show a running server's cluster at a glance")
+    add_flag(parser, "--url", default=DEFAULT_URL, help="the server's base URL")
+    add_flag(parser, "--api-key", help="the server's --api-key, if it has one")
+    add_flag(
+        parser,
+        "--sample",
+        default=1.0,
+        cast=float,
+        help="seconds between two /metrics scrapes for the live tokens/s (0: one scrape)",
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    base = args.url.rstrip("/")
+    cluster = json.loads(fetch(f"{base}/v1/cluster", args.api_key))
+    first = parse_metrics(fetch(f"{base}/metrics", args.api_key))
+    tokens_per_s = None
+    if args.sample > 0:
+        time.sleep(args.sample)
+        second = parse_metrics(fetch(f"{base}/metrics", args.api_key))
+        produced = second.get("tandem_generated_tokens_total", 0) - first.get(
+            "tandem_generated_tokens_total", 0
+        )
+        tokens_per_s, first = max(produced, 0) / args.sample, second
+    print("\n".join(describe(base, cluster, first, tokens_per_s)))
+    return 0
+
+
+def fetch(url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S
+        ) as response:
+            return response.read().decode()
+    except urllib.error.HTTPError as error:
+        hint = "; pass --api-key" if error.code == 401 else ""
+        raise PeerError(f"{url} answered {error.code}{hint}") from None
+    except (OSError, ValueError) as error:
+        raise PeerError(f"cannot reach {url}: {error}; is `tandem serve` running?") from None
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sample name (with its labels, if any, as `name{a="b"}`) → value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def describe(
+    base: str, cluster: dict[str, Any], metrics: dict[str, float], tokens_per_s: float | None
+) -> list[str]:
+    engine = cluster.get("engine") or {}
+    batch = engine.get("batch") or {}
+    lines = [
+        f"tandem at {base}: {cluster.get('state')}",
+        f"strategy  {cluster.get('strategy')} — {cluster.get('reason')}",
+        f"batch     {batch.get('active', 0)}/{batch.get('capacity', 0)} active, "
+        f"{int(metrics.get('tandem_queue_depth', 0))}/"
+        f"{int(metrics.get('tandem_queue_capacity', 0))} queued",
+    ]
+    finished = {
+        key.split('"')[1]: int(value)
+        for key, value in metrics.items()
+        if key.startswith("tandem_requests_finished_total{")
+    }
+    count = metrics.get("tandem_request_duration_seconds_count", 0)
+    mean = metrics.get("tandem_request_duration_seconds_sum", 0) / count if count else 0.0
+    rate = f"{tokens_per_s:.1f} tokens/s now, " if tokens_per_s is not None else ""
+    by_reason = ", ".join(f"{k} {v}" for k, v in sorted(finished.items())) or "none yet"
+    lines.append(
+        f"traffic   {rate}{int(metrics.get('tandem_generated_tokens_total', 0))} tokens, "
+        f"{int(count)} requests ({by_reason}), mean {mean:.2f} s"
+    )
+    lines.append(f"re-plans  {cluster.get('replans', 0)} {cluster.get('last_replan_reason') or ''}")
+    lines.append("")
+    lines.append(f"{'NODE':<28} {'STATE':<12} {'MEMORY':>10} {'TIER':<8} {'HEARTBEAT':>9} WORKER")
+    coordinator = cluster.get("coordinator") or {}
+    nodes = [{**coordinator, "state": "coordinator"}, *(cluster.get("members") or [])]
+    for node in nodes:
+        age = node.get("last_heartbeat_age_s")
+        lines.append(
+            f"{str(node.get('node_id')):<28} {str(node.get('state')):<12} "
+            f"{(node.get('memory_available') or 0) / 2**30:>7.1f} GB "
+            f"{str(node.get('memory_tier') or '-'):<8} "
+            f"{'-' if age is None else f'{age:.1f} s':>9} {node.get('worker_state') or '-'}"
+        )
+    return lines

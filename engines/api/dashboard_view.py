@@ -1,0 +1,218 @@
+"""The dashboard's HTML fragments, rendered from /v1/cluster, live samples and recent requests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from html import escape
+from typing import Any
+
+from ..request_timing import SEGMENTS, RequestRecord
+
+CHART_WIDTH = 240
+CHART_HEIGHT = 48
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One look at the runner, taken at most once a second while someone watches."""
+
+    at: float  # monotonic seconds
+    generated_tokens: int
+    queued: int
+    active: int
+    capacity: int
+
+
+def render_summary(status: dict[str, Any], health: dict[str, Any], model: str) -> str:
+    state = str(health.get("status", "unknown"))
+    reason = status.get("reason") or health.get("reason") or ""
+    items = [
+        ("state", f'<span class="badge {_state_class(state)}">{escape(state)}</span>'),
+        ("strategy", f'<b id="strategy">{escape(str(status.get("strategy") or "—"))}</b>'),
+        ("model", escape(model)),
+        ("nodes", escape(str(status.get("world_size", 1)))),
+        ("re-plans", escape(str(status.get("replans", 0)))),
+    ]
+    cells = "".join(f'<div class="stat"><span>{k}</span>{v}</div>' for k, v in items)
+    return f'<div class="stats">{cells}</div><p class="reason">{escape(str(reason))}</p>'
+
+
+def render_rules(status: dict[str, Any]) -> str:
+    plan = status.get("plan") or {}
+    checks = plan.get("checks") or []
+    if not checks:
+        return '<p class="muted">no plan yet</p>'
+    rows = "".join(
+        f'<tr><td><span class="badge {"ok" if check.get("passed") else "bad"}">'
+        f"{'PASS' if check.get('passed') else 'FAIL'}</span></td>"
+        f"<td>{escape(str(check.get('name', '')))}</td>"
+        f'<td class="muted">{escape(str(check.get("detail", "")))}</td></tr>'
+        for check in checks
+    )
+    refusal = plan.get("refusal")
+    note = f'<p class="bad-text">{escape(str(refusal))}</p>' if refusal else ""
+    return f'<table class="rules">{rows}</table>{note}'
+
+
+def render_members(status: dict[str, Any]) -> str:
+    """The coordinator and every agent: role, memory bar (with tier), heartbeat, backends."""
+    plan = status.get("plan") or {}
+    needs = {fit.get("node_id"): fit.get("need_bytes") for fit in plan.get("fits") or []}
+    roles = _roles(plan, status.get("strategy"))
+    coordinator = dict(status.get("coordinator") or {})
+    coordinator.setdefault("state", "coordinator")
+    members = [m for m in status.get("members") or [] if isinstance(m, dict)]
+    nodes = [coordinator, *members] if coordinator.get("node_id") else members
+    if not nodes:
+        return '<p class="muted">no members</p>'
+    cards = []
+    for node in nodes:
+        node_id = str(node.get("node_id", "?"))
+        available = int(node.get("memory_available") or 0)
+        need = needs.get(node_id)
+        tier = node.get("memory_tier")
+        age = node.get("last_heartbeat_age_s")
+        facts = [
+            ("role", roles.get(node_id, "idle")),
+            ("state", node.get("state") or "—"),
+            ("heartbeat", "—" if age is None else f"{age:.1f} s ago"),
+            ("backends", ", ".join(node.get("backends") or []) or "—"),
+            ("worker", node.get("worker_state") or "—"),
+        ]
+        rows = "".join(f"<dt>{k}</dt><dd>{escape(str(v))}</dd>" for k, v in facts)
+        cards.append(
+            f'<div class="member" data-node="{escape(node_id)}">'
+            f"<h3>{escape(node_id)}</h3><dl>{rows}</dl>"
+            f"{_memory_bar(need, available, tier)}</div>"
+        )
+    return f'<div class="members">{"".join(cards)}</div>'
+
+
+def render_charts(samples: Sequence[Sample]) -> str:
+    rates = _token_rates(samples)
+    queued = [float(s.queued) for s in samples]
+    active = [float(s.active) for s in samples]
+    capacity = samples[-1].capacity if samples else 0
+    charts = [
+        ("tokens/s", rates, f"{rates[-1]:.1f}" if rates else "0"),
+        ("queue", queued, f"{int(queued[-1])}" if queued else "0"),
+        ("active", active, f"{int(active[-1])} / {capacity}" if active else "0"),
+    ]
+    return (
+        '<div class="charts">'
+        + "".join(
+            f'<div class="chart"><span>{name}</span><b data-chart="{name}">{escape(now)}</b>'
+            f"{_sparkline(values)}</div>"
+            for name, values, now in charts
+        )
+        + "</div>"
+    )
+
+
+def render_requests(records: Sequence[RequestRecord]) -> str:
+    if not records:
+        return '<p class="muted">no requests yet</p>'
+    legend = "".join(f'<span class="seg-{name}">{name}</span>' for name in SEGMENTS)
+    rows = []
+    for record in reversed(records):
+        total = record.duration_s or 1e-9
+        bar = "".join(
+            f'<i class="seg-{name}" style="width:{100 * value / total:.1f}%" '
+            f'title="{name} {value * 1000:.1f} ms"></i>'
+            for name, value in record.segments().items()
+        )
+        tokens = f"{record.prompt_tokens}→{record.completion_tokens}"
+        if record.cached_tokens:
+            tokens += f" ({record.cached_tokens} cached)"
+        status = record.finish_reason + (f": {record.error}" if record.error else "")
+        rows.append(
+            f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(record.started_at))}</td>"
+            f'<td title="{escape(record.request_id)}">{escape(record.request_id[-8:])}</td>'
+            f"<td>{escape(status)}</td><td>{escape(tokens)}</td>"
+            f"<td>{record.duration_s * 1000:.0f} ms</td>"
+            f'<td class="breakdown"><div class="bar">{bar}</div></td></tr>'
+        )
+    head = "<tr><th>time</th><th>id</th><th>finish</th><th>tokens</th><th>total</th>"
+    head += "<th>breakdown</th></tr>"
+    return (
+        f'<div class="legend">{legend}</div><div class="scroll"><table class="requests">'
+        f"{head}{''.join(rows)}</table></div>"
+    )
+
+
+def render_replans(status: dict[str, Any]) -> str:
+    history = status.get("replan_history") or []
+    if not history:
+        return '<p class="muted">no re-plans</p>'
+    rows = "".join(
+        f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(entry.get('at', 0)))}</td>"
+        f"<td>{escape(str(entry.get('kind', '')))}</td>"
+        f"<td>{escape(str(entry.get('strategy') or 'pending'))}</td>"
+        f'<td class="muted">{escape(str(entry.get("reason", "")))}</td></tr>'
+        for entry in history
+    )
+    return f'<div class="scroll"><table>{rows}</table></div>'
+
+
+def _roles(plan: dict[str, Any], strategy: Any) -> dict[str, str]:
+    """node id → what it runs in the plan: tp rank, pp stage with its layers, or single."""
+    roles: dict[str, str] = {}
+    if strategy == "tp":
+        for rank, node_id in enumerate(plan.get("ranks") or []):
+            roles[node_id] = f"tp rank {rank}"
+    elif strategy == "pp":
+        for index, stage in enumerate(plan.get("stages") or []):
+            start, stop = stage.get("layers", [0, 0])
+            roles[stage.get("node_id")] = f"pp stage {index}: layers {start}–{stop - 1}"
+    else:
+        for fit in plan.get("fits") or []:
+            roles.setdefault(fit.get("node_id"), f"{strategy or 'single'}: every layer")
+    return roles
+
+
+def _memory_bar(need: int | None, available: int, tier: Any) -> str:
+    share = min(need / available, 1.0) if need and available else 0.0
+    label = f"{_gib(need)} of {_gib(available)}" if need else f"{_gib(available)} free"
+    tier_text = f' <span class="tier">{escape(str(tier))}</span>' if tier else ""
+    level = "bad" if share > 0.9 else "warn" if share > 0.7 else "ok"
+    return (
+        f'<div class="memory"><div class="label">memory{tier_text}<span>{label}</span></div>'
+        f'<div class="track"><div class="fill {level}" style="width:{100 * share:.1f}%"></div>'
+        "</div></div>"
+    )
+
+
+def _token_rates(samples: Sequence[Sample]) -> list[float]:
+    rates = []
+    for before, after in zip(samples, samples[1:], strict=False):
+        elapsed = after.at - before.at
+        produced = max(after.generated_tokens - before.generated_tokens, 0)
+        rates.append(produced / elapsed if elapsed > 0 else 0.0)
+    return rates
+
+
+def _sparkline(values: Sequence[float]) -> str:
+    if len(values) < 2:
+        points = f"0,{CHART_HEIGHT} {CHART_WIDTH},{CHART_HEIGHT}"
+    else:
+        top = max(max(values), 1.0)
+        step = CHART_WIDTH / (len(values) - 1)
+        points = " ".join(
+            f"{i * step:.1f},{CHART_HEIGHT - 2 - (CHART_HEIGHT - 4) * v / top:.1f}"
+            for i, v in enumerate(values)
+        )
+    return (
+        f'<svg viewBox="0 0 {CHART_WIDTH} {CHART_HEIGHT}" preserveAspectRatio="none">'
+        f'<polyline points="{points}"/></svg>'
+    )
+
+
+def _gib(value: int | None) -> str:
+    amount = value or 0
+    return f"{amount / 2**30:.2f} GiB" if amount >= 2**28 else f"{amount / 2**20:.0f} MiB"
+
+
+def _state_class(state: str) -> str:
+    return {"ok": "ok", "starting": "warn", "degraded": "bad"}.get(state, "warn")
