@@ -7,7 +7,6 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from discovery.capabilities import parse_memory_size
 from planner import Parallelism
 from planner.errors import ConfigError
 
