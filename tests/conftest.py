@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engines.demo_model import DemoSpec, ensure_demo_model
+from tests.helpers_cluster import AgentPool
+from tests.helpers_serve import ServeProcess
 
 # Three heads: a model that tensor parallelism over two ranks cannot split.
 ODD_HEADS = {"heads": 3, "kv_heads": 3}
@@ -36,3 +38,24 @@ def demo_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     """make_demo_model bound to one session directory: equal overrides share one model."""
     root = tmp_path_factory.mktemp("demo-models")
     return lambda **overrides: make_demo_model(root, **overrides)
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[AgentPool]:
+    """`tandem join` agents on 127.0.0.1, stopped after the test whatever happens."""
+    agents = AgentPool(tmp_path / "agents")
+    try:
+        yield agents
+    finally:
+        agents.stop_all()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[ServeProcess]]:
+    """`tandem serve` processes a test started; each is stopped after it."""
+    started: list[ServeProcess] = []
+    try:
+        yield started
+    finally:
+        for server in started:
+            server.stop()

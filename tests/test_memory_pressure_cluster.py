@@ -8,7 +8,6 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,25 +54,6 @@ def wait_for(predicate, what: str, timeout_s: float = WAIT_S):
             return value
         time.sleep(0.2)
     pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[AgentPool]:
-    agents = AgentPool(tmp_path / "agents")
-    try:
-        yield agents
-    finally:
-        agents.stop_all()
-
-
-@pytest.fixture
-def servers() -> Iterator[list[ServeProcess]]:
-    started: list[ServeProcess] = []
-    try:
-        yield started
-    finally:
-        for server in started:
-            server.stop()
 
 
 def member_of(cluster: dict[str, Any], node_id: str) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from engines.tensor_parallel.engine import TensorParallelEngine
 from engines.tensor_parallel.group import loopback_ring_specs
 from planner import Parallelism
 from planner.cluster_plan import PREFIX_CACHE_SHARE, NodeResources, plan_cluster
-from planner.memory import ModelShape
 from tests.helpers_engine import run_all, run_one
+from tests.test_cluster_plan import SHAPE
 from tests.test_tensor_parallel import start_rank, stop_processes
 
 LOAD_TIMEOUT_S = 120
@@ -80,21 +80,6 @@ def test_a_cache_of_zero_bytes_is_off():
 
 
 # -- the planner's budget --------------------------------------------------------------------
-
-SHAPE = ModelShape(
-    num_layers=8,
-    hidden_size=512,
-    attention_heads=8,
-    kv_heads=4,
-    head_dim=64,
-    vocab_size=1000,
-    weight_bytes=100 << 20,
-    embedding_bytes=2 << 20,
-    head_bytes=2 << 20,
-    tied_embeddings=False,
-    dtype_bytes=2,
-    has_tp_variant=True,
-)
 
 
 def test_the_planner_counts_an_explicit_prefix_cache_in_every_nodes_need():

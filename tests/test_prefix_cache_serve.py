@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,15 +14,6 @@ pytestmark = pytest.mark.cluster
 
 SYSTEM = "You are a careful assistant who answers in full sentences. " * 20
 MAX_TOKENS = 24
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[AgentPool]:
-    agents = AgentPool(tmp_path / "agents")
-    try:
-        yield agents
-    finally:
-        agents.stop_all()
 
 
 def chat_two_turns(server: ServeProcess, model_id: str) -> tuple[list[str], list[int]]:
