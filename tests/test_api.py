@@ -45,6 +45,7 @@ async def test_chat_completion_has_openai_shape_and_usage(
         "prompt_tokens": len(prompt),
         "completion_tokens": 12,
         "total_tokens": len(prompt) + 12,
+        "prompt_tokens_details": {"cached_tokens": 0},  # this runner keeps no prefix cache
     }
 
 
@@ -120,6 +121,7 @@ async def test_completion_non_streaming(client: httpx.AsyncClient, runner: Engin
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 12,
         "total_tokens": prompt_tokens + 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
