@@ -103,7 +103,12 @@ def make_supervisor(
     )
 
 
-def test_a_replan_closes_the_old_runner_even_when_the_watcher_runs_in_between(demo_model_dir):
+def test_a_replan_closes_the_old_runner_even_when_the_watcher_runs_in_between(
+    demo_model_dir, monkeypatch
+):
+    # Only the re-plan this test starts may run: the real watch thread, waking on its own,
+    # could close the retired runner by luck and hide the race.
+    monkeypatch.setattr(supervisor_module, "WATCH_INTERVAL_S", 60.0)
     engines: list[ScriptedEngine] = []
     supervisor = make_supervisor(
         demo_model_dir, lambda plan: engines.append(ScriptedEngine()) or engines[-1]
@@ -115,6 +120,8 @@ def test_a_replan_closes_the_old_runner_even_when_the_watcher_runs_in_between(de
 
     def swap_then_let_the_watcher_run(*args: Any) -> None:
         swap(*args)
+        if watcher:  # once: the re-plan's own swap must not start another one
+            return
         # The watcher wakes right here, as it could before the fix: run its re-plan now.
         thread = threading.Thread(target=supervisor._replan)
         watcher.append(thread)
