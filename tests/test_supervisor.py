@@ -239,6 +239,26 @@ def test_a_member_whose_worker_keeps_failing_sits_out_with_its_reason(demo_model
     assert 0 < excluded["excluded_for_s"] <= FIRST_EXCLUSION_S
 
 
+def test_a_lost_member_is_named_by_its_part_in_the_plan(demo_model_dir):
+    engines: list[ScriptedEngine] = []
+    supervisor = make_supervisor(
+        demo_model_dir, lambda plan: engines.append(ScriptedEngine()) or engines[-1], Members()
+    )
+    supervisor.start()
+    try:
+        (stage,) = [s for s in supervisor.plan.stages if s.node_id == "agent-1"]
+        index = supervisor.plan.stages.index(stage)
+        supervisor.on_assignment_failed("agent-1", "a1", "its worker froze for 3.0 s")
+        expected = (
+            f"pipeline stage {index} (layers [{stage.layers.start}, {stage.layers.stop})) "
+            "on node agent-1 failed: its worker froze for 3.0 s"
+        )
+        assert supervisor.last_replan_reason == expected
+        assert engines[0].aborted.is_set()  # the engine hears the same reason
+    finally:
+        supervisor.close()
+
+
 def test_exclusions_grow_and_end():
     now = [100.0]
     exclusions = MemberExclusions(clock=lambda: now[0])

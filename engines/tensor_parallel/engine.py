@@ -34,6 +34,7 @@ class TensorParallelEngine(Engine):
     worker module; this engine only talks to rank 0, which leads them in lockstep.
     `on_lost(reason)` is called once when the group is lost (not after `abort`), from the
     runner thread or the engine's stdout reader thread: it should only schedule work.
+    `rank_nodes` (node ids by rank) lets failure messages name the node at fault.
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class TensorParallelEngine(Engine):
         token_timeout_s: float = 10.0,
         first_token_timeout_s: float = 120.0,
         load_timeout_s: float = 300.0,
+        rank_nodes: Sequence[str] = (),
     ) -> None:
         self.spec = WorkerSpec.from_dict(rank0_spec)
         if self.spec.rank != 0:
@@ -55,6 +57,7 @@ class TensorParallelEngine(Engine):
         self.token_timeout_s = token_timeout_s
         self.first_token_timeout_s = first_token_timeout_s
         self.load_timeout_s = load_timeout_s
+        self.rank_nodes = tuple(rank_nodes)
         self.tokenizer = None
         self.ready: dict[str, Any] = {}
         self._child: JsonChild | None = None
@@ -206,8 +209,9 @@ class TensorParallelEngine(Engine):
                 raise self._lose(f"rank 0 refused a step command: {message['error']}")
 
     def abort(self, reason: str) -> None:
-        """Kill rank 0 now (any thread): an in-flight generation raises EngineError at once."""
-        self._lose(f"aborted: {reason}", notify=False)
+        """Kill rank 0 now (any thread): an in-flight generation raises EngineError at once,
+        with `reason` (the caller names the culprit: it knows which member it lost)."""
+        self._lose(reason, notify=False)
         if self._child is not None:
             self._child.wake()
 
@@ -251,7 +255,9 @@ class TensorParallelEngine(Engine):
         try:
             self._child.send(message)
         except (OSError, ValueError) as error:
-            raise self._lose(f"cannot write to the rank 0 worker: {error}") from error
+            raise self._lose(
+                f"cannot write to tensor-parallel {self._rank_zero()}: {error}"
+            ) from error
 
     def _next_message(self, timeout_s: float) -> dict[str, Any]:
         assert self._child is not None
@@ -259,16 +265,18 @@ class TensorParallelEngine(Engine):
         try:
             message = self._child.next_message(timeout_s)
         except TimeoutError:
-            raise self._lose(f"no answer from rank 0 within {timeout_s:g} s") from None
+            raise self._lose(self._silence(timeout_s)) from None
         if message is None:
-            raise self._lose(f"the worker process {self._child.exit_description()}")
+            raise self._lose(
+                f"tensor-parallel {self._rank_zero()} {self._child.exit_description()}"
+            )
         if message.get("event") == "failed":
-            raise self._lose(str(message.get("reason")))
+            raise self._lose(self._failure(message))
         return message
 
     def _raise_if_lost(self) -> None:
         if self._lost_reason is not None:
-            raise EngineError(f"tensor-parallel rank 0 lost: {self._lost_reason}")
+            raise EngineError(self._lost_reason)
 
     def _lose(self, reason: str, notify: bool = True) -> EngineError:
         """Mark the group lost (once), kill rank 0, tell the supervisor; return the error."""
@@ -277,7 +285,7 @@ class TensorParallelEngine(Engine):
             if first:
                 self._lost_reason = reason
         if first:
-            log.error("tensor-parallel rank 0 lost: %s", reason)
+            log.error("tensor-parallel group lost: %s", reason)
             if self._child is not None:
                 self._child.kill()
             if notify and self.on_lost is not None:
@@ -285,20 +293,60 @@ class TensorParallelEngine(Engine):
                     self.on_lost(reason)
                 except Exception:  # the supervisor's bug must not hide the engine error
                     log.exception("on_lost callback failed")
-        return EngineError(f"tensor-parallel rank 0 lost: {self._lost_reason}")
+        return EngineError(self._lost_reason)
 
     def _watch_message(self, message: dict[str, Any]) -> None:
         if message.get("event") == "failed" and self.ready and not self._closed:
-            self._lose(str(message.get("reason")))  # tell the supervisor now, even if idle
+            self._lose(self._failure(message))  # tell the supervisor now, even if idle
 
     def _watch_exit(self, code: int) -> None:
         if self.ready and not self._closed:
             last = self._child.last_log()
-            self._lose(f"the worker process exited (code {code}); last log: {last}")
+            self._lose(
+                f"tensor-parallel {self._rank_zero()} exited (code {code}); last log: {last}"
+            )
 
     def _watch_log(self, line: str) -> None:
         if self.ready and not self._closed and any(sign in line for sign in PEER_LOST_SIGNS):
             # mlx's ring fails the pending collective, but an evaluation waiting on it may
             # never return: its log line is the earliest sign of a dead peer.
-            self._lose(f"a peer's connection broke ({line})")
+            self._lose(f"tensor-parallel {self._peers()} dropped its connection to rank 0 ({line})")
             self._child.wake()
+
+    # -- naming the culprit ----------------------------------------------------------------------
+
+    def _rank(self, rank: int) -> str:
+        """'rank 1 on node X (10.0.0.2:52401)': which node, from the plan, and where."""
+        where = []
+        if rank < len(self.rank_nodes):
+            where.append(f"on node {self.rank_nodes[rank]}")
+        if rank < len(self.spec.hosts):
+            where.append(f"({self.spec.hosts[rank][0]})")
+        return " ".join([f"rank {rank}", *where])
+
+    def _rank_zero(self) -> str:
+        pid = self._child.pid if self._child is not None else None
+        return f"{self._rank(0)}, pid {pid}"
+
+    def _peers(self) -> str:
+        """The ranks rank 0 waits on: the culprit when rank 0 itself is fine."""
+        peers = [self._rank(rank) for rank in range(1, self.spec.world_size)]
+        return peers[0] if len(peers) == 1 else "one of " + ", ".join(peers)
+
+    def _silence(self, timeout_s: float) -> str:
+        """Who did not answer a step within `timeout_s`: rank 0's own process, if it is the
+        one stopped, else the peers it waits on."""
+        if self._child is not None and self._child.is_stopped():
+            return (
+                f"tensor-parallel {self._rank_zero()} is stopped (SIGSTOP or a debugger): no "
+                f"answer within {timeout_s:g} s"
+            )
+        return f"tensor-parallel {self._peers()} did not answer rank 0 within {timeout_s:g} s"
+
+    def _failure(self, message: dict[str, Any]) -> str:
+        """Rank 0's own failure report; when it blames a peer (a lost connection, a stalled
+        collective), the peers it was waiting on are the culprit."""
+        reason = message.get("reason")
+        if "peer" in str(reason):
+            return f"tensor-parallel {self._peers()} stopped answering: rank 0 reports {reason}"
+        return f"tensor-parallel {self._rank_zero()} failed: {reason}"

@@ -90,7 +90,8 @@ class Watchdog:
 
     def arm(self, seconds: float, what: str) -> None:
         with self._lock:
-            self._deadline, self._what = time.monotonic() + seconds, what
+            self._deadline = time.monotonic() + seconds
+            self._what = f"{what} made no progress for {seconds:g} s"
 
     def disarm(self) -> None:
         with self._lock:
@@ -103,7 +104,7 @@ class Watchdog:
                 expired = self._deadline is not None and time.monotonic() > self._deadline
                 what = self._what
             if expired:
-                self._on_expire(f"stalled: {what} made no progress; a peer is frozen or cut off")
+                self._on_expire(f"stalled: {what}; a peer is frozen or cut off")
                 return
 
 
