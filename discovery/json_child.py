@@ -261,7 +261,7 @@ class JsonChild:
             self._stderr_tail.append(line)
             log.info("%s %d | %s", self.name, self.process.pid, line)
             if self._on_stderr is not None:
-                self._on_stderr(line)
+                self._call(self._on_stderr, line)
 
     def _read_stdout(self, stderr_reader: threading.Thread | None) -> None:
         assert self.process is not None and self.process.stdout is not None
@@ -274,15 +274,22 @@ class JsonChild:
             if not isinstance(message, dict):
                 continue
             if self._on_message is not None:
-                self._on_message(message)
+                self._call(self._on_message, message)
             if self._keep_messages:
                 self._messages.put(message)
         code = self.process.wait()
         if stderr_reader is not None:
             stderr_reader.join(READER_JOIN_S)  # so on_exit sees the whole stderr tail
         if self._on_exit is not None:
-            self._on_exit(code)
+            self._call(self._on_exit, code)
         self._messages.put(None)
+
+    def _call(self, callback: Callable[..., None], *arguments: Any) -> None:
+        # A callback's bug must not end the reader: the exit would never reach next_message().
+        try:
+            callback(*arguments)
+        except Exception:
+            log.exception("%s: a callback failed", self.name)
 
 
 class ProtocolOutput:

@@ -61,10 +61,13 @@ def test_ready_then_commands_both_ways_and_stray_prints_stay_off_the_protocol(ch
     assert child.next_message(1) is None  # the exit is queued after the last message
 
 
-def test_a_failed_line_gives_its_reason(children):
-    child = spawn(children, FAKE, {"mode": "fail", "tag": "t1"})
+def test_a_failed_line_gives_its_reason_even_past_a_broken_callback(children):
+    def broken(message: dict) -> None:
+        raise RuntimeError("a callback's bug")  # must not stop the reader
+
+    child = spawn(children, FAKE, {"mode": "fail", "tag": "t1"}, on_message=broken)
     with pytest.raises(ChildNotReady, match="fake failure for t1") as raised:
-        child.wait_ready(30)
+        child.wait_ready(10)
     assert not raised.value.timed_out
 
 
