@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -215,7 +216,11 @@ class CoordinatorSession:
         if worker.state == "failed":  # it already said why
             return
         reason = f"{worker.role} worker pid {worker.pid} exited with code {code}"
-        if last_stderr:
+        if code < 0:  # killed: its last log line says what it was doing, not why it ended
+            reason += (
+                f" ({signal.Signals(-code).name}); its last log line: {last_stderr or '(none)'}"
+            )
+        elif last_stderr:
             reason += f": {last_stderr}"
         self._send_quietly(Failed(assignment_id=worker.assignment_id, reason=reason))
 

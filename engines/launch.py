@@ -103,7 +103,10 @@ def _build_tensor_parallel(
     endpoints = ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports, strict=True))
     log.info("tp: %d ranks on %s", len(specs), endpoints)
     return TensorParallelEngine(
-        settings.model_path, specs[0], token_timeout_s=settings.token_timeout_s
+        settings.model_path,
+        specs[0],
+        token_timeout_s=settings.token_timeout_s,
+        rank_nodes=plan.ranks,
     )
 
 

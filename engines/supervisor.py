@@ -157,16 +157,21 @@ class ClusterSupervisor:
 
     def on_member_lost(self, node_id: str, reason: str) -> None:
         """Membership callback (background thread): re-plan if the member was in the plan."""
-        plan = self.plan
-        if plan is None or plan.decision.chosen == Parallelism.SINGLE:
-            return
-        in_plan = node_id in plan.ranks or any(s.node_id == node_id for s in plan.stages)
-        if in_plan:
-            self.request_replan(f"member {node_id} lost: {reason}")
+        self._replan_for(node_id, f"lost: {reason}")
 
     def on_assignment_failed(self, node_id: str, assignment_id: str, reason: str) -> None:
         self.exclusions.record_failure(node_id, reason)
-        self.on_member_lost(node_id, f"its worker failed: {reason}")
+        self._replan_for(node_id, f"failed: {reason}")
+
+    def _replan_for(self, node_id: str, what: str) -> None:
+        """Re-plan when the member has a part in the plan, naming that part (the reason ends
+        every running request, so the client learns which node and rank or stage failed)."""
+        plan = self.plan
+        if plan is None or plan.decision.chosen == Parallelism.SINGLE:
+            return
+        part = describe_part(plan, node_id)
+        if part is not None:
+            self.request_replan(f"{part} {what}")
 
     def request_replan(self, reason: str) -> None:
         """Take the engine out of service now; the watch thread plans again."""
@@ -190,7 +195,7 @@ class ClusterSupervisor:
         while not self._closed.wait(WATCH_INTERVAL_S):
             runner = self.service.runner
             if runner is not None and not runner.engine.healthy():
-                self.request_replan(f"{runner.engine.info().strategy} engine became unhealthy")
+                self.request_replan(_unhealthy(runner.engine))
             if self._replan_wanted.is_set():
                 self._replan()
             elif self._discovery_due(next_discovery, runner):
@@ -319,6 +324,25 @@ class ClusterSupervisor:
             if old is not None:
                 old.close()
         self._release_workers("coordinator shutting down")
+
+
+def describe_part(plan: ClusterPlan, node_id: str) -> str | None:
+    """'tensor-parallel rank 1 on node X' or 'pipeline stage 2 (layers [8, 12)) on node X';
+    None when the node has no part in the plan."""
+    if plan.decision.chosen == Parallelism.TP and node_id in plan.ranks:
+        return f"tensor-parallel rank {plan.ranks.index(node_id)} on node {node_id}"
+    for index, stage in enumerate(plan.stages):
+        if stage.node_id == node_id:
+            layers = f"[{stage.layers.start}, {stage.layers.stop})"
+            return f"pipeline stage {index} (layers {layers}) on node {node_id}"
+    return None
+
+
+def _unhealthy(engine: Engine) -> str:
+    """The re-plan reason for an engine that noticed a loss itself: its own account of it."""
+    info = engine.info()
+    why = info.detail.get("lost_reason") or info.detail.get("failure")
+    return f"{info.strategy} engine became unhealthy" + (f": {why}" if why else "")
 
 
 def _assignment(plan: ClusterPlan | None) -> tuple[Any, ...]:

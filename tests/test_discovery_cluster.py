@@ -304,7 +304,7 @@ def test_worker_failures_are_relayed(pool: AgentPool) -> None:
         os.kill(pid, signal.SIGKILL)
         node_id, assignment_id, reason = failures.get(timeout=10)
         assert (node_id, assignment_id) == (agent.node_id, late)
-        assert "exited with code -9" in reason
+        assert "exited with code -9 (SIGKILL)" in reason
         assert member_of(membership, agent.node_id).state == CONNECTED
 
 

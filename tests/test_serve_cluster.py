@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,10 +62,15 @@ def completions(server: ServeProcess, model_id: str) -> list[str]:
 
 
 def stream_until_error(
-    server: ServeProcess, model_id: str, pid: int, signum: int = signal.SIGKILL, streams: int = 8
+    server: ServeProcess,
+    model_id: str,
+    pid: int,
+    signum: int = signal.SIGKILL,
+    streams: int = 8,
+    messages: list[str] | None = None,
 ) -> float:
     """Start `streams` long streams (one batch), send `signum` to `pid` once they all flow;
-    the seconds until the last of them ended with an error."""
+    the seconds until the last of them ended with an error (its message added to `messages`)."""
     client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60, max_retries=0)
     flowing = threading.Barrier(streams + 1, timeout=60)
     errors_at: list[float] = []
@@ -86,8 +91,10 @@ def stream_until_error(
                 if chunk.choices and chunk.choices[0].finish_reason:
                     finished.append(chunk.choices[0].finish_reason)
                     return
-        except APIError:
+        except APIError as error:
             errors_at.append(time.monotonic())
+            if messages is not None:
+                messages.append(error.message)
 
     threads = [threading.Thread(target=stream_one, args=(i,)) for i in range(streams)]
     for thread in threads:
@@ -102,6 +109,15 @@ def stream_until_error(
     return max(errors_at) - signalled_at
 
 
+def assert_names_the_culprit(culprit: str, messages: list[str], reason: str, log: str) -> None:
+    """The stream errors, the re-plan reason and the serve log name the frozen worker's node
+    and part, what its agent saw and for how long."""
+    for text in [*messages, reason]:
+        assert culprit in text and "froze" in text, text
+        assert re.search(r"stopped for \d+\.\d s", text), text
+    assert any(culprit in line and "froze" in line for line in log.splitlines()), log
+
+
 def wait_for(predicate, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -110,25 +126,6 @@ def wait_for(predicate, timeout_s: float, what: str):
             return value
         time.sleep(0.2)
     pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-
-
-@pytest.fixture
-def pool(tmp_path: Path) -> Iterator[AgentPool]:
-    agents = AgentPool(tmp_path / "agents")
-    try:
-        yield agents
-    finally:
-        agents.stop_all()
-
-
-@pytest.fixture
-def servers() -> Iterator[list[ServeProcess]]:
-    started: list[ServeProcess] = []
-    try:
-        yield started
-    finally:
-        for server in started:
-            server.stop()
 
 
 def worker_pid(server: ServeProcess, node_id: str) -> int:
@@ -249,11 +246,12 @@ def test_tp_over_ring_matches_single_and_replans_after_a_rank_dies(
     wait_for(lambda: server.get("/health")[1].get("status") == "ok", 60, "serving again")
     after = server.cluster()
     assert after["replans"] >= 1
-    assert "lost" in after["last_replan_reason"] or "unhealthy" in after["last_replan_reason"]
+    # The agent's report or the engine's own: either names the killed rank's node.
+    assert f"tensor-parallel rank 1 on node {agent.node_id}" in after["last_replan_reason"]
     assert completions(server, "demo")  # answered after the re-plan
 
 
-def test_a_frozen_tp_rank_ends_the_batch_within_lost_after(
+def test_a_frozen_tp_rank_ends_the_batch_within_lost_after_naming_its_node_and_rank(
     demo_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
 ) -> None:
     agent = pool.start("rank1", real_roles=True)
@@ -266,8 +264,9 @@ def test_a_frozen_tp_rank_ends_the_batch_within_lost_after(
     servers.append(server)
     assert server.cluster()["strategy"] == "tp"
     frozen = worker_pid(server, agent.node_id)
+    messages: list[str] = []
     try:
-        elapsed = stream_until_error(server, "demo", frozen, signal.SIGSTOP)
+        elapsed = stream_until_error(server, "demo", frozen, signal.SIGSTOP, messages=messages)
     finally:
         try:
             os.kill(frozen, signal.SIGKILL)  # the agent stops it too; a stopped pid needs KILL
@@ -275,10 +274,12 @@ def test_a_frozen_tp_rank_ends_the_batch_within_lost_after(
             pass
     assert elapsed < LOST_AFTER_S + 1
     reason = wait_for(lambda: server.cluster()["last_replan_reason"], 30, "a re-plan reason")
-    assert "froze" in reason and agent.node_id in reason
+    # Every surface names the agent's rank, not rank 0 (which only waited), and what was seen.
+    culprit = f"tensor-parallel rank 1 on node {agent.node_id}"
+    assert_names_the_culprit(culprit, messages, reason, server.log_text())
 
 
-def test_a_frozen_pp_stage_ends_the_stream_within_lost_after(
+def test_a_frozen_pp_stage_ends_the_stream_within_lost_after_naming_its_node_and_layers(
     demo_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
 ) -> None:
     agent = pool.start("stage1", real_roles=True)
@@ -291,9 +292,13 @@ def test_a_frozen_pp_stage_ends_the_stream_within_lost_after(
     servers.append(server)
     assert server.cluster()["strategy"] == "pp"
     frozen = worker_pid(server, agent.node_id)
+    (stage,) = [s for s in server.cluster()["plan"]["stages"] if s["node_id"] == agent.node_id]
+    messages: list[str] = []
     try:
         # One stream: the pipeline engine runs one sequence through the chain at a time.
-        elapsed = stream_until_error(server, "demo", frozen, signal.SIGSTOP, streams=1)
+        elapsed = stream_until_error(
+            server, "demo", frozen, signal.SIGSTOP, streams=1, messages=messages
+        )
     finally:
         try:
             os.kill(frozen, signal.SIGKILL)
@@ -301,7 +306,9 @@ def test_a_frozen_pp_stage_ends_the_stream_within_lost_after(
             pass
     assert elapsed < LOST_AFTER_S + 1
     reason = wait_for(lambda: server.cluster()["last_replan_reason"], 30, "a re-plan reason")
-    assert "froze" in reason and agent.node_id in reason
+    start, stop = stage["layers"]
+    culprit = f"pipeline stage 1 (layers [{start}, {stop})) on node {agent.node_id}"
+    assert_names_the_culprit(culprit, messages, reason, server.log_text())
 
 
 def test_an_agent_that_joins_later_is_adopted(

@@ -103,7 +103,12 @@ def make_supervisor(
     )
 
 
-def test_a_replan_closes_the_old_runner_even_when_the_watcher_runs_in_between(demo_model_dir):
+def test_a_replan_closes_the_old_runner_even_when_the_watcher_runs_in_between(
+    demo_model_dir, monkeypatch
+):
+    # Only the re-plan this test starts may run: the real watch thread, waking on its own,
+    # could close the retired runner by luck and hide the race.
+    monkeypatch.setattr(supervisor_module, "WATCH_INTERVAL_S", 60.0)
     engines: list[ScriptedEngine] = []
     supervisor = make_supervisor(
         demo_model_dir, lambda plan: engines.append(ScriptedEngine()) or engines[-1]
@@ -115,6 +120,8 @@ def test_a_replan_closes_the_old_runner_even_when_the_watcher_runs_in_between(de
 
     def swap_then_let_the_watcher_run(*args: Any) -> None:
         swap(*args)
+        if watcher:  # once: the re-plan's own swap must not start another one
+            return
         # The watcher wakes right here, as it could before the fix: run its re-plan now.
         thread = threading.Thread(target=supervisor._replan)
         watcher.append(thread)
@@ -230,6 +237,26 @@ def test_a_member_whose_worker_keeps_failing_sits_out_with_its_reason(demo_model
     (excluded,) = supervisor.status()["excluded"]
     assert excluded["node_id"] == "agent-1" and excluded["reason"] == "ValueError: bad shard"
     assert 0 < excluded["excluded_for_s"] <= FIRST_EXCLUSION_S
+
+
+def test_a_lost_member_is_named_by_its_part_in_the_plan(demo_model_dir):
+    engines: list[ScriptedEngine] = []
+    supervisor = make_supervisor(
+        demo_model_dir, lambda plan: engines.append(ScriptedEngine()) or engines[-1], Members()
+    )
+    supervisor.start()
+    try:
+        (stage,) = [s for s in supervisor.plan.stages if s.node_id == "agent-1"]
+        index = supervisor.plan.stages.index(stage)
+        supervisor.on_assignment_failed("agent-1", "a1", "its worker froze for 3.0 s")
+        expected = (
+            f"pipeline stage {index} (layers [{stage.layers.start}, {stage.layers.stop})) "
+            "on node agent-1 failed: its worker froze for 3.0 s"
+        )
+        assert supervisor.last_replan_reason == expected
+        assert engines[0].aborted.is_set()  # the engine hears the same reason
+    finally:
+        supervisor.close()
 
 
 def test_exclusions_grow_and_end():

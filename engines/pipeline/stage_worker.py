@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import select
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.cluster_key import KEY_BYTES, KEY_PREFIX, parse_key
+from discovery.json_child import ChildNotReady, JsonChild, open_protocol_output
 from discovery.secure_channel import SecureChannel
 from planner.errors import ConfigError, EngineError
 
@@ -99,14 +99,18 @@ def _parse_cluster_key(value: Any) -> bytes:
 class StageProcess:
     """A stage worker child process: its spec goes in on stdin; closing stdin stops it."""
 
-    def __init__(self, popen: subprocess.Popen, port: int, peak_memory_bytes: int) -> None:
-        self.popen = popen
+    def __init__(self, child: JsonChild, port: int, peak_memory_bytes: int) -> None:
+        self.child = child
         self.port = port
         self.peak_memory_bytes = peak_memory_bytes
 
     @property
-    def pid(self) -> int:
-        return self.popen.pid
+    def pid(self) -> int | None:
+        return self.child.pid
+
+    @property
+    def popen(self) -> subprocess.Popen[bytes] | None:
+        return self.child.process
 
     @classmethod
     def start(
@@ -120,48 +124,26 @@ class StageProcess:
     ) -> StageProcess:
         """Start `python -m module`, hand it `spec`, wait for its ready line (else EngineError)."""
         spec = {**spec, "model_path": str(Path(spec["model_path"]).resolve())}
-        popen = subprocess.Popen(
+        child = JsonChild(
             [sys.executable, "-m", module, *arguments],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
+            name=f"stage worker for layers {spec.get('layers')}",
             cwd=PROJECT_ROOT,
+            stderr=stderr,
         )
-        worker = cls(popen, 0, 0)
+        worker = cls(child, 0, 0)
         try:
-            popen.stdin.write(json.dumps(spec).encode("utf-8") + b"\n")
-            popen.stdin.flush()
-            readable, _, _ = select.select([popen.stdout], [], [], ready_timeout_s)
-            line = popen.stdout.readline() if readable else b""
-            event = json.loads(line) if line else {"reason": "no ready line in time"}
-        except (OSError, ValueError) as error:
-            event = {"reason": f"unreadable answer: {error}"}
-        if not isinstance(event, dict) or event.get("event") != "ready":
+            child.start(spec)
+            event = child.wait_ready(ready_timeout_s)
+            worker.port = int(event["port"])
+            worker.peak_memory_bytes = int(event["peak_memory_bytes"])
+        except (OSError, ChildNotReady, KeyError, TypeError, ValueError) as error:
             worker.stop()
-            reason = event.get("reason") if isinstance(event, dict) else event
-            raise EngineError(f"stage worker for layers {spec.get('layers')} failed: {reason}")
-        worker.port = int(event["port"])
-        worker.peak_memory_bytes = int(event["peak_memory_bytes"])
+            raise EngineError(f"{child.name} failed: {error}") from None
         return worker
 
     def stop(self, timeout_s: float = 5.0) -> int | None:
         """Close stdin (the worker exits), then kill it if it has not within `timeout_s`."""
-        try:
-            self.popen.stdin.close()
-        except OSError:
-            pass
-        try:
-            return self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            return self.popen.wait(timeout_s)
-        finally:
-            self.popen.stdout.close()
-
-
-def _emit(event: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(event) + "\n")
-    sys.stdout.flush()
+        return self.child.stop(timeout_s, ask=self.child.close_stdin)
 
 
 def run(channel_class: Any = SecureChannel) -> int:
@@ -171,14 +153,15 @@ def run(channel_class: Any = SecureChannel) -> int:
         level=logging.INFO,
         format="%(asctime)s stage[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
+    output = open_protocol_output()
     line = sys.stdin.buffer.readline()
     if not line:
-        _emit({"event": "failed", "reason": "no stage spec on stdin"})
+        output.write({"event": "failed", "reason": "no stage spec on stdin"})
         return 2
     try:
         spec = StageSpec.from_json(line)
     except ConfigError as error:
-        _emit({"event": "failed", "reason": str(error)})
+        output.write({"event": "failed", "reason": str(error)})
         return 2
     log.info("BLAS: %s", blas.set_threads(spec.blas_threads).describe())
     try:
@@ -186,7 +169,7 @@ def run(channel_class: Any = SecureChannel) -> int:
         server = EncryptedPipelineServer(spec, stage, channel_class)
         port = server.bind()
     except (EngineError, OSError) as error:
-        _emit({"event": "failed", "reason": str(error)})
+        output.write({"event": "failed", "reason": str(error)})
         return 1
     log.info(
         "stage [%d, %d) listening on %s:%d",
@@ -195,7 +178,7 @@ def run(channel_class: Any = SecureChannel) -> int:
         spec.listen_host,
         port,
     )
-    _emit({"event": "ready", "port": port, "peak_memory_bytes": stage.peak_memory_bytes})
+    output.write({"event": "ready", "port": port, "peak_memory_bytes": stage.peak_memory_bytes})
     server.serve(stop_fd=sys.stdin.fileno())
     return 0
 

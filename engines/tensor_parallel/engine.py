@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import queue
-import subprocess
 import sys
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mlx_lm.utils import load_config, load_tokenizer
 
+from discovery.json_child import ChildNotReady, JsonChild
 from planner.errors import EngineError
 
 from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
@@ -27,9 +24,7 @@ log = logging.getLogger(__name__)
 
 WORKER_MODULE = "engines.tensor_parallel.worker"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-STDERR_TAIL = 20
 SHUTDOWN_GRACE_S = 5.0
-KILL_GRACE_S = 2.0
 PEER_LOST_SIGNS = ("was closed by the peer", "Failing pending tasks")  # mlx ring log lines
 
 
@@ -40,6 +35,7 @@ class TensorParallelEngine(Engine):
     worker module; this engine only talks to rank 0, which leads them in lockstep.
     `on_lost(reason)` is called once when the group is lost (not after `abort`), from the
     runner thread or the engine's stdout reader thread: it should only schedule work.
+    `rank_nodes` (node ids by rank) lets failure messages name the node at fault.
     """
 
     def __init__(
@@ -50,6 +46,7 @@ class TensorParallelEngine(Engine):
         token_timeout_s: float = 10.0,
         first_token_timeout_s: float = 120.0,
         load_timeout_s: float = 300.0,
+        rank_nodes: Sequence[str] = (),
     ) -> None:
         self.spec = WorkerSpec.from_dict(rank0_spec)
         if self.spec.rank != 0:
@@ -61,13 +58,10 @@ class TensorParallelEngine(Engine):
         self.token_timeout_s = token_timeout_s
         self.first_token_timeout_s = first_token_timeout_s
         self.load_timeout_s = load_timeout_s
+        self.rank_nodes = tuple(rank_nodes)
         self.tokenizer = None
         self.ready: dict[str, Any] = {}
-        self._process: subprocess.Popen[bytes] | None = None
-        self._messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
-        self._threads: list[threading.Thread] = []
-        self._write_lock = threading.Lock()
+        self._child: JsonChild | None = None
         self._state_lock = threading.Lock()
         self._lost_reason: str | None = None
         self._closed = False
@@ -109,64 +103,49 @@ class TensorParallelEngine(Engine):
             filter(None, [str(PROJECT_ROOT), environment.get("PYTHONPATH")])
         )
         spec = {**self.spec.to_dict(), "model_path": str(self.model_path)}
-        self._process = subprocess.Popen(
+        self._child = JsonChild(
             [sys.executable, "-m", WORKER_MODULE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            name="tensor-parallel rank 0",
             env=environment,
+            on_message=self._watch_message,
+            on_stderr=self._watch_log,
+            on_exit=self._watch_exit,
         )
-        log.info("started tensor-parallel rank 0 worker (pid %d)", self._process.pid)
-        for target, name in (
-            (self._read_stdout, "tp-rank0-stdout"),
-            (self._read_stderr, "tp-rank0-stderr"),
-        ):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
         try:
-            self._write(spec)
-        except (OSError, ValueError) as error:
-            self._kill()
-            raise EngineError(f"cannot hand the spec to the rank 0 worker: {error}") from error
+            self._child.start(spec)
+        except OSError as error:
+            raise EngineError(f"cannot start the rank 0 worker: {error}") from error
 
     def _wait_ready(self) -> dict[str, Any]:
+        assert self._child is not None
         try:
-            message = self._messages.get(timeout=self.load_timeout_s)
-        except queue.Empty:
-            self._kill()
+            if self._lost_reason is not None:  # aborted while it was starting
+                raise ChildNotReady(self._lost_reason)
+            return self._child.wait_ready(self.load_timeout_s)
+        except ChildNotReady as error:
+            self._child.kill()
+            self._raise_if_lost()
+            if error.timed_out:
+                raise EngineError(
+                    f"tensor-parallel rank 0 was not ready within {self.load_timeout_s:g} s: are "
+                    f"all {self.spec.world_size} ranks started and reachable? last log: "
+                    f"{self._child.last_log()}"
+                ) from None
             raise EngineError(
-                f"tensor-parallel rank 0 was not ready within {self.load_timeout_s:g} s: are all "
-                f"{self.spec.world_size} ranks started and reachable? last log: {self._last_log()}"
+                f"tensor-parallel group failed to load {self.model_path}: {error}"
             ) from None
-        if message is None:
-            raise EngineError(f"tensor-parallel rank 0 failed to start: {self._exit_description()}")
-        if message.get("event") != "ready":
-            self._kill()
-            reason = message.get("reason", message)
-            raise EngineError(f"tensor-parallel group failed to load {self.model_path}: {reason}")
-        return message
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        process = self._process
-        if process is not None and process.poll() is None:
-            try:
-                self._write({"cmd": "shutdown"})
-                process.wait(timeout=SHUTDOWN_GRACE_S)
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                log.warning("rank 0 did not shut down within %g s; killing it", SHUTDOWN_GRACE_S)
-        self._kill()
-        for thread in self._threads:
-            if thread is not threading.current_thread():  # on_lost may call close() here
-                thread.join(KILL_GRACE_S)
+        if self._child is not None:
+            self._child.stop(SHUTDOWN_GRACE_S, ask=lambda: self._child.send({"cmd": "shutdown"}))
 
     # -- the batch -------------------------------------------------------------------------
 
     def insert(self, uid: int, request: GenerationRequest) -> None:
-        if self._process is None:
+        if self._child is None:
             raise EngineError("tensor-parallel engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
@@ -282,19 +261,20 @@ class TensorParallelEngine(Engine):
                 raise self._lose(f"rank 0 refused a step command: {message['error']}")
 
     def abort(self, reason: str) -> None:
-        """Kill rank 0 now (any thread): an in-flight generation raises EngineError at once."""
-        self._lose(f"aborted: {reason}", notify=False)
-        self._messages.put(None)
+        """Kill rank 0 now (any thread): an in-flight generation raises EngineError at once,
+        with `reason` (the caller names the culprit: it knows which member it lost)."""
+        self._lose(reason, notify=False)
+        if self._child is not None:
+            self._child.wake()
 
     # -- status ------------------------------------------------------------------------------
 
     def healthy(self) -> bool:
-        process = self._process
         return (
             self._lost_reason is None
             and not self._closed
-            and process is not None
-            and process.poll() is None
+            and self._child is not None
+            and self._child.poll() is None
         )
 
     def info(self) -> EngineInfo:
@@ -324,33 +304,32 @@ class TensorParallelEngine(Engine):
     # -- the rank-0 process ------------------------------------------------------------------
 
     def _send(self, message: dict[str, Any]) -> None:
+        assert self._child is not None
         try:
-            self._write(message)
+            self._child.send(message)
         except (OSError, ValueError) as error:
-            raise self._lose(f"cannot write to the rank 0 worker: {error}") from error
-
-    def _write(self, message: dict[str, Any]) -> None:
-        assert self._process is not None and self._process.stdin is not None
-        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
-        with self._write_lock:
-            self._process.stdin.write(data)
-            self._process.stdin.flush()
+            raise self._lose(
+                f"cannot write to tensor-parallel {self._rank_zero()}: {error}"
+            ) from error
 
     def _next_message(self, timeout_s: float) -> dict[str, Any]:
+        assert self._child is not None
         self._raise_if_lost()
         try:
-            message = self._messages.get(timeout=timeout_s)
-        except queue.Empty:
-            raise self._lose(f"no answer from rank 0 within {timeout_s:g} s") from None
+            message = self._child.next_message(timeout_s)
+        except TimeoutError:
+            raise self._lose(self._silence(timeout_s)) from None
         if message is None:
-            raise self._lose(self._exit_description())
+            raise self._lose(
+                f"tensor-parallel {self._rank_zero()} {self._child.exit_description()}"
+            )
         if message.get("event") == "failed":
-            raise self._lose(str(message.get("reason")))
+            raise self._lose(self._failure(message))
         return message
 
     def _raise_if_lost(self) -> None:
         if self._lost_reason is not None:
-            raise EngineError(f"tensor-parallel rank 0 lost: {self._lost_reason}")
+            raise EngineError(self._lost_reason)
 
     def _lose(self, reason: str, notify: bool = True) -> EngineError:
         """Mark the group lost (once), kill rank 0, tell the supervisor; return the error."""
@@ -359,69 +338,68 @@ class TensorParallelEngine(Engine):
             if first:
                 self._lost_reason = reason
         if first:
-            log.error("tensor-parallel rank 0 lost: %s", reason)
-            self._kill()
+            log.error("tensor-parallel group lost: %s", reason)
+            if self._child is not None:
+                self._child.kill()
             if notify and self.on_lost is not None:
                 try:
                     self.on_lost(reason)
                 except Exception:  # the supervisor's bug must not hide the engine error
                     log.exception("on_lost callback failed")
-        return EngineError(f"tensor-parallel rank 0 lost: {self._lost_reason}")
+        return EngineError(self._lost_reason)
 
-    def _kill(self) -> None:
-        process = self._process
-        if process is None:
-            return
-        if process.poll() is None:
-            process.kill()
-        try:
-            process.wait(timeout=KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            log.error("rank 0 worker (pid %d) did not exit after SIGKILL", process.pid)
-        if process.stdin is not None:
-            try:
-                process.stdin.close()
-            except OSError:
-                pass
+    def _watch_message(self, message: dict[str, Any]) -> None:
+        if message.get("event") == "failed" and self.ready and not self._closed:
+            self._lose(self._failure(message))  # tell the supervisor now, even if idle
 
-    def _exit_description(self) -> str:
-        code = None
-        if self._process is not None:
-            try:
-                code = self._process.wait(timeout=KILL_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        return f"the worker process exited (code {code}); last log: {self._last_log()}"
-
-    def _last_log(self) -> str:
-        return self._stderr_tail[-1] if self._stderr_tail else "(none)"
-
-    def _read_stdout(self) -> None:
-        assert self._process is not None and self._process.stdout is not None
-        for raw in self._process.stdout:
-            try:
-                message = json.loads(raw)
-            except ValueError:
-                log.warning("rank 0 wrote a line that is not JSON: %r", raw[:200])
-                continue
-            if not isinstance(message, dict):
-                continue
-            if message.get("event") == "failed" and self.ready and not self._closed:
-                self._lose(str(message.get("reason")))  # tell the supervisor now, even if idle
-            self._messages.put(message)
+    def _watch_exit(self, code: int) -> None:
         if self.ready and not self._closed:
-            self._lose(self._exit_description())
-        self._messages.put(None)
+            last = self._child.last_log()
+            self._lose(
+                f"tensor-parallel {self._rank_zero()} exited (code {code}); last log: {last}"
+            )
 
-    def _read_stderr(self) -> None:
-        assert self._process is not None and self._process.stderr is not None
-        for raw in self._process.stderr:
-            line = raw.decode(errors="replace").rstrip()
-            if line:
-                self._stderr_tail.append(line)
-                log.info("rank 0 | %s", line)
-                if self.ready and not self._closed and any(s in line for s in PEER_LOST_SIGNS):
-                    # mlx's ring fails the pending collective, but an evaluation waiting on it
-                    # may never return: its log line is the earliest sign of a dead peer.
-                    self._lose(f"a peer's connection broke ({line})")
-                    self._messages.put(None)
+    def _watch_log(self, line: str) -> None:
+        if self.ready and not self._closed and any(sign in line for sign in PEER_LOST_SIGNS):
+            # mlx's ring fails the pending collective, but an evaluation waiting on it may
+            # never return: its log line is the earliest sign of a dead peer.
+            self._lose(f"tensor-parallel {self._peers()} dropped its connection to rank 0 ({line})")
+            self._child.wake()
+
+    # -- naming the culprit ----------------------------------------------------------------------
+
+    def _rank(self, rank: int) -> str:
+        """'rank 1 on node X (10.0.0.2:52401)': which node, from the plan, and where."""
+        where = []
+        if rank < len(self.rank_nodes):
+            where.append(f"on node {self.rank_nodes[rank]}")
+        if rank < len(self.spec.hosts):
+            where.append(f"({self.spec.hosts[rank][0]})")
+        return " ".join([f"rank {rank}", *where])
+
+    def _rank_zero(self) -> str:
+        pid = self._child.pid if self._child is not None else None
+        return f"{self._rank(0)}, pid {pid}"
+
+    def _peers(self) -> str:
+        """The ranks rank 0 waits on: the culprit when rank 0 itself is fine."""
+        peers = [self._rank(rank) for rank in range(1, self.spec.world_size)]
+        return peers[0] if len(peers) == 1 else "one of " + ", ".join(peers)
+
+    def _silence(self, timeout_s: float) -> str:
+        """Who did not answer a step within `timeout_s`: rank 0's own process, if it is the
+        one stopped, else the peers it waits on."""
+        if self._child is not None and self._child.is_stopped():
+            return (
+                f"tensor-parallel {self._rank_zero()} is stopped (SIGSTOP or a debugger): no "
+                f"answer within {timeout_s:g} s"
+            )
+        return f"tensor-parallel {self._peers()} did not answer rank 0 within {timeout_s:g} s"
+
+    def _failure(self, message: dict[str, Any]) -> str:
+        """Rank 0's own failure report; when it blames a peer (a lost connection, a stalled
+        collective), the peers it was waiting on are the culprit."""
+        reason = message.get("reason")
+        if "peer" in str(reason):
+            return f"tensor-parallel {self._peers()} stopped answering: rank 0 reports {reason}"
+        return f"tensor-parallel {self._rank_zero()} failed: {reason}"

@@ -28,6 +28,7 @@ from typing import IO, Any, NoReturn
 import mlx.core as mx
 from mlx_lm.utils import load_model
 
+from discovery.json_child import ProtocolOutput, open_protocol_output
 from planner.decision import tp_split_problems
 
 from .. import blas
@@ -48,28 +49,6 @@ from .shard_batch import ShardBatch
 log = logging.getLogger(__name__)
 
 WATCHDOG_POLL_S = 0.25
-
-
-class Output:
-    """The protocol stream: one JSON object per line, written whole under a lock."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self._stream = stream
-        self._lock = threading.Lock()
-
-    def write(self, message: dict[str, Any]) -> None:
-        line = json.dumps(message, separators=(",", ":")) + "\n"
-        with self._lock:
-            self._stream.write(line)
-            self._stream.flush()
-
-
-def open_protocol_output() -> Output:
-    """Keep fd 1 for protocol lines and send anything else printed (Python or C++) to stderr."""
-    protocol_fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return Output(os.fdopen(protocol_fd, "w", encoding="utf-8"))
 
 
 class CommandReader:
@@ -111,7 +90,8 @@ class Watchdog:
 
     def arm(self, seconds: float, what: str) -> None:
         with self._lock:
-            self._deadline, self._what = time.monotonic() + seconds, what
+            self._deadline = time.monotonic() + seconds
+            self._what = f"{what} made no progress for {seconds:g} s"
 
     def disarm(self) -> None:
         with self._lock:
@@ -124,7 +104,7 @@ class Watchdog:
                 expired = self._deadline is not None and time.monotonic() > self._deadline
                 what = self._what
             if expired:
-                self._on_expire(f"stalled: {what} made no progress; a peer is frozen or cut off")
+                self._on_expire(f"stalled: {what}; a peer is frozen or cut off")
                 return
 
 
@@ -292,7 +272,7 @@ class Rank:
     lockstep: Lockstep
     batch: ShardBatch
     vocab_size: int | None
-    output: Output
+    output: ProtocolOutput
     watchdog: Watchdog
 
     def lead(self) -> None:
@@ -373,7 +353,7 @@ def exit_when_stdin_closes() -> None:
     os._exit(0)  # the main thread may be blocked in a collective
 
 
-def run(spec: WorkerSpec, output: Output) -> int:
+def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
     def fail(reason: str) -> NoReturn:
         log.error("rank %d failed: %s", spec.rank, reason)
         output.write({"event": "failed", "rank": spec.rank, "reason": reason})
