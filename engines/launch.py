@@ -182,7 +182,10 @@ def _assign_stages(
             message = f"pipeline stage {index} on {stage.node_id} failed: {error}"
             raise EngineError(message) from error
         next_hop = (address, int(ready.detail["port"]))
-        remote.insert(0, {"host": next_hop[0], "port": next_hop[1]})
+        layers = [stage.layers.start, stage.layers.stop]
+        remote.insert(
+            0, {"host": next_hop[0], "port": next_hop[1], "layers": layers, "node": stage.node_id}
+        )
     return remote
 
 

@@ -492,12 +492,16 @@ def test_killed_stage_fails_the_batch_fast(fragile: Any, victim: int) -> None:
     workers[victim].popen.kill()
     workers[victim].popen.wait(5)
     started = time.monotonic()
-    with pytest.raises(EngineError, match=r"pipeline stage lost .*\(8 sequences\)"):
+    with pytest.raises(EngineError, match=r"pipeline stage lost .*\(8 sequences\)") as caught:
         while True:
             engine.step()
             assert time.monotonic() - started < 10
     assert time.monotonic() - started < 10
     assert not engine.healthy()
+    # every stage the frames pass is named, with its layers and address
+    for index, stage in enumerate(engine.stages, 1):
+        assert stage.describe(index) in str(caught.value)
+    assert "layers [" in str(caught.value)
     assert "failure" in engine.info().detail
     engine.remove(range(8))  # as the runner does: the batch is gone
     engine.insert(100, long_requests(engine, 1)[0])

@@ -42,13 +42,24 @@ class StageAddress:
     host: str
     port: int
     layers: range | None = None
+    node: str = ""  # the member running it, named in failure messages
 
     @classmethod
     def of(cls, value: StageAddress | Mapping[str, Any]) -> StageAddress:
         if isinstance(value, StageAddress):
             return value
         layers = value.get("layers")
-        return cls(str(value["host"]), int(value["port"]), range(*layers) if layers else None)
+        return cls(
+            str(value["host"]),
+            int(value["port"]),
+            range(*layers) if layers else None,
+            str(value.get("node", "")),
+        )
+
+    def describe(self, index: int) -> str:
+        layers = f" (layers [{self.layers.start}, {self.layers.stop}))" if self.layers else ""
+        node = f" on node {self.node}" if self.node else ""
+        return f"stage {index}{layers}{node} at {self.host}:{self.port}"
 
 
 class EncryptedPipelineEngine(Engine):
@@ -501,7 +512,12 @@ class EncryptedPipelineEngine(Engine):
         self._awaiting.clear()
         if aborted:
             return EngineError(f"pipeline aborted {context} ({lost} sequences): {aborted}")
-        return EngineError(f"pipeline stage lost {context} ({lost} sequences): {error}")
+        # Any stage may be the one that stopped: name every one the frame had to pass.
+        chain = ", ".join(stage.describe(index) for index, stage in enumerate(self.stages, 1))
+        return EngineError(
+            f"pipeline stage lost {context} ({lost} sequences): {error}; the chain after "
+            f"stage 0: {chain}"
+        )
 
     def _fail(self, reason: str) -> None:
         if self._healthy:
