@@ -36,6 +36,13 @@ def resolve_cluster_key(
     return (load_key_file(stored), False) if stored.exists() else (None, False)
 
 
+def default_model_id(model: str | None, facts: Any) -> str:
+    """The name clients use: the repo id, the directory's name, or the demo model's name."""
+    if model is None:
+        return DEMO_MODEL_ID
+    return facts.repo_id or facts.path.name
+
+
 def join_command(key: bytes, interface: str | None) -> str:
     from discovery.cluster_key import format_key
 
@@ -154,7 +161,7 @@ def serve(config: ServeConfig) -> int:
 
     log.info("BLAS: %s", blas.status().describe())
     facts = resolve_model(config.model, config.cache_dir)
-    model_id = config.model_id or (DEMO_MODEL_ID if config.model is None else facts.path.name)
+    model_id = config.model_id or default_model_id(config.model, facts)
     wants_cluster = config.parallelism != Parallelism.SINGLE
     key, created = resolve_cluster_key(
         config.cluster_key, config.cluster_key_file, config.state_dir, create=wants_cluster
@@ -167,6 +174,7 @@ def serve(config: ServeConfig) -> int:
     coordinator = coordinator_resources(node_id, config.memory_limit)
     service = Service(
         model_id=model_id,
+        model_revision=facts.revision,
         tokenizer=None,
         limits=ServiceLimits(
             max_tokens_cap=config.max_tokens_cap,
@@ -204,6 +212,7 @@ def serve(config: ServeConfig) -> int:
     address = coordinator_address(config.interface, membership.members() if membership else [])
     supervisor.launch_settings = LaunchSettings(
         model_path=facts.path,
+        model_reference=facts.reference,
         cluster_key=key,
         coordinator_address=address,
         max_batch=config.max_batch,
@@ -215,7 +224,13 @@ def serve(config: ServeConfig) -> int:
         except PlanError as error:
             raise PlanError(f"refusing to serve: {error}") from error
         app = create_app(service, max_prompt_tokens=config.context_tokens)
-        log.info("serving %s on http://%s:%d/v1", model_id, config.host, config.port)
+        log.info(
+            "serving %s (%s) on http://%s:%d/v1",
+            model_id,
+            facts.display_name,
+            config.host,
+            config.port,
+        )
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
     finally:
         supervisor.close()

@@ -21,7 +21,7 @@ DEFAULT_PORT = 8000
 class ServeConfig:
     """Everything `tandem serve` was asked to do, from flags and their TANDEM_* twins."""
 
-    model: Path | None
+    model: str | None  # a directory or ORG/NAME[@REV]
     model_id: str | None
     parallelism: Parallelism
     host: str
@@ -49,9 +49,13 @@ class ServeConfig:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="plan the cluster and serve the OpenAI API")
     add_flag(
-        parser, "--model", cast=Path, help="model directory (default: the built-in demo model)"
+        parser,
+        "--model",
+        help="model directory or Hugging Face repo id ORG/NAME[@REV] (default: the demo model)",
     )
-    add_flag(parser, "--model-id", help="model name clients use (default: the directory name)")
+    add_flag(
+        parser, "--model-id", help="model name clients use (default: the repo id or directory name)"
+    )
     add_flag(
         parser,
         "--parallelism",

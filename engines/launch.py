@@ -43,6 +43,13 @@ class LaunchSettings:
     token_timeout_s: float = 10.0
     ring_port_base: int = DEFAULT_RING_PORT_BASE
     max_batch: int = 16  # sequences decoded together
+    # What other machines resolve to the same files (repo@commit through their own Hugging
+    # Face cache, or a path that must exist there); None: model_path.
+    model_reference: str | None = None
+
+    @property
+    def remote_model(self) -> str:
+        return self.model_reference or str(self.model_path)
 
 
 def build_engine(
@@ -85,7 +92,7 @@ def _build_tensor_parallel(
     specs = ring_specs(
         rank_addresses,
         ports,
-        settings.model_path,
+        settings.remote_model,
         max_batch=settings.max_batch,
         upcast_float32=_upcast(plan),
     )
@@ -152,7 +159,7 @@ def _assign_stages(
         stage = plan.stages[index]
         address = addresses[stage.node_id]
         spec = {
-            "model_path": str(settings.model_path),
+            "model_path": settings.remote_model,
             "layers": [stage.layers.start, stage.layers.stop],
             "is_last": index == len(plan.stages) - 1,
             "listen_host": address,

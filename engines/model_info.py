@@ -52,6 +52,22 @@ class ModelFacts:
     has_pipeline_variant: bool  # mlx-lm's Model class defines pipeline(group)
     intermediate_size: int = 0  # MLP width; 0 when the config does not say
     quantized: bool = False
+    repo_id: str | None = None  # the Hugging Face repo the directory is a snapshot of
+    revision: str | None = None  # its commit (or the revision asked for)
+
+    @property
+    def reference(self) -> str:
+        """What another machine resolves to the same files: repo@commit, or the path."""
+        if self.repo_id is None:
+            return str(self.path)
+        return f"{self.repo_id}@{self.revision or 'main'}"
+
+    @property
+    def display_name(self) -> str:
+        """The model as people name it: repo@commit (shortened), or the directory."""
+        if self.repo_id is None:
+            return str(self.path)
+        return f"{self.repo_id}@{(self.revision or 'main')[:12]}"
 
     @property
     def can_upcast(self) -> bool:

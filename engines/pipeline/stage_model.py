@@ -13,8 +13,9 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import MODEL_REMAPPING, load_config, load_model
 
-from planner.errors import EngineError
+from planner.errors import EngineError, ModelError
 
+from ..model_reference import local_model_path
 from ..precision import upcast_on_cpu
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,15 @@ class StageModel:
     def load(
         cls, model_path: Path, layers: range, is_last: bool, upcast: bool = False
     ) -> StageModel:
-        """Load the weights of `layers` (and the embeddings / head when this stage needs them)."""
-        model_path = Path(model_path)
+        """Load the weights of `layers` (and the embeddings / head when this stage needs them).
+
+        `model_path` is a directory, or repo@commit resolved through this machine's Hugging
+        Face cache (what an agent is sent).
+        """
+        try:
+            model_path = local_model_path(model_path)
+        except ModelError as error:
+            raise EngineError(str(error)) from error
         try:
             model_type = str(load_config(model_path).get("model_type"))
         except (OSError, ValueError) as error:

@@ -173,7 +173,9 @@ def load_shard(spec: WorkerSpec) -> tuple[Any, int | None, mx.distributed.Group]
     rank's peak memory stays near its shard instead of the whole model (evaluating every
     parameter at once, as `sharded_load` does, briefly holds the full tensors).
     """
-    model_path = Path(spec.model_path)
+    from ..model_reference import local_model_path
+
+    model_path = local_model_path(spec.model_path)  # a directory, or repo@commit in the HF cache
     check_shardable(model_path, spec.world_size)
     group = join_group(spec)
     if group.size() != spec.world_size or group.rank() != spec.rank:
