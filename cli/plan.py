@@ -93,6 +93,7 @@ def print_dry_run(args: argparse.Namespace, facts) -> int:
         kv_heads=facts.kv_heads,
         has_tp_variant=facts.has_tp_variant and not args.no_tp_variant,
         distributed_group_available=not args.no_distributed_group,
+        pipeline_problem=facts.pipeline_problem,
     )
     print(
         f"model: {facts.display_name} ({facts.model_type}, {facts.num_layers} layers, "
