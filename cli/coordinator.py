@@ -210,14 +210,22 @@ def serve(config: ServeConfig) -> int:
         )
         supervisor.membership = membership
     address = coordinator_address(config.interface, membership.members() if membership else [])
+    weights = None
+    if membership is not None and key is not None and config.send_weights:
+        from engines.weights.source import WeightSource
+
+        weights = WeightSource(facts.path, key, address, config.cache_dir)
     supervisor.launch_settings = LaunchSettings(
         model_path=facts.path,
         model_reference=facts.reference,
+        weights=weights,
         cluster_key=key,
         coordinator_address=address,
         max_batch=config.max_batch,
     )
     service.cluster_status = supervisor.status
+    if weights is not None:
+        service.cluster_status = lambda: {**supervisor.status(), "weights": weights.status()}
     try:
         try:
             supervisor.start()
@@ -236,4 +244,6 @@ def serve(config: ServeConfig) -> int:
         supervisor.close()
         if membership is not None:
             membership.close()
+        if weights is not None:
+            weights.close()
     return 0

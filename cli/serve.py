@@ -44,6 +44,7 @@ class ServeConfig:
     rediscover_interval_s: float
     cache_dir: Path
     state_dir: Path
+    send_weights: bool = True
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -128,7 +129,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cache-dir",
         default=Path.home() / ".cache" / "tandem",
         cast=Path,
-        help="demo model cache",
+        help="demo model cache, and manifests of models sent to agents",
+    )
+    add_flag(
+        parser,
+        "--send-weights",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: an agent that cannot find the model fetches it from this machine over the "
+        "cluster's encrypted channel (pp stages); off: every machine needs its own copy",
     )
     add_flag(
         parser,
@@ -173,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         rediscover_interval_s=args.rediscover_interval,
         cache_dir=args.cache_dir,
         state_dir=args.state_dir,
+        send_weights=args.send_weights == "auto",
     )
 
 

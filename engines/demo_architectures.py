@@ -157,9 +157,7 @@ def make_weights(
         shape = shapes[name]
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("embed_tokens.weight"):
-            weights[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(
-                embedding_std
-            )
+            weights[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(embedding_std)
         elif name == "lm_head.weight":
             weights[name] = _fan_in(rng, shape, gains["head_gain"])
         elif name == "model.norm.weight":

@@ -46,6 +46,9 @@ class LaunchSettings:
     # What other machines resolve to the same files (repo@commit through their own Hugging
     # Face cache, or a path that must exist there); None: model_path.
     model_reference: str | None = None
+    # The coordinator's weight server (engines/weights/source.py): agents that lack the model
+    # fetch it from here. None: every machine must find it itself.
+    weights: Any = None
 
     @property
     def remote_model(self) -> str:
@@ -171,6 +174,8 @@ def _assign_stages(
             "blas_threads": _threads_at(address, share, settings),
             "upcast_float32": _upcast(plan),
         }
+        if settings.weights is not None:
+            spec["weights"] = settings.weights.offer()
         assignment = membership.assign(stage.node_id, PP_ROLE, spec)
         try:
             ready = membership.wait_ready(assignment, settings.ready_timeout_s)

@@ -126,3 +126,59 @@ def test_serve_a_repo_id_over_pp_with_an_agent_resolving_its_own_cache(
         if server is not None:
             server.stop()
         pool.stop_all()
+
+
+@pytest.mark.cluster
+def test_an_agent_without_the_model_fetches_it_from_the_coordinator(
+    demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's Hugging Face cache is empty and offline: its stage fetches the coordinator's
+    copy over the cluster channel, verified, once; the next plan finds it cached."""
+    from openai import OpenAI
+
+    from engines.weights.fetch import cached_model
+    from tests.helpers_cluster import AgentPool
+    from tests.helpers_serve import start_serve
+    from tests.test_serve_cluster import PROMPTS, single_outputs
+
+    coordinator_home, agent_home = tmp_path / "hf-coordinator", tmp_path / "hf-empty"
+    cache_repo(demo_model_dir, coordinator_home, REPO_ID)
+    agent_cache = tmp_path / "agent-cache"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pool = AgentPool(tmp_path / "agents")
+    servers = []
+    try:
+        monkeypatch.setenv("HF_HOME", str(agent_home))
+        pool.start(
+            "empty",
+            memory_limit="200M",
+            real_roles=True,
+            extra_args=["--cache-dir", str(agent_cache)],
+        )
+        monkeypatch.setenv("HF_HOME", str(coordinator_home))
+        args = ["--parallelism", "pp", "--max-batch", "2"]
+        server = start_serve(tmp_path, REPO_ID, pool.cluster_key, args, name="first")
+        servers.append(server)
+        weights = server.cluster()["weights"]
+        assert sum(weights["sent_bytes"].values()) == weights["total_bytes"] > 0
+        copy = cached_model(agent_cache / "models", weights["content_hash"])
+        assert copy is not None
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
+        texts = [
+            client.completions.create(model=REPO_ID, prompt=p, max_tokens=48, temperature=0)
+            .choices[0]
+            .text
+            for p in PROMPTS
+        ]
+        assert texts == single_outputs(demo_model_dir)
+        assert "fetching it" in pool.logs() and "fetched into" in pool.logs()
+        server.stop()
+        # The next coordinator (same model) starts at once: the agent's copy is verified.
+        server = start_serve(tmp_path, REPO_ID, pool.cluster_key, args, name="second")
+        servers.append(server)
+        assert server.cluster()["weights"]["sent_bytes"] == {}
+        assert "already cached" in pool.logs()
+    finally:
+        for server in servers:
+            server.stop()
+        pool.stop_all()

@@ -167,3 +167,26 @@ def _partial(target: Path, name: str) -> Path:
 
 def _free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
+
+
+def model_for_assignment(
+    reference: str | Path, weights: dict | None, cluster_key: bytes | None
+) -> Path:
+    """Where a worker finds its model: the reference resolved here (a directory, or repo@commit
+    in this machine's Hugging Face cache), else the coordinator's copy fetched into the
+    agent's cache (`weights`: host, port, content_hash, cache_dir)."""
+    from ..model_reference import local_model_path
+
+    try:
+        return local_model_path(reference)
+    except ModelError as error:
+        if not weights or cluster_key is None or "cache_dir" not in weights:
+            raise
+        log.info("model %s is not on this machine (%s): fetching it", reference, error)
+    return fetch_model(
+        str(weights["host"]),
+        int(weights["port"]),
+        cluster_key,
+        str(weights["content_hash"]),
+        Path(str(weights["cache_dir"])),
+    )
