@@ -19,7 +19,7 @@ from .manifest import Manifest
 log = logging.getLogger(__name__)
 
 PURPOSE = b"tandem-weights-v1"
-CHUNK_BYTES = 1024 * 1024  # one sealed frame of file data
+CHUNK_BYTES = 4 * 1024 * 1024  # one sealed frame of file data
 MAX_REQUEST_BYTES = 64 * 1024  # requests are small JSON objects
 MAX_FRAME_BYTES = CHUNK_BYTES + 64 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
