@@ -175,7 +175,7 @@ def _assign_stages(
             "upcast_float32": _upcast(plan),
         }
         if settings.weights is not None:
-            spec["weights"] = settings.weights.offer()
+            spec["weights"] = settings.weights.offer(stage.layers, spec["is_last"])
         assignment = membership.assign(stage.node_id, PP_ROLE, spec)
         try:
             ready = membership.wait_ready(assignment, settings.ready_timeout_s)

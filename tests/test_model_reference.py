@@ -159,9 +159,15 @@ def test_an_agent_without_the_model_fetches_it_from_the_coordinator(
         args = ["--parallelism", "pp", "--max-batch", "2"]
         server = start_serve(tmp_path, REPO_ID, pool.cluster_key, args, name="first")
         servers.append(server)
-        weights = server.cluster()["weights"]
-        assert sum(weights["sent_bytes"].values()) == weights["total_bytes"] > 0
-        copy = cached_model(agent_cache / "models", weights["content_hash"])
+        cluster = server.cluster()
+        weights = cluster["weights"]
+        # The agent's stage is the last: its layers, the norm and the head, nothing else.
+        stage = cluster["plan"]["stages"][1]
+        assert stage["layers"][1] == 4
+        [(share, what)] = [(h, w) for h, w in weights["offers"].items() if w != "whole model"]
+        assert what.startswith(f"layers {stage['layers'][0]}-3 + head")
+        assert 0 < sum(weights["sent_bytes"].values()) < weights["total_bytes"]
+        copy = cached_model(agent_cache / "models", share)
         assert copy is not None
         client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
         texts = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import threading
@@ -121,17 +122,24 @@ class CuttingProxy:
 
 
 def test_a_broken_connection_resumes_and_verifies(
-    server: WeightServer, key: bytes, demo_model_dir: Path, tmp_path: Path
+    server: WeightServer,
+    key: bytes,
+    demo_model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    proxy = CuttingProxy(server.port, cut=weights_size(demo_model_dir) // 3)
+    caplog.set_level(logging.INFO, logger="engines.weights.fetch")
+    # Past the first 4 MB frame (a frame is all or nothing), before the end of the file.
+    proxy = CuttingProxy(server.port, cut=weights_size(demo_model_dir) * 2 // 3)
     try:
         copy = fetch_model(HOST, proxy.port, key, server.manifest.content_hash, tmp_path)
     finally:
         proxy.close()
     assert proxy.connections >= 2
     assert sha256_of(copy / "model.safetensors") == sha256_of(demo_model_dir / "model.safetensors")
-    # Resumed, not restarted: little more than one copy crossed the wire.
-    assert sent(server) < server.manifest.total_bytes + weights_size(demo_model_dir) // 3
+    # Resumed, not restarted: the second connection asked for the rest of the file only.
+    resumed = [r.args for r in caplog.records if r.getMessage().startswith("resuming")]
+    assert resumed and resumed[0][0] == "model.safetensors" and resumed[0][1] > 0
 
 
 def test_corrupted_bytes_are_caught_and_refetched(
@@ -155,7 +163,7 @@ def test_short_disk_wrong_model_and_wrong_key_are_refused(
     content_hash = server.manifest.content_hash
     with pytest.raises(ModelError, match="not enough disk.*GB free"):
         fetch_model(HOST, server.port, key, content_hash, tmp_path, disk_free=lambda _: 10**6)
-    with pytest.raises(ModelError, match="offers model"):
+    with pytest.raises(ModelError, match="refused: no model 000000000000 is offered"):
         fetch_model(HOST, server.port, key, "0" * 64, tmp_path)
     with pytest.raises(ModelError, match="cannot fetch"):
         fetch_model(HOST, server.port, generate_key(), content_hash, tmp_path, attempts=1)
@@ -168,3 +176,42 @@ def test_the_manifest_names_the_content(demo_model_dir: Path, tmp_path: Path) ->
     assert build_manifest(copy).content_hash == build_manifest(demo_model_dir).content_hash
     (copy / "config.json").write_text((copy / "config.json").read_text() + " ")
     assert build_manifest(copy).content_hash != build_manifest(demo_model_dir).content_hash
+
+
+def test_a_stage_receives_only_its_share_and_runs_it(
+    demo_model_dir: Path, key: bytes, tmp_path: Path
+) -> None:
+    """A middle stage of the 4-layer demo model gets layer 2 (no embedding, no head) and
+    computes exactly what the same stage computes from the whole model."""
+    import mlx.core as mx
+
+    from engines.model_info import read_tensor_table
+    from engines.pipeline.stage_model import StageModel
+    from engines.weights.source import WeightSource
+
+    source = WeightSource(demo_model_dir, key, HOST, tmp_path / "coordinator")
+    try:
+        middle = source.offer(range(2, 3), is_last=False)
+        last = source.offer(range(3, 4), is_last=True)
+        assert source.offer(range(2, 3), is_last=False) == middle  # built once
+        share = fetch_model(HOST, middle["port"], key, middle["content_hash"], tmp_path / "agent")
+        tail = fetch_model(HOST, last["port"], key, last["content_hash"], tmp_path / "agent")
+        status = source.status()
+    finally:
+        source.close()
+    names = set(read_tensor_table(share)) - {"model.norm.weight"}  # small: every stage has it
+    assert names and all(name.startswith("model.layers.2.") for name in names)
+    tail_names = set(read_tensor_table(tail))
+    assert {"lm_head.weight", "model.norm.weight"} <= tail_names
+    assert not any(".layers.2." in name or "embed_tokens" in name for name in tail_names)
+    whole = build_manifest(demo_model_dir).total_bytes
+    assert sum(status["sent_bytes"].values()) < whole
+    assert len(status["offers"]) == 3  # the whole model and two shares
+
+    hidden = mx.random.normal((1, 5, 256), key=mx.random.key(0))
+    expected = StageModel.load(demo_model_dir, range(2, 3), is_last=False)
+    got = StageModel.load(share, range(2, 3), is_last=False)
+    assert (got.embed_tokens, got.head) == (None, None)
+    out_expected = expected.forward(hidden, expected.make_cache())
+    out_got = got.forward(hidden, got.make_cache())
+    assert mx.array_equal(out_expected, out_got).item()

@@ -17,6 +17,7 @@ from planner.errors import EngineError, ModelError
 
 from ..model_reference import local_model_path
 from ..precision import upcast_on_cpu
+from ..weights.manifest import is_partial_copy
 from .layout import StageLayout, apply_softcap, describe, pipeline_problem
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ class StageModel:
             )
         mx.reset_peak_memory()
         try:
-            model, _ = load_model(model_path, lazy=True)
+            # A stage's share fetched from the coordinator holds only its own tensors.
+            model, _ = load_model(model_path, lazy=True, strict=not is_partial_copy(model_path))
             layout = describe(model)
         except (OSError, ValueError, KeyError, ModelError) as error:
             raise EngineError(f"cannot load model {model_path}: {error}") from error

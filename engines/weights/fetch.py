@@ -72,7 +72,7 @@ def fetch_model(
                 manifest = _manifest(channel, content_hash)
                 _check_disk(target, manifest, disk_free or _free_bytes)
                 for entry in manifest.files:
-                    _fetch_file(channel, target, entry)
+                    _fetch_file(channel, target, entry, content_hash)
             (target / MANIFEST_NAME).write_text(manifest.to_json())
             log.info("model %s fetched into %s", content_hash[:12], target)
             return target
@@ -92,8 +92,16 @@ def _open(host: str, port: int, cluster_key: bytes) -> SecureChannel:
 
 
 def _manifest(channel: SecureChannel, content_hash: str) -> Manifest:
-    channel.send(json.dumps({"op": "manifest"}).encode())
-    manifest = Manifest.from_json(channel.recv(READ_TIMEOUT_S))
+    """The manifest the server offers for `content_hash`, checked against that hash."""
+    channel.send(json.dumps({"op": "manifest", "model": content_hash}).encode())
+    answer = channel.recv(READ_TIMEOUT_S)
+    try:
+        refused = json.loads(answer).get("error")
+    except (ValueError, AttributeError):
+        refused = None
+    if refused:
+        raise ModelError(f"the weight server refused: {refused}")
+    manifest = Manifest.from_json(answer)
     if manifest.content_hash != content_hash:
         raise ModelError(
             f"the weight server offers model {manifest.content_hash[:12]}, the plan names "
@@ -119,7 +127,7 @@ def _check_disk(target: Path, manifest: Manifest, disk_free: Callable[[Path], in
         )
 
 
-def _fetch_file(channel: SecureChannel, target: Path, entry: FileEntry) -> None:
+def _fetch_file(channel: SecureChannel, target: Path, entry: FileEntry, content_hash: str) -> None:
     done = target / entry.name
     if done.is_file() and done.stat().st_size == entry.size:
         return  # verified when it was renamed into place
@@ -130,7 +138,10 @@ def _fetch_file(channel: SecureChannel, target: Path, entry: FileEntry) -> None:
         partial.unlink()
         offset = 0
     digest = hash_prefix(partial, offset) if offset else hashlib.sha256()
-    channel.send(json.dumps({"op": "read", "name": entry.name, "offset": offset}).encode())
+    if offset:
+        log.info("resuming %s at byte %d of %d", entry.name, offset, entry.size)
+    request = {"op": "read", "model": content_hash, "name": entry.name, "offset": offset}
+    channel.send(json.dumps(request).encode())
     remaining = int(json.loads(channel.recv(READ_TIMEOUT_S))["size"])
     if remaining != entry.size - offset:
         raise ModelError(f"the weight server offers {remaining} bytes of {entry.name}")

@@ -31,11 +31,12 @@ class Manifest:
     """What a complete copy of a model holds; `content_hash` names the copy everywhere."""
 
     files: tuple[FileEntry, ...]
+    subset: str = ""  # "" for a whole model; else which share of which model (a stage's)
 
     @property
     def content_hash(self) -> str:
         lines = "".join(f"{f.name}\0{f.size}\0{f.sha256}\n" for f in self.files)
-        return hashlib.sha256(lines.encode()).hexdigest()
+        return hashlib.sha256((self.subset + "\n" + lines).encode()).hexdigest()
 
     @property
     def total_bytes(self) -> int:
@@ -49,7 +50,7 @@ class Manifest:
 
     def to_json(self) -> str:
         files = [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files]
-        return json.dumps({"files": files}, sort_keys=True)
+        return json.dumps({"files": files, "subset": self.subset}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
@@ -63,7 +64,7 @@ class Manifest:
         for entry in files:
             if not _safe_name(entry.name) or entry.size < 0 or len(entry.sha256) != 64:
                 raise ModelError(f"model manifest has an unsafe or malformed entry {entry}")
-        return cls(tuple(sorted(files, key=lambda f: f.name)))
+        return cls(tuple(sorted(files, key=lambda f: f.name)), str(raw.get("subset", "")))
 
 
 def build_manifest(path: Path) -> Manifest:
@@ -118,3 +119,11 @@ def hash_prefix(file: Path, limit: int | None = None) -> Any:
 def _safe_name(name: str) -> bool:
     parts = name.split("/")
     return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
+def is_partial_copy(path: Path) -> bool:
+    """Whether `path` is a stage's share of a model fetched from a coordinator (not all of it)."""
+    try:
+        return bool(Manifest.from_json((Path(path) / MANIFEST_NAME).read_text()).subset)
+    except (OSError, ModelError):
+        return False
