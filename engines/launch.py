@@ -102,6 +102,13 @@ def _build_tensor_parallel(
     share = _share_cores(plan, addresses, settings.coordinator_address)
     for spec, address in zip(specs, rank_addresses, strict=True):
         spec["blas_threads"] = _threads_at(address, share, settings)
+    if settings.weights is not None:
+        from discovery.cluster_key import format_key
+
+        # Ranks that lack the model fetch all of it (mlx-lm's shard slices after loading).
+        for spec in specs[1:]:
+            spec["weights"] = settings.weights.offer()
+            spec["cluster_key"] = format_key(settings.cluster_key)
     for rank, node_id in enumerate(plan.ranks[1:], start=1):
         membership.assign(node_id, TP_ROLE, specs[rank])
     endpoints = ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports, strict=True))

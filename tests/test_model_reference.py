@@ -132,8 +132,9 @@ def test_serve_a_repo_id_over_pp_with_an_agent_resolving_its_own_cache(
 def test_an_agent_without_the_model_fetches_it_from_the_coordinator(
     demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The agent's Hugging Face cache is empty and offline: its stage fetches the coordinator's
-    copy over the cluster channel, verified, once; the next plan finds it cached."""
+    """The agent's Hugging Face cache is empty and offline: its pp stage fetches its share of
+    the coordinator's copy over the cluster channel, verified; a tp rank then fetches all of
+    it (mlx-lm's shard slices after loading). Both serve what the single engine says."""
     from openai import OpenAI
 
     from engines.weights.fetch import cached_model
@@ -144,6 +145,7 @@ def test_an_agent_without_the_model_fetches_it_from_the_coordinator(
     coordinator_home, agent_home = tmp_path / "hf-coordinator", tmp_path / "hf-empty"
     cache_repo(demo_model_dir, coordinator_home, REPO_ID)
     agent_cache = tmp_path / "agent-cache"
+    expected = single_outputs(demo_model_dir)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pool = AgentPool(tmp_path / "agents")
     servers = []
@@ -176,14 +178,25 @@ def test_an_agent_without_the_model_fetches_it_from_the_coordinator(
             .text
             for p in PROMPTS
         ]
-        assert texts == single_outputs(demo_model_dir)
+        assert texts == expected
         assert "fetching it" in pool.logs() and "fetched into" in pool.logs()
         server.stop()
-        # The next coordinator (same model) starts at once: the agent's copy is verified.
-        server = start_serve(tmp_path, REPO_ID, pool.cluster_key, args, name="second")
+        tp_args = ["--parallelism", "tp", "--collective", "ring", "--max-batch", "2"]
+        server = start_serve(tmp_path, REPO_ID, pool.cluster_key, tp_args, name="tp")
         servers.append(server)
-        assert server.cluster()["weights"]["sent_bytes"] == {}
-        assert "already cached" in pool.logs()
+        cluster = server.cluster()
+        assert cluster["strategy"] == "tp", cluster["reason"]
+        weights = cluster["weights"]
+        assert sum(weights["sent_bytes"].values()) == weights["total_bytes"]
+        assert cached_model(agent_cache / "models", weights["content_hash"]) is not None
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
+        texts = [
+            client.completions.create(model=REPO_ID, prompt=p, max_tokens=48, temperature=0)
+            .choices[0]
+            .text
+            for p in PROMPTS
+        ]
+        assert texts == expected
     finally:
         for server in servers:
             server.stop()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,9 @@ class WorkerSpec:
     blas_threads: int = 0  # this rank's share of its machine's cores; 0 keeps the default
     upcast_float32: bool = False  # half-precision weights to float32 when on the CPU
     log_level: str = "INFO"
+    # Where to fetch the model when this machine lacks it, and the key that channel needs.
+    weights: dict[str, Any] | None = None
+    cluster_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
