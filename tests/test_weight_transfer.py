@@ -8,6 +8,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -215,3 +216,38 @@ def test_a_stage_receives_only_its_share_and_runs_it(
     out_expected = expected.forward(hidden, expected.make_cache())
     out_got = got.forward(hidden, got.make_cache())
     assert mx.array_equal(out_expected, out_got).item()
+
+
+@pytest.mark.parametrize(("arch", "quantize"), [("qwen3_moe", 4), ("gemma3_text", 4)])
+def test_every_stage_share_of_a_quantized_model_computes_the_same(
+    arch: str, quantize: int, demo_model_factory: Any, key: bytes, tmp_path: Path
+) -> None:
+    """Quantized MoE and tied, scaled-embedding models: each stage loaded from its share
+    gives bit-identical outputs to the same stage loaded from the whole model."""
+    import mlx.core as mx
+
+    from engines.pipeline.stage_model import StageModel
+    from engines.weights.source import WeightSource
+
+    model = demo_model_factory(
+        arch=arch, quantize=quantize, layers=3, heads=4, kv_heads=2, hidden=64
+    )
+    source = WeightSource(model, key, HOST, tmp_path / "coordinator")
+    try:
+        for layers, is_last in ((range(0, 1), False), (range(1, 2), False), (range(2, 3), True)):
+            offer = source.offer(layers, is_last)
+            share = fetch_model(HOST, offer["port"], key, offer["content_hash"], tmp_path / "a")
+            whole = StageModel.load(model, layers, is_last)
+            part = StageModel.load(share, layers, is_last)
+            if layers.start == 0:
+                tokens = mx.array([[5, 6, 7, 8]])
+                hidden_whole, hidden_part = whole.embed(tokens), part.embed(tokens)
+            else:
+                hidden_whole = hidden_part = mx.random.normal((1, 4, 64), key=mx.random.key(1))
+            out_whole = whole.forward(hidden_whole, whole.make_cache())
+            out_part = part.forward(hidden_part, part.make_cache())
+            if is_last:
+                out_whole, out_part = whole.logits(out_whole), part.logits(out_part)
+            assert mx.array_equal(out_whole, out_part).item(), (arch, layers)
+    finally:
+        source.close()
