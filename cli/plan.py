@@ -102,7 +102,7 @@ def print_dry_run(args: argparse.Namespace, facts) -> int:
     for check in capability_checks(inputs):
         print(f"  [{'PASS' if check.passed else 'FAIL'}] {check.name}: {check.detail}")
     decision = decide(inputs)
-    closed = " (explicit tp failed closed)" if decision.failed_closed else ""
+    closed = f" (explicit {args.parallelism} failed closed)" if decision.failed_closed else ""
     print(f"decision: {decision.chosen.value}{closed}")
     print(f"reason: {decision.reason}")
     return 0
