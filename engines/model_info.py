@@ -60,7 +60,7 @@ class ModelFacts:
     def reference(self) -> str:
         """What another machine resolves to the same files: repo@commit, or the path."""
         if self.repo_id is None:
-            return str(self.path)
+            return str(self.path.resolve())  # never a relative path another machine misreads
         return f"{self.repo_id}@{self.revision or 'main'}"
 
     @property
