@@ -37,6 +37,13 @@ def resolve_cluster_key(
     return (load_key_file(stored), False) if stored.exists() else (None, False)
 
 
+def default_model_id(model: str | None, facts: Any) -> str:
+    """The name clients use: the repo id, the directory's name, or the demo model's name."""
+    if model is None:
+        return DEMO_MODEL_ID
+    return facts.repo_id or facts.path.name
+
+
 def join_command(key: bytes, interface: str | None) -> str:
     from discovery.cluster_key import format_key
 
@@ -179,7 +186,7 @@ def serve(config: ServeConfig) -> int:
 
     log.info("BLAS: %s", blas.status().describe())
     facts = resolve_model(config.model, config.cache_dir)
-    model_id = config.model_id or (DEMO_MODEL_ID if config.model is None else facts.path.name)
+    model_id = config.model_id or default_model_id(config.model, facts)
     wants_cluster = config.parallelism != Parallelism.SINGLE
     key, created = resolve_cluster_key(
         config.cluster_key, config.cluster_key_file, config.state_dir, create=wants_cluster
@@ -192,6 +199,7 @@ def serve(config: ServeConfig) -> int:
     coordinator = coordinator_resources(node_id, config.memory_limit)
     service = Service(
         model_id=model_id,
+        model_revision=facts.revision,
         tokenizer=None,
         limits=ServiceLimits(
             max_tokens_cap=config.max_tokens_cap,
@@ -228,8 +236,15 @@ def serve(config: ServeConfig) -> int:
         )
         supervisor.membership = membership
     address = coordinator_address(config.interface, membership.members() if membership else [])
+    weights = None
+    if membership is not None and key is not None and config.send_weights:
+        from engines.weights.source import WeightSource
+
+        weights = WeightSource(facts.path, key, address, config.cache_dir)
     supervisor.launch_settings = LaunchSettings(
         model_path=facts.path,
+        model_reference=facts.reference,
+        weights=weights,
         cluster_key=key,
         coordinator_address=address,
         max_batch=config.max_batch,
@@ -237,6 +252,8 @@ def serve(config: ServeConfig) -> int:
     service.cluster_status = supervisor.status
     service.pressure = watch_memory(service, supervisor, node_id, config.memory_budget)
     request_log = open_request_log(config, service)
+    if weights is not None:
+        service.cluster_status = lambda: {**supervisor.status(), "weights": weights.status()}
     try:
         try:
             with waiting("starting the engine"):
@@ -251,7 +268,13 @@ def serve(config: ServeConfig) -> int:
             dashboard_open=config.observability.dashboard_open,
             stopping=stopping,
         )
-        log.info("serving %s on http://%s:%d/v1", model_id, config.host, config.port)
+        log.info(
+            "serving %s (%s) on http://%s:%d/v1",
+            model_id,
+            facts.display_name,
+            config.host,
+            config.port,
+        )
         log.info("dashboard: http://%s:%d/  metrics: /metrics", config.host, config.port)
         run_http_server(app, config.host, config.port, stopping)
     finally:
@@ -261,4 +284,6 @@ def serve(config: ServeConfig) -> int:
             membership.close()
         if request_log is not None:  # last: the requests failed by the shutdown are logged too
             request_log.close()
+        if weights is not None:
+            weights.close()
     return 0

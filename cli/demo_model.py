@@ -11,12 +11,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo-model", help="write a small random-weight model with a real tokenizer"
     )
     parser.add_argument("path", type=Path, help="directory to create")
-    parser.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
+    parser.add_argument(
+        "--arch",
+        default="llama",
+        help="mlx-lm model type: llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text, phi3, "
+        "gpt_oss or deepseek_v3 (checked against engines/demo_model.py's list)",
+    )
     parser.add_argument("--layers", type=int)
     parser.add_argument("--heads", type=int, help="attention heads")
     parser.add_argument("--kv-heads", type=int)
     parser.add_argument("--hidden", type=int, help="hidden size")
     parser.add_argument("--seed", type=int)
+    parser.add_argument(
+        "--quantize",
+        type=int,
+        choices=[4, 8],
+        help="bits per weight, quantized with mlx-lm's converter (default: float)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -32,9 +43,11 @@ def run(args: argparse.Namespace) -> int:
         "kv_heads": args.kv_heads,
         "hidden": args.hidden,
         "seed": args.seed,
+        "quantize": args.quantize,
     }
     spec = DemoSpec(**{k: v for k, v in overrides.items() if v is not None})
     with steps("demo model", DEMO_BUILD_STEPS) as advance:
         path = write_demo_model(args.path, spec, progress=advance)
-    print(f"wrote {spec.arch} demo model to {path}")
+    quantized = f" ({spec.quantize}-bit)" if spec.quantize else ""
+    print(f"wrote {spec.arch}{quantized} demo model to {path}")
     return 0

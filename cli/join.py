@@ -50,6 +50,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(parser, "--memory-limit", help="report at most this much memory, e.g. 512M or 8G")
     add_memory_budget_flag(parser)
     add_flag(
+        parser,
+        "--cache-dir",
+        default=Path.home() / ".cache" / "tandem",
+        cast=Path,
+        help="where models fetched from the coordinator are kept (under models/CONTENT-HASH)",
+    )
+    add_flag(
         parser, "--heartbeat-interval", default=1.0, cast=float, help="seconds between heartbeats"
     )
     add_flag(
@@ -143,6 +150,7 @@ def config_from_args(args: argparse.Namespace):  # -> AgentConfig (imported lazi
         # Detected within the limit plus one heartbeat: inside the coordinator's --lost-after.
         worker_frozen_s=max(args.lost_after - 2 * args.heartbeat_interval, args.heartbeat_interval),
         role_modules=role_modules,
+        cache_dir=Path(args.cache_dir).expanduser(),
     )
 
 

@@ -1,22 +1,30 @@
-"""Which model a command works on: the --model directory, or the built-in demo model."""
+"""Which model a command works on: --model (a directory or a Hugging Face id), or the demo."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 
-def resolve_model(model: Path | None, cache_dir: Path):
-    """Inspect `model`, or generate the demo model once into `cache_dir` and inspect that."""
+def resolve_model(model: str | Path | None, cache_dir: Path):
+    """Inspect `model` (a directory, or ORG/NAME[@REV] fetched into or found in the Hugging
+    Face cache), or generate the demo model once into `cache_dir` and inspect that."""
     from engines.demo_model import DEMO_BUILD_STEPS, DemoSpec, ensure_demo_model
     from engines.model_info import inspect_model
+    from engines.model_reference import resolve_reference
 
     from .progress import steps
 
     if model is None:
         with steps("demo model", DEMO_BUILD_STEPS) as advance:
-            model = ensure_demo_model(cache_dir, DemoSpec(), progress=advance)
-        log.info("no --model given: using the built-in demo model at %s", model)
-    return inspect_model(model)
+            path = ensure_demo_model(cache_dir, DemoSpec(), progress=advance)
+        log.info("no --model given: using the built-in demo model at %s", path)
+        return inspect_model(path)
+    reference = resolve_reference(model)
+    facts = inspect_model(reference.path)
+    return dataclasses.replace(
+        facts, repo_id=reference.repo_id, revision=reference.commit or reference.revision
+    )

@@ -16,7 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="dry-run the planner: for given inputs (--world-size) or against the live cluster",
     )
     add_flag(
-        parser, "--model", cast=Path, help="model directory (default: the built-in demo model)"
+        parser,
+        "--model",
+        help="model directory or Hugging Face repo id ORG/NAME[@REV] (default: the demo model)",
     )
     add_flag(
         parser,
@@ -77,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from .coordinator import plan_live_cluster
 
     plan, _members = plan_live_cluster(args, facts)
+    print(f"model: {facts.display_name} ({facts.model_type}, {facts.num_layers} layers)")
     for line in plan.describe():
         print(line)
     return 2 if plan.refusal else 0
@@ -90,15 +93,16 @@ def print_dry_run(args: argparse.Namespace, facts) -> int:
         kv_heads=facts.kv_heads,
         has_tp_variant=facts.has_tp_variant and not args.no_tp_variant,
         distributed_group_available=not args.no_distributed_group,
+        pipeline_problem=facts.pipeline_problem,
     )
     print(
-        f"model: {facts.path} ({facts.model_type}, {facts.num_layers} layers, "
+        f"model: {facts.display_name} ({facts.model_type}, {facts.num_layers} layers, "
         f"{facts.attention_heads} attention heads, {facts.kv_heads} KV heads)"
     )
     for check in capability_checks(inputs):
         print(f"  [{'PASS' if check.passed else 'FAIL'}] {check.name}: {check.detail}")
     decision = decide(inputs)
-    closed = " (explicit tp failed closed)" if decision.failed_closed else ""
+    closed = f" (explicit {args.parallelism} failed closed)" if decision.failed_closed else ""
     print(f"decision: {decision.chosen.value}{closed}")
     print(f"reason: {decision.reason}")
     return 0

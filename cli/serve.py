@@ -29,7 +29,7 @@ DEFAULT_PORT = 8000
 class ServeConfig:
     """Everything `tandem serve` was asked to do, from flags and their TANDEM_* twins."""
 
-    model: Path | None
+    model: str | None  # a directory or ORG/NAME[@REV]
     model_id: str | None
     parallelism: Parallelism
     host: str
@@ -55,14 +55,19 @@ class ServeConfig:
     cache_dir: Path
     state_dir: Path
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    send_weights: bool = True
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="plan the cluster and serve the OpenAI API")
     add_flag(
-        parser, "--model", cast=Path, help="model directory (default: the built-in demo model)"
+        parser,
+        "--model",
+        help="model directory or Hugging Face repo id ORG/NAME[@REV] (default: the demo model)",
     )
-    add_flag(parser, "--model-id", help="model name clients use (default: the directory name)")
+    add_flag(
+        parser, "--model-id", help="model name clients use (default: the repo id or directory name)"
+    )
     add_flag(
         parser,
         "--parallelism",
@@ -143,7 +148,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cache-dir",
         default=Path.home() / ".cache" / "tandem",
         cast=Path,
-        help="demo model cache",
+        help="demo model cache, and manifests of models sent to agents",
+    )
+    add_flag(
+        parser,
+        "--send-weights",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: an agent that cannot find the model fetches it from this machine over the "
+        "cluster's encrypted channel (pp stages); off: every machine needs its own copy",
     )
     add_flag(
         parser,
@@ -202,6 +215,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         cache_dir=args.cache_dir,
         state_dir=args.state_dir,
         observability=observability_from_args(args),
+        send_weights=args.send_weights == "auto",
     )
 
 

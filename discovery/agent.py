@@ -70,6 +70,7 @@ class AgentConfig:
     handshake_timeout_s: float = 5.0
     duplicate_check_s: float = 1.5
     role_modules: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_MODULES))
+    cache_dir: Path | None = None  # where models fetched from a coordinator are kept
 
 
 class CoordinatorSession:
@@ -163,8 +164,15 @@ class CoordinatorSession:
                 on_exit=self._relay_exit,
             )
             self.worker = worker
+        payload = dict(message.payload)
+        if isinstance(payload.get("weights"), dict) and self.agent.config.cache_dir is not None:
+            # The coordinator says where to fetch from; this machine says where to keep it.
+            payload["weights"] = {
+                **payload["weights"],
+                "cache_dir": str(self.agent.config.cache_dir / "models"),
+            }
         try:
-            worker.start(message.payload)
+            worker.start(payload)
         except OSError as error:
             worker.state = "failed"
             self._send_quietly(

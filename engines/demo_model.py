@@ -1,4 +1,5 @@
-"""Deterministic random-weight demo models (llama or qwen3) with a real trained BPE tokenizer."""
+"""Deterministic random-weight demo models (llama, qwen3 and more mlx-lm families, optionally
+quantized) with a real trained BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from planner.errors import ConfigError
+
+from .demo_architectures import ARCHITECTURE_NAMES, CONFIG_EXTRAS, TIED_BY_DEFAULT, make_weights
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,14 @@ MAX_POSITIONS = 4096
 DEFAULT_HEAD_DIM = 32
 PRINTABLE = frozenset(string.ascii_letters + string.digits + string.punctuation + " \n")
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    **ARCHITECTURE_NAMES,  # built from mlx-lm's class by demo_architectures.py
+}
+HAND_WRITTEN = frozenset({"llama", "qwen3"})
+QUANTIZE_BITS = (4, 8)
+QUANTIZE_GROUP_SIZE = 32  # divides every demo dimension (hidden and heads x head_dim >= 32)
 ROPE_THETA = {"llama": 10000.0, "qwen3": 1000000.0}
 RMS_NORM_EPS = {"llama": 1e-5, "qwen3": 1e-6}
 # The safetensors tag of each weight dtype a demo model can be written in.
@@ -62,6 +72,12 @@ EMBEDDING_STD = 1.0
 LINEAR_GAIN = 2.0
 HEAD_GAIN = 4.0
 TIED_EMBEDDING_STD = 0.6
+GAINS = {
+    "embedding_std": EMBEDDING_STD,
+    "tied_embedding_std": TIED_EMBEDDING_STD,
+    "linear_gain": LINEAR_GAIN,
+    "head_gain": HEAD_GAIN,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +95,7 @@ class DemoSpec:
     tied: bool | None = None  # None: llama untied, qwen3 tied (as the real families ship)
     seed: int = 0
     dtype: str = "float32"
+    quantize: int | None = None  # bits (4 or 8): quantized with mlx-lm's converter
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -103,6 +120,8 @@ class DemoSpec:
                 f"demo head_dim must be even (RoPE rotates pairs), got {self.head_size} "
                 f"(hidden {self.hidden_size}, heads {self.heads}); pass head_dim or another hidden"
             )
+        if self.quantize is not None and self.quantize not in QUANTIZE_BITS:
+            raise ConfigError(f"demo quantize must be one of {QUANTIZE_BITS}, got {self.quantize}")
         if not 300 <= self.vocab <= 65536:
             raise ConfigError(f"demo vocab must be in 300..65536, got {self.vocab}")
 
@@ -124,13 +143,18 @@ class DemoSpec:
 
     @property
     def tie_embeddings(self) -> bool:
-        return self.tied if self.tied is not None else self.arch == "qwen3"
+        if self.tied is not None:
+            return self.tied
+        return self.arch == "qwen3" or self.arch in TIED_BY_DEFAULT
 
     def digest(self) -> str:
         """A short hash of everything that determines the files: spec, generator, corpus."""
+        fields = dataclasses.asdict(self)
+        if fields["quantize"] is None:
+            del fields["quantize"]  # added later: unquantized specs keep their digests
         payload = (
             json.dumps(
-                {"spec": dataclasses.asdict(self), "generator": GENERATOR_VERSION},
+                {"spec": fields, "generator": GENERATOR_VERSION},
                 sort_keys=True,
             ).encode()
             + hashlib.sha256(CORPUS_PATH.read_bytes()).digest()
@@ -147,7 +171,8 @@ def default_demo_path(cache_dir: Path | None = None, spec: DemoSpec = DEFAULT_SP
     The CLI passes $XDG_CACHE_HOME/tandem when that is set; nothing here reads the environment.
     """
     root = cache_dir if cache_dir is not None else Path.home() / ".cache" / "tandem"
-    return root / f"demo-{spec.arch}-{spec.digest()}"
+    quantized = f"-q{spec.quantize}" if spec.quantize else ""
+    return root / f"demo-{spec.arch}{quantized}-{spec.digest()}"
 
 
 def ensure_demo_model(
@@ -217,17 +242,55 @@ def _build_staging(
         advance("tokenizer")
         _write_text(staging / "tokenizer.json", tokenizer_json)
         _write_text(staging / "tokenizer_config.json", _dump(_tokenizer_config()))
-        _write_text(staging / "config.json", _dump(_model_config(spec, vocab_size)))
+        config = _model_config(spec, vocab_size)
+        _write_text(staging / "config.json", _dump(config))
         _write_text(staging / "demo_spec.json", _dump(dataclasses.asdict(spec)))
         advance("config")
-        weights = _make_weights(spec, vocab_size, _silent_ids(tokenizer_json))
+        silent = _silent_ids(tokenizer_json)
+        if spec.arch in HAND_WRITTEN:
+            weights = _make_weights(spec, vocab_size, silent)
+        else:
+            weights = make_weights(config, spec.tie_embeddings, silent, spec.seed, GAINS)
         advance("weights")
         _write_safetensors(staging / "model.safetensors", weights, spec)
         advance("safetensors")
+        if spec.quantize:
+            staging = _quantize(staging, path, spec)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return staging
+
+
+def _quantize(staging: Path, path: Path, spec: DemoSpec) -> Path:
+    """Quantize the float model in `staging` with mlx-lm's converter; returns the new staging.
+
+    The converter writes weights, config (with its quantization entry) and tokenizer files;
+    the demo spec is copied over.
+    """
+    from mlx_lm.convert import convert
+
+    quantized = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.partial-")) / "q"
+    try:
+        convert(
+            str(staging),
+            mlx_path=str(quantized),
+            quantize=True,
+            q_bits=spec.quantize,
+            q_group_size=QUANTIZE_GROUP_SIZE,
+        )
+        shutil.copyfile(staging / "demo_spec.json", quantized / "demo_spec.json")
+    except BaseException:
+        shutil.rmtree(quantized.parent, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    # Publish the converter's directory itself: move it up out of its temporary parent.
+    final = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.partial-"))
+    os.rmdir(final)
+    os.rename(quantized, final)
+    shutil.rmtree(quantized.parent, ignore_errors=True)
+    return final
 
 
 @functools.lru_cache(maxsize=4)
@@ -289,7 +352,7 @@ def _tokenizer_config() -> dict:
 
 
 def _model_config(spec: DemoSpec, vocab_size: int) -> dict:
-    return {
+    config = {
         "model_type": spec.arch,
         "architectures": [ARCHITECTURES[spec.arch]],
         "hidden_size": spec.hidden_size,
@@ -300,14 +363,17 @@ def _model_config(spec: DemoSpec, vocab_size: int) -> dict:
         "head_dim": spec.head_size,
         "vocab_size": vocab_size,
         "max_position_embeddings": MAX_POSITIONS,
-        "rms_norm_eps": RMS_NORM_EPS[spec.arch],
-        "rope_theta": ROPE_THETA[spec.arch],
+        "rms_norm_eps": RMS_NORM_EPS.get(spec.arch, 1e-5),
+        "rope_theta": ROPE_THETA.get(spec.arch, 10000.0),
         "tie_word_embeddings": spec.tie_embeddings,
         "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
         "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
         "pad_token_id": SPECIAL_TOKENS.index(PAD_TOKEN),
         "torch_dtype": spec.dtype,
     }
+    if spec.arch in CONFIG_EXTRAS:
+        config.update(CONFIG_EXTRAS[spec.arch](spec))
+    return config
 
 
 def _make_weights(

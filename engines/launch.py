@@ -43,6 +43,16 @@ class LaunchSettings:
     token_timeout_s: float = 10.0
     ring_port_base: int = DEFAULT_RING_PORT_BASE
     max_batch: int = 16  # sequences decoded together
+    # What other machines resolve to the same files (repo@commit through their own Hugging
+    # Face cache, or a path that must exist there); None: model_path.
+    model_reference: str | None = None
+    # The coordinator's weight server (engines/weights/source.py): agents that lack the model
+    # fetch it from here. None: every machine must find it itself.
+    weights: Any = None
+
+    @property
+    def remote_model(self) -> str:
+        return self.model_reference or str(self.model_path)
 
 
 def build_engine(
@@ -90,7 +100,7 @@ def _build_tensor_parallel(
     specs = ring_specs(
         rank_addresses,
         ports,
-        settings.model_path,
+        settings.remote_model,
         max_batch=settings.max_batch,
         upcast_float32=_upcast(plan),
         prefix_cache_bytes=plan.prefix_cache_bytes,
@@ -98,6 +108,13 @@ def _build_tensor_parallel(
     share = _share_cores(plan, addresses, settings.coordinator_address)
     for spec, address in zip(specs, rank_addresses, strict=True):
         spec["blas_threads"] = _threads_at(address, share, settings)
+    if settings.weights is not None:
+        from discovery.cluster_key import format_key
+
+        # Ranks that lack the model fetch all of it (mlx-lm's shard slices after loading).
+        for spec in specs[1:]:
+            spec["weights"] = settings.weights.offer()
+            spec["cluster_key"] = format_key(settings.cluster_key)
     for rank, node_id in enumerate(plan.ranks[1:], start=1):
         membership.assign(node_id, TP_ROLE, specs[rank])
     endpoints = ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports, strict=True))
@@ -163,7 +180,7 @@ def _assign_stages(
         stage = plan.stages[index]
         address = addresses[stage.node_id]
         spec = {
-            "model_path": str(settings.model_path),
+            "model_path": settings.remote_model,
             "layers": [stage.layers.start, stage.layers.stop],
             "is_last": index == len(plan.stages) - 1,
             "listen_host": address,
@@ -175,6 +192,8 @@ def _assign_stages(
             "blas_threads": _threads_at(address, share, settings),
             "upcast_float32": _upcast(plan),
         }
+        if settings.weights is not None:
+            spec["weights"] = settings.weights.offer(stage.layers, spec["is_last"])
         assignment = membership.assign(stage.node_id, PP_ROLE, spec)
         try:
             ready = membership.wait_ready(assignment, settings.ready_timeout_s)

@@ -52,6 +52,23 @@ class ModelFacts:
     has_pipeline_variant: bool  # mlx-lm's Model class defines pipeline(group)
     intermediate_size: int = 0  # MLP width; 0 when the config does not say
     quantized: bool = False
+    pipeline_problem: str = ""  # why tandem's pipeline engine cannot split it ("" when it can)
+    repo_id: str | None = None  # the Hugging Face repo the directory is a snapshot of
+    revision: str | None = None  # its commit (or the revision asked for)
+
+    @property
+    def reference(self) -> str:
+        """What another machine resolves to the same files: repo@commit, or the path."""
+        if self.repo_id is None:
+            return str(self.path.resolve())  # never a relative path another machine misreads
+        return f"{self.repo_id}@{self.revision or 'main'}"
+
+    @property
+    def display_name(self) -> str:
+        """The model as people name it: repo@commit (shortened), or the directory."""
+        if self.repo_id is None:
+            return str(self.path)
+        return f"{self.repo_id}@{(self.revision or 'main')[:12]}"
 
     @property
     def can_upcast(self) -> bool:
@@ -77,6 +94,7 @@ class ModelFacts:
             dtype_bytes=self.dtype_bytes * scale,
             has_tp_variant=self.has_tp_variant,
             intermediate_size=self.intermediate_size,
+            pipeline_problem=self.pipeline_problem,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,6 +145,7 @@ def inspect_model(path: Path | str) -> ModelFacts:
         has_pipeline_variant=has_pipeline_variant,
         intermediate_size=int(_lookup(config, "intermediate_size") or 0),
         quantized=bool(_lookup(config, "quantization") or _lookup(config, "quantization_config")),
+        pipeline_problem=_pipeline_problem(config),
     )
 
 
@@ -238,3 +257,10 @@ def _mlx_lm_variants(config: dict[str, Any], path: Path) -> tuple[bool, bool]:
     return callable(getattr(model_class, "shard", None)), callable(
         getattr(model_class, "pipeline", None)
     )
+
+
+def _pipeline_problem(config: dict[str, Any]) -> str:
+    """Why the pipeline engine cannot split this architecture ('' when it can)."""
+    from engines.pipeline.layout import pipeline_problem
+
+    return pipeline_problem(config)

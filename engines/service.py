@@ -37,6 +37,7 @@ class Service:
 
     model_id: str
     tokenizer: Any
+    model_revision: str | None = None  # the Hugging Face commit served, when from a repo
     limits: ServiceLimits = field(default_factory=ServiceLimits)
     runner: EngineRunner | None = None
     state: str = "starting"

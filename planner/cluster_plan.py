@@ -260,6 +260,9 @@ def _plan_tp(
     if choice is not Parallelism.AUTO:
         refusal = f"tp does not fit: {shortfall} (per node: {_list_fits(fits)})"
         return ClusterPlan(decision, checks, sizing.node_ids, (), fits, refusal, backend)
+    if shape_problem := sizing.shape.pipeline_problem:
+        refusal = f"tp does not fit: {shortfall}, and pp cannot run the model: {shape_problem}"
+        return ClusterPlan(decision, checks, sizing.node_ids, (), fits, refusal, backend)
     # Heterogeneous-cluster fallback: a proportional pipeline may fit where equal shards cannot.
     reason = f"auto -> pp: {shortfall}; layers split in proportion to memory"
     plan = _plan_pp(Decision(Parallelism.PP, reason), checks, sizing)
@@ -322,6 +325,7 @@ def plan_cluster(
         intermediate_size=shape.intermediate_size,
         has_tp_variant=shape.has_tp_variant,
         distributed_group_available=backend is not None,
+        pipeline_problem=shape.pipeline_problem,
     )
     decision = decide(inputs)
     checks: list[RuleCheck] = []

@@ -13,6 +13,7 @@ VARIANT_RULE = "tensor-parallel variant"
 ATTENTION_RULE = "attention heads"
 KV_RULE = "KV heads"
 MLP_RULE = "MLP size"
+PIPELINE_RULE = "pipeline architecture"
 
 
 class Parallelism(StrEnum):
@@ -40,6 +41,7 @@ class DecisionInputs:
     has_tp_variant: bool
     distributed_group_available: bool
     intermediate_size: int = 0  # the MLP width every tp rank splits; 0 when unknown
+    pipeline_problem: str = ""  # why the pipeline engine cannot split the model; "" if it can
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,14 @@ def capability_checks(inputs: DecisionInputs) -> tuple[RuleCheck, ...]:
     )
     if inputs.intermediate_size:  # the same rule the tp worker enforces before loading
         checks += (_heads_check(MLP_RULE, inputs.intermediate_size, size),)
-    return checks
+    return (*checks, pipeline_check(inputs))
+
+
+def pipeline_check(inputs: DecisionInputs) -> RuleCheck:
+    """Whether the pipeline engine can split this model's architecture into stages."""
+    if inputs.pipeline_problem:
+        return RuleCheck(PIPELINE_RULE, False, inputs.pipeline_problem)
+    return RuleCheck(PIPELINE_RULE, True, "the pipeline engine can split this architecture")
 
 
 def tp_split_problems(
@@ -109,9 +118,10 @@ def tp_split_problems(
 
 
 def decide(inputs: DecisionInputs) -> Decision:
-    """Apply the rules in order: no peer, explicit single/pp, explicit tp (fails closed), auto."""
+    """Apply the rules in order: no peer, explicit single, explicit pp or tp (each fails closed
+    when its engine cannot run the model), auto (tp, else pp, else single)."""
     choice = Parallelism(inputs.operator_choice)  # also accepts the plain string "tp"
-    world, *capabilities = capability_checks(inputs)
+    world, *capabilities, pipeline = capability_checks(inputs)
     # Rule 1: without a peer there is nothing to split, whatever was asked.
     if not world.passed:
         reason = f"{world.detail}; running single (operator asked for {choice.value})"
@@ -119,6 +129,9 @@ def decide(inputs: DecisionInputs) -> Decision:
     if choice is Parallelism.SINGLE:
         return Decision(Parallelism.SINGLE, "operator asked for single")
     if choice is Parallelism.PP:
+        if not pipeline.passed:
+            reason = f"operator asked for pp but {pipeline.detail}; failing closed to single"
+            return Decision(Parallelism.SINGLE, reason, failed_closed=True)
         reason = f"operator asked for pp across worldSize={inputs.world_size}"
         return Decision(Parallelism.PP, reason)
 
@@ -133,4 +146,6 @@ def decide(inputs: DecisionInputs) -> Decision:
         return Decision(Parallelism.SINGLE, reason, failed_closed=True)
     if not missing:
         return Decision(Parallelism.TP, f"auto -> tp: {held}")
+    if not pipeline.passed:
+        return Decision(Parallelism.SINGLE, f"auto -> single: {missing[0]}, and {pipeline.detail}")
     return Decision(Parallelism.PP, f"auto -> pp: {missing[0]}")

@@ -31,6 +31,7 @@ class ModelShape:
     dtype_bytes: int
     has_tp_variant: bool
     intermediate_size: int = 0  # MLP width (0 when unknown): tp splits it too
+    pipeline_problem: str = ""  # why the pipeline engine cannot split it; "" when it can
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "attention_heads", "kv_heads", "head_dim", "dtype_bytes"):

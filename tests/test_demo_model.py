@@ -216,3 +216,33 @@ def test_odd_heads_model_is_not_divisible_by_two(odd_heads_model_dir: Path) -> N
     assert config["num_key_value_heads"] % 2 == 1
     model, tokenizer = mlx_lm.load(str(odd_heads_model_dir))
     assert len(greedy_tokens(model, tokenizer, PROMPTS[2], 8)) == 8
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "deepseek_v3"])
+def test_mlx_lm_architectures_are_byte_identical_and_load(arch: str, tmp_path: Path) -> None:
+    first = write_demo_model(tmp_path / "a", DemoSpec(arch=arch, **SMALL))
+    second = write_demo_model(tmp_path / "b", DemoSpec(arch=arch, **SMALL))
+    assert file_digests(first) == file_digests(second)
+    model, tokenizer = mlx_lm.load(str(first))
+    assert type(model).__module__ == f"mlx_lm.models.{arch}"
+    assert len(set(greedy_tokens(model, tokenizer, PROMPTS[0], 16))) >= 4  # not stuck
+
+
+def test_quantized_demo_model_keeps_its_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    path = ensure_demo_model(tmp_path, DemoSpec(arch="qwen3_moe", quantize=4, **SMALL))
+    assert path.name.startswith("demo-qwen3_moe-q4-")
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+    assert json.loads((path / "demo_spec.json").read_text())["quantize"] == 4
+    model, tokenizer = mlx_lm.load(str(path))
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat.endswith("<|assistant|>\n")
+    assert len(greedy_tokens(model, tokenizer, PROMPTS[1], 8)) == 8
+
+
+def test_unquantized_specs_keep_their_digest() -> None:
+    # quantize was added later; specs without it hash as before (cached models stay valid).
+    assert "quantize" not in json.dumps(DemoSpec().digest())
+    assert DemoSpec(quantize=None).digest() == DemoSpec().digest() != DemoSpec(quantize=8).digest()

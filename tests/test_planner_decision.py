@@ -218,6 +218,7 @@ def test_capability_checks_list_every_rule_with_numbers() -> None:
         "tensor-parallel variant",
         "attention heads",
         "KV heads",
+        "pipeline architecture",
     ]
     assert checks[3] == RuleCheck(
         "attention heads", True, "attention heads 32 divide evenly across worldSize=4"
@@ -254,3 +255,28 @@ def test_the_mlp_width_must_split_like_the_heads(choice, intermediate, expected)
 def test_tp_split_problems_is_the_workers_rule() -> None:
     assert tp_split_problems(8, 4, 1024, 2) == []
     assert tp_split_problems(3, 3, 1001, 2) == ["3 attention heads", "3 KV heads", "1001 MLP size"]
+
+
+RECURRENT = "layer 0 keeps a MambaCache, not a KV cache"
+
+
+@pytest.mark.parametrize(
+    ("choice", "has_tp_variant", "chosen", "failed_closed", "reason"),
+    [
+        pytest.param(PP, True, SINGLE, True, "operator asked for pp but " + RECURRENT, id="pp"),
+        pytest.param(AUTO, True, TP, False, "auto -> tp", id="auto-tp"),
+        pytest.param(AUTO, False, SINGLE, False, "auto -> single: model has no", id="auto"),
+        pytest.param(TP, True, TP, False, "operator asked for tp", id="tp"),
+    ],
+)
+def test_a_model_the_pipeline_cannot_split(
+    choice: Parallelism, has_tp_variant: bool, chosen: Parallelism, failed_closed: bool, reason: str
+) -> None:
+    decision_inputs = replace(
+        inputs(choice, has_tp_variant=has_tp_variant), pipeline_problem=RECURRENT
+    )
+    decision = decide(decision_inputs)
+    assert (decision.chosen, decision.failed_closed) == (chosen, failed_closed)
+    assert decision.reason.startswith(reason)
+    check = capability_checks(decision_inputs)[-1]
+    assert check == RuleCheck("pipeline architecture", False, RECURRENT)

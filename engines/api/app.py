@@ -74,7 +74,7 @@ def create_info_router(service: Service) -> APIRouter:
     started = int(time.time())
 
     def model_card() -> ModelCard:
-        return ModelCard(id=service.model_id, created=started)
+        return ModelCard(id=service.model_id, created=started, revision=service.model_revision)
 
     @router.get("/v1/models")
     async def list_models() -> ModelList:

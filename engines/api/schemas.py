@@ -195,6 +195,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tandem"
+    revision: str | None = None  # Hugging Face commit of the weights (tandem extension)
 
 
 class ModelList(BaseModel):

@@ -1,4 +1,4 @@
-"""One pipeline stage's share of a model: load only its layers and run exactly their forward."""
+"""One pipeline stage's share of a model: only its layers, run with mlx-lm's own modules."""
 
 from __future__ import annotations
 
@@ -11,24 +11,24 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import MODEL_REMAPPING, load_config, load_model
+from mlx_lm.utils import load_config, load_model
 
-from planner.errors import EngineError
+from planner.errors import EngineError, ModelError
 
+from ..model_reference import local_model_path
 from ..precision import upcast_on_cpu
+from ..weights.manifest import is_partial_copy
+from .layout import StageLayout, apply_softcap, describe, pipeline_problem
 
 log = logging.getLogger(__name__)
-
-# mlx-lm architectures (module names under mlx_lm.models) whose forward pass is exactly
-# embed_tokens -> layers(h, mask, cache) -> norm -> lm_head | tied embeddings, which is what
-# StageModel reproduces. Checked against mlx-lm 0.32.2; "mistral" loads as "llama".
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "olmo2", "internlm3")
 
 
 class StageModel:
     """The modules one stage needs: its layers, plus embeddings (first) or norm and head (last).
 
-    Built by `load()`; the other layers' weights are never read from disk.
+    Built by `load()` from mlx-lm's own model class, whatever the architecture (see layout.py
+    for what "the usual shape" is and which differences are handled); the other layers'
+    weights are never read from disk.
     """
 
     def __init__(
@@ -41,10 +41,8 @@ class StageModel:
         embed_tokens: nn.Module | None,
         norm: nn.Module | None,
         head: nn.Module | None,
-        tied_head: bool,
-        sliding_window: int | None,
+        layout: StageLayout,
         cache_template: list[Any],
-        model_type: str,
         peak_memory_bytes: int,
     ) -> None:
         self.layers = layers
@@ -54,9 +52,10 @@ class StageModel:
         self.embed_tokens = embed_tokens
         self.norm = norm
         self.head = head
-        self.tied_head = tied_head
-        self.sliding_window = sliding_window
-        self.model_type = model_type
+        self.layout = layout
+        self.tied_head = layout.tied_head
+        self.model_type = layout.architecture
+        self.windows = layout.windows[layers.start : layers.stop]
         self.peak_memory_bytes = peak_memory_bytes
         self._cache_template = cache_template
 
@@ -72,29 +71,33 @@ class StageModel:
     def load(
         cls, model_path: Path, layers: range, is_last: bool, upcast: bool = False
     ) -> StageModel:
-        """Load the weights of `layers` (and the embeddings / head when this stage needs them)."""
-        model_path = Path(model_path)
+        """Load the weights of `layers` (and the embeddings / head when this stage needs them).
+
+        `model_path` is a directory, or repo@commit resolved through this machine's Hugging
+        Face cache (what an agent is sent).
+        """
         try:
-            model_type = str(load_config(model_path).get("model_type"))
+            model_path = local_model_path(model_path)
+        except ModelError as error:
+            raise EngineError(str(error)) from error
+        try:
+            config = load_config(model_path)
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot read the model config in {model_path}: {error}") from error
-        architecture = MODEL_REMAPPING.get(model_type, model_type)
-        if architecture not in SUPPORTED_ARCHITECTURES:
+        problem = pipeline_problem(config)
+        if problem:
             raise EngineError(
-                f"model type {model_type!r} ({model_path}) is not supported by the pipeline "
-                f"engine; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"model type {config.get('model_type')!r} ({model_path}) is not supported by "
+                f"the pipeline engine: {problem}"
             )
         mx.reset_peak_memory()
         try:
-            model, _ = load_model(model_path, lazy=True)
-        except (OSError, ValueError, KeyError) as error:
+            # A stage's share fetched from the coordinator holds only its own tensors.
+            model, _ = load_model(model_path, lazy=True, strict=not is_partial_copy(model_path))
+            layout = describe(model)
+        except (OSError, ValueError, KeyError, ModelError) as error:
             raise EngineError(f"cannot load model {model_path}: {error}") from error
-        if not _has_llama_layout(model):
-            raise EngineError(
-                f"model type {model_type!r} ({model_path}) lacks model.embed_tokens / layers / "
-                f"norm, which the pipeline engine needs"
-            )
-        inner = model.model
+        inner = getattr(model, layout.inner)
         total = len(inner.layers)
         if not (0 <= layers.start < layers.stop <= total) or layers.step != 1:
             raise EngineError(
@@ -106,14 +109,12 @@ class StageModel:
                 f"stage [{layers.start}, {layers.stop}) is_last={is_last} contradicts the "
                 f"model's {total} layers: the last stage ends at layer {total}"
             )
-        tied = bool(getattr(model.args, "tie_word_embeddings", False)) or not hasattr(
-            model, "lm_head"
-        )
         is_first = layers.start == 0
         blocks = [inner.layers[index] for index in layers]
-        embed = inner.embed_tokens if (is_first or (is_last and tied)) else None
-        norm = inner.norm if is_last else None
-        head = (None if tied else model.lm_head) if is_last else None
+        embedding = getattr(inner, layout.embedding)
+        embed = embedding if (is_first or (is_last and layout.tied_head)) else None
+        norm = getattr(inner, layout.norm) if is_last else None
+        head = model.lm_head if (is_last and not layout.tied_head) else None
         cache_template = make_prompt_cache(model)[layers.start : layers.stop]
         kept = [module for module in (*blocks, embed, norm, head) if module is not None]
         # Evaluating only the kept modules reads only their tensors from the safetensors files.
@@ -130,10 +131,8 @@ class StageModel:
             embed_tokens=embed,
             norm=norm,
             head=head,
-            tied_head=tied,
-            sliding_window=getattr(getattr(blocks[0], "args", None), "sliding_window", None),
+            layout=layout,
             cache_template=cache_template,
-            model_type=architecture,
             peak_memory_bytes=int(mx.get_peak_memory()),
         )
         log.info(
@@ -142,7 +141,7 @@ class StageModel:
             layers.stop,
             total,
             model_path,
-            architecture,
+            layout.architecture,
             stage.peak_memory_bytes / 1e6,
         )
         return stage
@@ -152,26 +151,27 @@ class StageModel:
         return copy.deepcopy(self._cache_template)
 
     def embed(self, tokens: mx.array) -> mx.array:
-        """Token ids (B, L) -> hidden states (B, L, D); first stage only."""
+        """Token ids (B, L) -> hidden states (B, L, D) as the model feeds its first layer."""
         if not self.is_first or self.embed_tokens is None:
             raise EngineError(f"stage [{self.layers.start}, {self.layers.stop}) has no embeddings")
-        return self.embed_tokens(tokens)
+        hidden = self.embed_tokens(tokens)
+        if self.layout.embedding_scale is not None:  # gemma: sqrt(hidden size)
+            hidden = hidden * mx.array(self.layout.embedding_scale, dtype=hidden.dtype)
+        return hidden
 
     def forward(self, hidden: mx.array, cache: list[Any]) -> mx.array:
         """Run this stage's layers over hidden states (B, L, D), updating `cache` in place."""
-        masks: dict[bool, Any] = {}
-        for block, layer_cache in zip(self.blocks, cache, strict=True):
-            sliding = bool(getattr(block, "use_sliding", False))
-            if sliding not in masks:
-                # Same call as the full model; every layer's cache has the same offset (a
-                # BatchKVCache also masks each row's left padding).
-                if sliding:
-                    masks[sliding] = create_attention_mask(
-                        hidden, layer_cache, window_size=self.sliding_window
-                    )
-                else:
-                    masks[sliding] = create_attention_mask(hidden, layer_cache)
-            hidden = block(hidden, masks[sliding], cache=layer_cache)
+        masks: dict[int | None, Any] = {}
+        for block, window, layer_cache in zip(self.blocks, self.windows, cache, strict=True):
+            if window not in masks:
+                # One mask per attention kind, from a cache of that kind, as the model's own
+                # forward builds it (every cache of a kind has the same offset). An array,
+                # not "causal": every mlx-lm attention accepts one (batched caches always
+                # give arrays), some (MLA) accept nothing else.
+                masks[window] = create_attention_mask(
+                    hidden, layer_cache, window_size=window, return_array=True
+                )
+            hidden = block(hidden, masks[window], layer_cache)
         return hidden
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -183,11 +183,8 @@ class StageModel:
             out = self.embed_tokens.as_linear(out)  # (B, L, V)
         else:
             out = self.head(out)
+        if self.layout.logit_softcap is not None:  # gemma2
+            out = apply_softcap(out, self.layout.logit_softcap)
         logits = out[:, -1, :]  # (B, V)
         # As mlx-lm's GenerationBatch: samplers see log-probabilities, row by row.
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def _has_llama_layout(model: nn.Module) -> bool:
-    inner = getattr(model, "model", None)
-    return all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm"))

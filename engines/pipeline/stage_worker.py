@@ -18,9 +18,10 @@ from typing import Any
 from discovery.cluster_key import KEY_BYTES, KEY_PREFIX, parse_key
 from discovery.json_child import ChildNotReady, JsonChild, open_protocol_output
 from discovery.secure_channel import SecureChannel
-from planner.errors import ConfigError, EngineError
+from planner.errors import ConfigError, EngineError, ModelError
 
 from .. import blas
+from ..weights.fetch import model_for_assignment
 from .stage_model import StageModel
 from .stage_server import EncryptedPipelineServer
 
@@ -45,6 +46,8 @@ class StageSpec:
     read_timeout_s: float = 10.0
     blas_threads: int = 0  # this process's share of the cores; 0 keeps the default
     upcast_float32: bool = False  # half-precision weights to float32 on the CPU
+    # Where to fetch the model when this machine lacks it (engines/weights/fetch.py).
+    weights: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, line: str | bytes) -> StageSpec:
@@ -69,6 +72,7 @@ class StageSpec:
                 read_timeout_s=float(raw.get("read_timeout_s", 10.0)),
                 blas_threads=int(raw.get("blas_threads", 0)),
                 upcast_float32=bool(raw.get("upcast_float32", False)),
+                weights=dict(raw["weights"]) if raw.get("weights") else None,
             )
         except KeyError as error:
             raise ConfigError(f"the stage spec lacks the field {error}") from None
@@ -165,10 +169,11 @@ def run(channel_class: Any = SecureChannel) -> int:
         return 2
     log.info("BLAS: %s", blas.set_threads(spec.blas_threads).describe())
     try:
-        stage = StageModel.load(spec.model_path, spec.layers, spec.is_last, spec.upcast_float32)
+        model_path = model_for_assignment(spec.model_path, spec.weights, spec.cluster_key)
+        stage = StageModel.load(model_path, spec.layers, spec.is_last, spec.upcast_float32)
         server = EncryptedPipelineServer(spec, stage, channel_class)
         port = server.bind()
-    except (EngineError, OSError) as error:
+    except (EngineError, ModelError, OSError) as error:
         output.write({"event": "failed", "reason": str(error)})
         return 1
     log.info(

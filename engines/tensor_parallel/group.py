@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,9 @@ class WorkerSpec:
     upcast_float32: bool = False  # half-precision weights to float32 when on the CPU
     prefix_cache_bytes: int = 0  # the whole group's prefix-cache budget; 0 keeps no entries
     log_level: str = "INFO"
+    # Where to fetch the model when this machine lacks it, and the key that channel needs.
+    weights: dict[str, Any] | None = None
+    cluster_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -153,7 +153,13 @@ def load_shard(spec: WorkerSpec) -> tuple[Any, int | None, mx.distributed.Group]
     rank's peak memory stays near its shard instead of the whole model (evaluating every
     parameter at once, as `sharded_load` does, briefly holds the full tensors).
     """
-    model_path = Path(spec.model_path)
+    from discovery.cluster_key import parse_key
+
+    from ..weights.fetch import model_for_assignment
+
+    # A directory, repo@commit in this machine's HF cache, or the coordinator's copy.
+    key = parse_key(spec.cluster_key) if spec.cluster_key else None
+    model_path = model_for_assignment(spec.model_path, spec.weights, key)
     check_shardable(model_path, spec.world_size)
     group = join_group(spec)
     if group.size() != spec.world_size or group.rank() != spec.rank:
