@@ -50,6 +50,7 @@ class PrefixIndex:
     def __init__(self, max_bytes: int, trimmable: bool = True) -> None:
         self.max_bytes = max(max_bytes, 0)
         self.trimmable = trimmable
+        self.off_reason = "" if self.max_bytes else "prefix cache budget is 0"
         self.stats = PrefixStats()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._bytes = 0
@@ -57,6 +58,10 @@ class PrefixIndex:
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
+
+    def turn_off(self, reason: str) -> None:
+        """Keep nothing from now on (before any entry exists), and say why in the snapshot."""
+        self.max_bytes, self.off_reason = 0, reason
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +145,7 @@ class PrefixIndex:
             "prompt_tokens": stats.prompt_tokens,
             "evictions": stats.evictions,
             "evicted_bytes": stats.evicted_bytes,
+            "off_reason": self.off_reason,
         }
 
     def _evict_to(self, budget: int) -> list[int]:

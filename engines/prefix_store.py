@@ -81,6 +81,18 @@ class PrefixStore:
             ) from None
 
 
+def reusable(caches: list[Any]) -> bool:
+    """Whether a model's caches can be kept and restarted from: plain KV caches only.
+
+    Sliding-window (rotating) and recurrent caches hold a window or a state, not every
+    token's KV, so a prefix of them is not what a fresh prefill of that prefix would give.
+    """
+    return all(type(cache) is KVCache for cache in caches)
+
+
+NOT_REUSABLE = "the model's sliding-window or recurrent caches cannot be reused"
+
+
 def cache_bytes(caches: list[Any]) -> int:
     return sum(cache.nbytes for cache in caches)
 

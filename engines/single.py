@@ -9,14 +9,14 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import load as load_model_and_tokenizer
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from planner.errors import EngineError
 
 from .base import Engine, EngineInfo, GenerationRequest, StepOutput
 from .precision import upcast_on_cpu
 from .prefix_index import PrefixIndex
-from .prefix_store import PrefixStore
+from .prefix_store import NOT_REUSABLE, PrefixStore, reusable
 from .sampling import make_request_processors, make_request_sampler, request_seed, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ class SingleEngine(Engine):
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
         self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
-        self.prefix_index.trimmable = can_trim_prompt_cache(make_prompt_cache(self.model))
+        if not reusable(make_prompt_cache(self.model)):
+            self.prefix_index.turn_off(NOT_REUSABLE)
         self._generator = BatchGenerator(
             self.model,
             completion_batch_size=self.max_batch,

@@ -210,3 +210,21 @@ def test_tp_over_the_ring_reuses_the_first_turn_on_every_rank(demo_model_dir, co
     finally:
         runner.close()
         stop_processes(ranks)
+
+
+def test_a_model_with_sliding_window_caches_keeps_nothing_and_says_why(demo_model_factory):
+    """A rotating cache holds a window, not every token: a prefix of it cannot be reused."""
+    engine = SingleEngine(
+        demo_model_factory(arch="gemma3_text", layers=2), prefix_cache_bytes=BUDGET
+    )
+    runner = EngineRunner(engine, max_batch=2)
+    runner.start(LOAD_TIMEOUT_S)
+    try:
+        first, question = conversation(engine.tokenizer)
+        turn_one = run_one(runner, GenerationRequest("a", first, 8))
+        second = follow_up(runner, first, turn_one.tokens, question)
+        assert run_one(runner, GenerationRequest("b", second, 8)).cached_tokens == 0
+        snapshot = engine.info().detail["prefix_cache"]
+        assert snapshot["entries"] == 0 and "sliding-window" in snapshot["off_reason"]
+    finally:
+        runner.close()

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache
 from mlx_lm.utils import load_config, load_tokenizer
 
 from discovery.secure_channel import SecureChannel
@@ -20,6 +19,7 @@ from planner.errors import ChannelError, EngineError
 
 from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
 from ..prefix_index import PrefixHit, PrefixIndex
+from ..prefix_store import NOT_REUSABLE
 from ..sampling import request_seed
 from . import wire
 from .batches import StageBatches
@@ -168,7 +168,8 @@ class EncryptedPipelineEngine(Engine):
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer of {self.model_path}: {error}") from error
         self.stage = StageModel.load(self.model_path, self.layers, False, self.upcast)
-        self.prefix_index.trimmable = can_trim_prompt_cache(self.stage.make_cache())
+        if any(window is not None for window in self.stage.layout.windows):
+            self.prefix_index.turn_off(NOT_REUSABLE)  # windows anywhere in the chain
         chunk_bytes = self.prefill_chunk * self.stage.hidden_size * 4
         if chunk_bytes > wire.MAX_FRAME_BYTES:
             raise EngineError(

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
-from ..prefix_store import PrefixStore
+from ..prefix_store import PrefixStore, reusable
 from ..sampling import make_request_processors, make_request_sampler, token_logprobs
 from .lockstep import Command, update_checksum
 
@@ -42,7 +43,8 @@ class ShardBatch:
         self._from_generator: dict[int, int] = {}
         self._logprobs: dict[int, int] = {}  # uid -> top k, for sequences that asked
         self.checksum = 0
-        self.keep_prefixes = keep_prefixes
+        # every rank decides alike: same model, same caches
+        self.keep_prefixes = keep_prefixes and reusable(make_prompt_cache(model))
         self.prefixes = PrefixStore()
         self._kept: list[list[int]] = []  # [uid, tokens held, bytes] since the last drain
 
