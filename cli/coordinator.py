@@ -175,7 +175,7 @@ def serve(config: ServeConfig) -> int:
 
     from .http_server import run_http_server
     from .model_source import resolve_model
-    from .progress import waiting
+    from .progress import loading
 
     log.info("BLAS: %s", blas.status().describe())
     facts = resolve_model(config.model, config.cache_dir)
@@ -239,7 +239,7 @@ def serve(config: ServeConfig) -> int:
     request_log = open_request_log(config, service)
     try:
         try:
-            with waiting("starting the engine"):
+            with loading("starting the engine"):
                 supervisor.start()
         except PlanError as error:
             raise PlanError(f"refusing to serve: {error}") from error
