@@ -379,7 +379,9 @@ class EncryptedPipelineEngine(Engine):
         self._awaiting.popleft()
         if self._clock is not None:
             segments = self._clock.answered(expected.number, answer.times)
-            self.step_timing.observe(segments, expected.uids)
+            # rows removed while their frame was out are not charged (nor kept)
+            running = [uid for uid in expected.uids if uid in self._schedule]
+            self.step_timing.observe(segments, running)
         return self._schedule.answered(answer.tokens())
 
     # -- the prefix cache --------------------------------------------------------------------
