@@ -21,6 +21,7 @@ class Flow:
     before: dict[str, float]
     after: dict[str, float]
     records: list[RequestRecord]
+    after_text: str  # the second scrape as served
 
     def delta(self, key: str) -> float:
         return self.after.get(key, 0.0) - self.before.get(key, 0.0)
@@ -58,8 +59,8 @@ def flow(runner: EngineRunner, max_tokens: int = 8) -> Flow:
                 *(client.post("/v1/completions", json=body) for body in bodies)
             )
             assert [answer.status_code for answer in answers] == [200] * len(PROMPTS)
-            after = _samples((await client.get("/metrics")).text)
-        return Flow(before, after, records)
+            text = (await client.get("/metrics")).text
+        return Flow(before, _samples(text), records, text)
 
     return asyncio.run(asyncio.wait_for(run(), 120))
 

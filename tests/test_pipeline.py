@@ -17,7 +17,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from cli.status import engine_steps, parse_metrics
 from discovery.cluster_key import format_key, generate_key
+from engines.api.dashboard_view import render_requests
 from engines.base import GenerationRequest
 from engines.pipeline import wire
 from engines.pipeline.engine import EncryptedPipelineEngine
@@ -434,6 +436,8 @@ def test_frame_timing_moves_in_metrics_and_request_records(three_stages: Pipelin
     # own time (a request's frames may be in flight together, so its round trips may not be)
     check_request_shares(result, ("stage0",))
     assert all(set(segments) <= {name for name, _ in r.engine_s} for r in result.records)
+    assert "stage2 " in render_requests(result.records)  # the dashboard's request rows
+    assert "seal " in engine_steps(parse_metrics(result.after_text))  # `tandem status`
 
 
 def test_frames_carry_stage_times_and_only_answers_and_activations_may() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from cli.status import engine_steps, parse_metrics
 from engines.base import GenerationRequest
 from engines.runner import EngineRunner
 from engines.single import SingleEngine
@@ -272,6 +273,8 @@ def test_step_timing_moves_in_metrics_and_request_records(tp_runner):
     )
     assert result.step_sum("step") <= result.step_sum("exchange")
     check_request_shares(result, ("all_sum", "compute", "step", "exchange"))
+    status = engine_steps(parse_metrics(result.after_text))  # `tandem status`'s steps line
+    assert "all_sum " in status and "exchange " in status
     detail = tp_runner.engine.info().detail["step_timing"]
     assert detail["segments"]["all_sum"]["buckets"][-1] == ["+Inf", detail["steps"]]
 
