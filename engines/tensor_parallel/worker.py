@@ -332,6 +332,8 @@ class Rank:
                 pings += 1
                 wait_after_s = idle_wait_s(pings, self.spec.heartbeat_s)
             command = replace(command, wait_after_s=wait_after_s)
+            # the clock waits for the forward pass queued last step: a frozen peer stalls it
+            self.watchdog.arm(self.spec.stall_timeout_s, "the previous step's forward pass")
             clock = StepClock(self.lockstep)
             tokens = self.run(command)
             if command.kind == STEP:
