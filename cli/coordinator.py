@@ -182,7 +182,7 @@ def serve(config: ServeConfig) -> int:
 
     from .http_server import run_http_server
     from .model_source import resolve_model
-    from .progress import waiting
+    from .progress import loading
 
     log.info("BLAS: %s", blas.status().describe())
     facts = resolve_model(config.model, config.cache_dir)
@@ -256,7 +256,7 @@ def serve(config: ServeConfig) -> int:
         service.cluster_status = lambda: {**supervisor.status(), "weights": weights.status()}
     try:
         try:
-            with waiting("starting the engine"):
+            with loading("starting the engine"):
                 supervisor.start()
         except PlanError as error:
             raise PlanError(f"refusing to serve: {error}") from error

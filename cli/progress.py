@@ -60,3 +60,44 @@ def steps(description: str, total: int) -> Iterator[Callable[[str], None] | None
             bar.update(1)
 
         yield advance
+
+
+@contextmanager
+def loading(description: str) -> Iterator[None]:
+    """Elapsed time while an engine starts, and its layers loaded once it reports them
+    (engines/load_progress.py: the single engine does; tp ranks and pp stages load in their
+    own processes and show elapsed time only)."""
+    if not on_terminal():
+        yield
+        return
+    from tqdm import tqdm
+
+    from engines.load_progress import listening
+
+    lock = threading.Lock()
+    bar = tqdm(total=None, desc=description, bar_format="{desc}: {elapsed}", leave=False)
+
+    def advance(done: int, total: int) -> None:
+        with lock:
+            if bar.total != total:
+                bar.total = total
+                bar.bar_format = "{desc}: {bar} {n}/{total} layers, {elapsed}"
+            bar.n = done
+            bar.refresh()
+
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(TICK_S):
+            with lock:
+                bar.refresh()  # the elapsed time moves between layers too
+
+    ticker = threading.Thread(target=tick, name="progress", daemon=True)
+    ticker.start()
+    try:
+        with listening(advance):
+            yield
+    finally:
+        done.set()
+        ticker.join()
+        bar.close()

@@ -98,6 +98,9 @@ def describe(
         f"traffic   {rate}{int(metrics.get('tandem_generated_tokens_total', 0))} tokens, "
         f"{int(count)} requests ({by_reason}), mean {mean:.2f} s"
     )
+    steps = engine_steps(metrics)
+    if steps:
+        lines.append(f"steps     {steps}")
     lines.append(f"re-plans  {cluster.get('replans', 0)} {cluster.get('last_replan_reason') or ''}")
     lines.append("")
     lines.append(f"{'NODE':<28} {'STATE':<12} {'MEMORY':>10} {'TIER':<8} {'HEARTBEAT':>9} WORKER")
@@ -112,3 +115,18 @@ def describe(
             f"{'-' if age is None else f'{age:.1f} s':>9} {node.get('worker_state') or '-'}"
         )
     return lines
+
+
+def engine_steps(metrics: dict[str, float]) -> str:
+    """The mean of each engine step segment (tp all_sum ..., pp stages and sealing), or ""."""
+    prefix = 'tandem_engine_step_seconds_count{segment="'
+    means = []
+    for key, count in metrics.items():
+        if key.startswith(prefix) and count:
+            segment = key[len(prefix) : -2]
+            total = metrics.get(f'tandem_engine_step_seconds_sum{{segment="{segment}"}}', 0.0)
+            means.append(f"{segment} {total / count * 1000:.2f}")
+    if not means:
+        return ""
+    steps = int(metrics.get("tandem_engine_steps_total", 0))
+    return f"{', '.join(means)} ms (mean of {steps} steps)"

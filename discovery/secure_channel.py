@@ -87,6 +87,9 @@ class SecureChannel:
         self._recv_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._closed_reason: str | None = None
+        # Seconds spent sealing and opening frames so far (the pipeline's step timing reads them).
+        self.seal_seconds = 0.0
+        self.open_seconds = 0.0
 
     @classmethod
     def client(
@@ -149,7 +152,10 @@ class SecureChannel:
                     f"{self._max_payload} bytes"
                 )
             try:
-                send_frame(self._sock, self._sealer.seal(payload, associated))
+                started = time.perf_counter()
+                sealed = self._sealer.seal(payload, associated)
+                self.seal_seconds += time.perf_counter() - started
+                send_frame(self._sock, sealed)
             except ChannelError as error:
                 self._check_open()  # close() from another thread interrupted the write
                 self._fail(str(error), logging.INFO)
@@ -170,7 +176,10 @@ class SecureChannel:
                 self._fail(str(error), logging.INFO)
                 raise
             try:
-                return self._opener.open(frame, associated)
+                started = time.perf_counter()
+                opened = self._opener.open(frame, associated)
+                self.open_seconds += time.perf_counter() - started
+                return opened
             except ChannelError as error:
                 self._fail(str(error), logging.WARNING)  # possible tampering: worth a warning
                 raise

@@ -120,6 +120,12 @@ class Engine(abc.ABC):
         Engines without a prefix cache free nothing."""
         return 0
 
+    def step_times(self, uid: int) -> dict[str, float]:
+        """Scheduler thread: seconds of the engine's own step segments (engines/step_timing.py)
+        spent on steps that carried `uid`, for its request log line; engines that measure
+        none return {}."""
+        return {}
+
     def abort(self, reason: str) -> None:  # noqa: B027 (optional: single has nothing remote)
         """From any thread: make a blocked step() raise EngineError at once."""
 

@@ -42,6 +42,10 @@ class RequestRecord:
     time_to_first_token_s: float | None  # None when no token came
     prompt_token_ids: tuple[int, ...] = ()  # only ever logged when the operator asks for it
     http_status: int | None = None  # set for a request the API refused before the engine saw it
+    # The engine's own step segments (engines/step_timing.py: tp all_sum, pp hops and
+    # sealing) summed over the steps that carried this request. Steps are shared by the
+    # batch, so these overlap the other requests' and lie inside prefill + decode.
+    engine_s: tuple[tuple[str, float], ...] = ()
 
     @property
     def duration_s(self) -> float:
@@ -74,11 +78,23 @@ class RequestRecord:
             "time_to_first_token_s": _rounded(self.time_to_first_token_s),
             "inter_token_s": _rounded(self.inter_token_s),
             "segments_s": {name: round(value, 6) for name, value in self.segments().items()},
-        } | ({"http_status": self.http_status} if self.http_status is not None else {})
+        } | self._optional()
+
+    def _optional(self) -> dict[str, object]:
+        extra: dict[str, object] = {}
+        if self.engine_s:
+            extra["engine_s"] = {name: round(value, 6) for name, value in self.engine_s}
+        if self.http_status is not None:
+            extra["http_status"] = self.http_status
+        return extra
 
 
 def record_of(
-    submission: Submission, event: TokenEvent, model: str, strategy: str
+    submission: Submission,
+    event: TokenEvent,
+    model: str,
+    strategy: str,
+    engine_times: dict[str, float] | None = None,
 ) -> RequestRecord:
     """Build the record from the submission's monotonic timestamps and its final event.
 
@@ -106,6 +122,7 @@ def record_of(
         decode_s=(finished - first) if first is not None else 0.0,
         time_to_first_token_s=(first - received) if first is not None else None,
         prompt_token_ids=submission.request.prompt_tokens,
+        engine_s=tuple((engine_times or {}).items()),
     )
 
 

@@ -48,6 +48,7 @@ class Submission:
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
+        self.uid: int | None = None  # the engine's uid once admitted (its step times)
         self._on_finish = on_finish
 
     def cancel(self) -> None:
@@ -290,6 +291,7 @@ class EngineRunner:
             return
         submission.admitted_at = time.monotonic()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
+        submission.uid = uid
         try:
             cached_tokens = self.engine.insert(uid, submission.request) or 0
         except EngineError as error:

@@ -62,8 +62,10 @@ class Service:
             raise EngineError(f"no engine is serving right now ({self.state}: {self.state_reason})")
 
         def finished(submission: Submission, event: TokenEvent) -> None:
-            strategy = runner.engine.info().strategy
-            self.publish(record_of(submission, event, self.model_id, strategy))
+            engine = runner.engine
+            times = engine.step_times(submission.uid) if submission.uid is not None else {}
+            strategy = engine.info().strategy
+            self.publish(record_of(submission, event, self.model_id, strategy, times))
 
         return runner.submit(request, received_at=received_at, on_finish=finished)
 

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from planner.errors import EngineError
 
 from .base import Engine, EngineInfo, GenerationRequest, StepOutput
+from .load_progress import evaluate_by_layer
 from .precision import upcast_on_cpu
 from .prefix_index import PrefixIndex
 from .prefix_store import NOT_REUSABLE, PrefixStore, reusable
@@ -58,8 +59,10 @@ class SingleEngine(Engine):
 
     def load(self) -> None:
         try:
-            self.model, self.tokenizer = load_model_and_tokenizer(str(self.model_path))
-        except (OSError, ValueError) as error:
+            # lazily, then layer by layer: a progress bar can count the layers loaded
+            self.model, self.tokenizer = load_model_and_tokenizer(str(self.model_path), lazy=True)
+            evaluate_by_layer(self.model)
+        except (OSError, ValueError, RuntimeError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
         self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
         if not reusable(make_prompt_cache(self.model)):

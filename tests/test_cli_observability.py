@@ -5,16 +5,20 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import select
+import signal
 import struct
 import subprocess
 import sys
 import termios
+import time
 from pathlib import Path
 
 import pytest
 
 from cli.main import build_parser
 from cli.observability import observability_from_args
+from discovery.framing import free_port
 from planner.errors import ConfigError
 from tests.helpers_cluster import REPO_ROOT, child_env
 
@@ -85,3 +89,39 @@ def test_progress_bars_only_on_a_terminal(tmp_path: Path) -> None:
     assert "demo model:" in run_demo_model(tmp_path / "on-terminal", terminal=True)
     piped = run_demo_model(tmp_path / "piped", terminal=False)
     assert "demo model:" not in piped and "wrote llama demo model" in piped
+
+
+def test_serve_counts_the_layers_it_loads_on_a_terminal(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """A real `tandem serve` on a pseudo-terminal: the engine-start bar counts the demo model's
+    4 layers; stopped (SIGINT) as soon as it serves."""
+    command = [
+        *(sys.executable, "-m", "cli.main", "serve", "--model", str(demo_model_dir)),
+        *("--parallelism", "single", "--port", str(free_port("127.0.0.1"))),
+        *("--state-dir", str(tmp_path / "state")),
+    ]
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    env = child_env() | {"TANDEM_INTERFACE": "127.0.0.1"}
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=secondary, stderr=secondary)
+    os.close(secondary)
+    output = b""
+    deadline = time.monotonic() + 60
+    try:
+        while b"serving " not in output and time.monotonic() < deadline:
+            if select.select([primary], [], [], 0.5)[0]:
+                if not (chunk := _read(primary)):
+                    break
+                output += chunk
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        os.close(primary)
+    text = output.decode(errors="replace")
+    assert "serving " in text, text[-2000:]
+    assert "starting the engine" in text and "3/4 layers" in text, text[-2000:]

@@ -84,13 +84,18 @@ def test_every_request_leaves_a_log_line_with_its_breakdown(live: Any) -> None:
         assert list(entry["segments_s"]) == list(SEGMENTS)
         assert sum(entry["segments_s"].values()) == pytest.approx(entry["duration_s"], abs=5e-5)
         assert "prompt" not in entry
+        # the coordinator's layers, the agent's stage, sealing and the hops, from a real serve
+        assert {"stage0", "stage1", "seal", "transit", "round_trip"} <= set(entry["engine_s"])
+        assert entry["engine_s"]["stage1"] > 0 and entry["engine_s"]["seal"] > 0
 
 
 def test_status_prints_the_cluster_at_a_glance(live: Any) -> None:
     server, agent, _ = live
+    post_chat(server, 2)  # at least one step to time
     result = run_cli(["status", "--url", server.base_url, "--sample", "0.5"])
     assert result.returncode == 0, result.stderr
     assert "strategy  pp" in result.stdout
+    assert "seal " in result.stdout  # the engine step timing line
     assert agent.node_id in result.stdout and "connected" in result.stdout
     refused = run_cli(["status", "--url", "http://127.0.0.1:9", "--sample", "0"])
     assert refused.returncode != 0 and "cannot reach" in refused.stderr

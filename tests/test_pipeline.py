@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
+from cli.status import engine_steps, parse_metrics
 from discovery.cluster_key import format_key, generate_key
+from engines.api.dashboard_view import render_requests
 from engines.base import GenerationRequest
+from engines.pipeline import wire
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.schedule import MicroBatchSchedule, Planned
 from engines.pipeline.stage_model import StageModel
@@ -27,6 +31,7 @@ from engines.runner import EngineRunner
 from engines.single import SingleEngine
 from planner import allocate_layers
 from planner.errors import ConfigError, EngineError
+from tests.helpers_timing import check_request_shares, flow
 
 pytestmark = pytest.mark.cluster
 
@@ -411,6 +416,43 @@ def test_info_describes_every_stage(three_stages: Pipeline) -> None:
         worker.peak_memory_bytes for worker in workers
     ]
     assert three_stages.engine.healthy()
+
+
+def test_frame_timing_moves_in_metrics_and_request_records(three_stages: Pipeline) -> None:
+    """Requests through the API: every answered frame is split into the coordinator's layers,
+    each remote stage's, sealing and transit; /metrics and the request records show them."""
+    result = flow(three_stages.runner)
+    frames = result.delta("tandem_engine_steps_total{}")
+    assert frames >= 8  # 8 tokens each, and the prefill chunks
+    segments = ("stage0", "stage1", "stage2", "seal", "transit", "round_trip")
+    for segment in segments:
+        assert result.step_count(segment) == frames, segment
+    for segment in ("stage0", "stage1", "stage2", "seal", "round_trip"):
+        assert result.step_sum(segment) > 0, segment
+    # each round trip holds its remote stages' work, less what the deltas over-count
+    remote = result.step_sum("stage1") + result.step_sum("stage2")
+    assert remote < result.step_sum("round_trip")
+    # stage 0 runs on the scheduler thread, one frame after the other: inside the request's
+    # own time (a request's frames may be in flight together, so its round trips may not be)
+    check_request_shares(result, ("stage0",))
+    assert all(set(segments) <= {name for name, _ in r.engine_s} for r in result.records)
+    assert "stage2 " in render_requests(result.records)  # the dashboard's request rows
+    assert "seal " in engine_steps(parse_metrics(result.after_text))  # `tandem status`
+
+
+def test_frames_carry_stage_times_and_only_answers_and_activations_may() -> None:
+    hidden = mx.zeros((1, 1, 4), dtype=mx.float32)
+    frame = wire.hidden_frame(3, 0, 1, [Row(7, 2)], hidden, [(10, 2), (2**40, 5)])
+    decoded = wire.decode(wire.encode(frame))
+    assert decoded.times == ((10, 2), (2**40, 5)) and decoded.body == frame.body
+    assert wire.decode(wire.encode(wire.token_frame(3, 0, 1, [Row(7, 3)], [5]))).times == ()
+    plain = wire.encode(wire.end_frame(4, [7]))
+    flagged = plain[:2] + bytes([wire.STAGE_TIMES]) + plain[3:]
+    with pytest.raises(wire.WireError, match="carries stage times"):
+        wire.decode(flagged)
+    cut = wire.encode(frame)[: wire.HEADER.size + 3 * 4 + wire.ROW.size + 5]
+    with pytest.raises(wire.WireError, match="inside its stage times"):
+        wire.decode(cut)
 
 
 def test_reconnect_builds_a_fresh_session(three_stages: Pipeline) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from cli.status import engine_steps, parse_metrics
 from engines.base import GenerationRequest
 from engines.runner import EngineRunner
 from engines.single import SingleEngine
@@ -50,6 +51,7 @@ from tests.helpers_engine import (
     start_batch,
     step_until_error,
 )
+from tests.helpers_timing import check_request_shares, flow
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 WORKER = [sys.executable, "-m", "engines.tensor_parallel.worker"]
@@ -255,6 +257,26 @@ def test_info_describes_every_rank(cluster):
     assert [rank["rank"] for rank in info.detail["ranks"]] == [0, 1]
     assert all(rank["peak_memory_bytes"] > 0 for rank in info.detail["ranks"])
     assert all(rank["address"].startswith("127.0.0.1:") for rank in info.detail["ranks"])
+
+
+def test_step_timing_moves_in_metrics_and_request_records(tp_runner):
+    """Requests through the API: rank 0's all_sum and step times reach /metrics and every
+    request's record; the parts of a step fit inside the coordinator's round trip."""
+    result = flow(tp_runner)
+    steps = result.delta("tandem_engine_steps_total{}")
+    assert steps >= 8  # 8 tokens each, one batch
+    for segment in ("all_sum", "compute", "step", "exchange"):
+        assert result.step_count(segment) == steps, segment
+    assert result.step_sum("all_sum") > 0 and result.step_sum("compute") > 0
+    assert result.step_sum("all_sum") + result.step_sum("compute") == pytest.approx(
+        result.step_sum("step"), abs=1e-4
+    )
+    assert result.step_sum("step") <= result.step_sum("exchange")
+    check_request_shares(result, ("all_sum", "compute", "step", "exchange"))
+    status = engine_steps(parse_metrics(result.after_text))  # `tandem status`'s steps line
+    assert "all_sum " in status and "exchange " in status
+    detail = tp_runner.engine.info().detail["step_timing"]
+    assert detail["segments"]["all_sum"]["buckets"][-1] == ["+Inf", detail["steps"]]
 
 
 def test_a_batch_of_eight_equals_each_request_alone(tp_runner, single_runner):

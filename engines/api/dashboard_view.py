@@ -132,13 +132,25 @@ def render_requests(records: Sequence[RequestRecord]) -> str:
             f'<td title="{escape(record.request_id)}">{escape(record.request_id[-8:])}</td>'
             f"<td>{escape(status)}</td><td>{escape(tokens)}</td>"
             f"<td>{record.duration_s * 1000:.0f} ms</td>"
-            f'<td class="breakdown"><div class="bar">{bar}</div></td></tr>'
+            f'<td class="breakdown"><div class="bar">{bar}</div>{_engine_line(record)}</td></tr>'
         )
     head = "<tr><th>time</th><th>id</th><th>finish</th><th>tokens</th><th>total</th>"
     head += "<th>breakdown</th></tr>"
     return (
         f'<div class="legend">{legend}</div><div class="scroll"><table class="requests">'
         f"{head}{''.join(rows)}</table></div>"
+    )
+
+
+def _engine_line(record: RequestRecord) -> str:
+    """The request's share of the engine's step segments (tp all_sum, pp stages and sealing),
+    under its bar; shared by the batch, so not part of the bar."""
+    if not record.engine_s:
+        return ""
+    parts = " · ".join(f"{name} {value * 1000:.1f}" for name, value in record.engine_s)
+    return (
+        f'<div class="muted" title="engine step segments (ms), shared by the batch">'
+        f"{escape(parts)} ms</div>"
     )
 
 

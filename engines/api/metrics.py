@@ -8,7 +8,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -82,6 +87,14 @@ class Metrics:
             buckets=SEGMENT_BUCKETS,
             registry=registry,
         )
+        self.engine_segments = Histogram(
+            "tandem_request_engine_seconds",
+            "A generation's share of the engine's step segments (tp all_sum, pp hops and "
+            "sealing), summed over the steps that carried it; steps are shared by the batch",
+            ["segment"],
+            buckets=SEGMENT_BUCKETS,
+            registry=registry,
+        )
         self.tokens = Counter(
             "tandem_tokens",
             "Tokens of finished generations, by kind (prompt, completion, cached)",
@@ -106,6 +119,8 @@ class Metrics:
         self.duration.observe(record.duration_s)
         for segment, seconds in record.segments().items():
             self.segments.labels(segment).observe(seconds)
+        for segment, seconds in record.engine_s:
+            self.engine_segments.labels(segment).observe(seconds)
         if record.time_to_first_token_s is not None:
             self.first_token.observe(record.time_to_first_token_s)
         if record.inter_token_s is not None:
@@ -150,6 +165,9 @@ class ClusterCollector:
             cache = info.detail.get("prefix_cache")
             if isinstance(cache, dict):
                 yield from _prefix_cache(cache)
+            timing = info.detail.get("step_timing")
+            if isinstance(timing, dict):
+                yield from _step_timing(timing)
         status = _cluster_status(service)
         yield from _members(status.get("members") or [])
         replans = CounterMetricFamily(
@@ -171,6 +189,22 @@ def _prefix_cache(cache: dict[str, Any]) -> Iterator[Metric]:
             yield GaugeMetricFamily(
                 f"tandem_prefix_cache_{key}", f"Prefix cache {key} now", value=cache[key]
             )
+
+
+def _step_timing(timing: dict[str, Any]) -> Iterator[Metric]:
+    """The engine's step histograms (engines/step_timing.py StepTimes.snapshot)."""
+    steps = CounterMetricFamily("tandem_engine_steps", "Engine steps timed (tp steps, pp frames)")
+    steps.add_metric([], timing.get("steps") or 0)
+    yield steps
+    family = HistogramMetricFamily(
+        "tandem_engine_step_seconds",
+        "Seconds of each engine step segment, one observation per step (tp) or frame (pp)",
+        labels=["segment"],
+    )
+    for segment, values in (timing.get("segments") or {}).items():
+        buckets = [(str(bound), count) for bound, count in values["buckets"]]
+        family.add_metric([segment], buckets, values["sum"])
+    yield family
 
 
 def _members(members: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,9 +22,11 @@ from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
 from ..prefix_index import PrefixHit, PrefixIndex
 from ..prefix_store import NOT_REUSABLE
 from ..sampling import request_seed
+from ..step_timing import StepTimes
 from . import wire
 from .batches import StageBatches
 from .chain import Chain, open_chain
+from .frame_clock import FrameClock
 from .schedule import MicroBatchSchedule, Planned
 from .stage_model import StageModel
 from .wire import Kind, Row
@@ -141,6 +144,8 @@ class EncryptedPipelineEngine(Engine):
         # entries the index dropped while a sequence not begun yet still names them: the
         # stages drop them once it has begun
         self._held: set[int] = set()
+        self.step_timing = StepTimes()  # per answered frame: stages, sealing, hops
+        self._clock: FrameClock | None = None  # the current session's (frame_clock.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -229,6 +234,7 @@ class EncryptedPipelineEngine(Engine):
             "micro_batches": self._schedule.groups,
             "healthy": self._healthy,
             "prefix_cache": self.prefix_index.snapshot(),
+            "step_timing": self.step_timing.snapshot(),
         }
         if self._failure:
             detail["failure"] = self._failure
@@ -282,6 +288,7 @@ class EncryptedPipelineEngine(Engine):
         return cached
 
     def remove(self, uids: Sequence[int]) -> None:
+        self.step_timing.forget(uids)
         with self._io_lock:
             local = self._local
             connected = local is not None and self._chain is not None and self._healthy
@@ -304,6 +311,9 @@ class EncryptedPipelineEngine(Engine):
                 self._send_end(known, [(uid, len(tokens)) for uid, tokens in keep], evict)
             except ChannelError as error:
                 raise self._lost(f"ending sequences {known}", error) from error
+
+    def step_times(self, uid: int) -> dict[str, float]:
+        return self.step_timing.request(uid)
 
     def evict_prefix_cache(self, keep_fraction: float) -> int:
         """Drop least recently used prefix-cache entries on every stage until at most
@@ -356,6 +366,7 @@ class EncryptedPipelineEngine(Engine):
         if released:  # entries dropped while these sequences waited to begin from them
             self._local.drop(released)
             self._send_end([], [], released)
+        started = time.perf_counter()
         tokens = mx.array(planned.tokens, dtype=mx.uint32)
         group, step, rows = planned.group, planned.step, planned.rows
         if planned.is_prefill:
@@ -363,8 +374,10 @@ class EncryptedPipelineEngine(Engine):
         else:
             hidden = self._local.decode(group, rows, self.stage.embed(tokens[:, None]))  # (B, 1, D)
         mx.eval(hidden)
+        stage_zero_s = time.perf_counter() - started
         number = self._take_number()
         self._send(wire.hidden_frame(number, group, step, rows, hidden))
+        self._clock.sent(number, stage_zero_s)
         self._awaiting.append(wire.Frame(Kind.TOKEN, number, group, step, rows))
 
     def _receive_answer(self) -> list[tuple[int, int]]:
@@ -376,6 +389,11 @@ class EncryptedPipelineEngine(Engine):
             chain.inbound, self.token_timeout_s, expected, chain.last_layers
         )
         self._awaiting.popleft()
+        if self._clock is not None:
+            segments = self._clock.answered(expected.number, answer.times)
+            # rows removed while their frame was out are not charged (nor kept)
+            running = [uid for uid in expected.uids if uid in self._schedule]
+            self.step_timing.observe(segments, running)
         return self._schedule.answered(answer.tokens())
 
     # -- the prefix cache --------------------------------------------------------------------
@@ -478,6 +496,7 @@ class EncryptedPipelineEngine(Engine):
                 f"cannot build the pipeline through stage 1 at {first.host}:{first.port}: {error}"
             ) from error
         self._local = StageBatches(self.stage)
+        self._clock = FrameClock(self._chain.outbound, self._chain.inbound)
         self._forget_prefix_cache()
         self._schedule.restart()
         self._awaiting.clear()

@@ -18,6 +18,7 @@ from planner.errors import ChannelError
 
 from . import wire
 from .batches import StageBatches
+from .frame_clock import StageMeter
 from .stage_model import StageModel
 from .wire import PURPOSE, Kind, WireError
 
@@ -50,6 +51,7 @@ class _Session:
         self.next_number = 0  # 0 = SETUP; every later frame down the chain counts from 1
         self.batches = StageBatches(stage)
         self.samplers: dict[int, Sampler] = {}  # last stage: uid -> its own sampler
+        self.meter = StageMeter(inbound, outbound)  # compute and sealing, sent with each frame
         self.last_frame_at = time.monotonic()
         self.closed = False
 
@@ -244,6 +246,7 @@ class EncryptedPipelineServer:
     def _run_hidden(self, session: _Session, frame: wire.Frame) -> None:
         """Run a HIDDEN frame through this stage's layers; pass it on, or answer with tokens."""
         batches = session.batches
+        started = time.perf_counter()
         batches.check_step(frame.group, frame.step)
         hidden = frame.tensor()  # (B, L, D)
         if hidden.shape[-1] != self.stage.hidden_size:
@@ -258,9 +261,11 @@ class EncryptedPipelineServer:
         number, group, step, rows = frame.number, frame.group, frame.step, frame.rows
         if not self.spec.is_last:
             mx.eval(hidden)
+            session.meter.compute_s += time.perf_counter() - started
+            times = (*frame.times, session.meter.entry())
             wire.send(
                 session.outbound,
-                wire.hidden_frame(number, group, step, rows, hidden),
+                wire.hidden_frame(number, group, step, rows, hidden, times),
                 self.stage.layers,
             )
             return
@@ -269,7 +274,9 @@ class EncryptedPipelineServer:
             tokens: list[int] = []
         else:
             tokens = self._sample(session, frame.uids, self.stage.logits(hidden))
-        answer = wire.token_frame(number, group, step, rows, tokens)
+        session.meter.compute_s += time.perf_counter() - started
+        times = (*frame.times, session.meter.entry())
+        answer = wire.token_frame(number, group, step, rows, tokens, times)
         wire.send(session.outbound, answer, self.stage.layers)
 
     def _sample(self, session: _Session, uids: list[int], logprobs: mx.array) -> list[int]:

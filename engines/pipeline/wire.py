@@ -3,7 +3,7 @@
 A frame's plaintext (sealed whole by the hop's SecureChannel) is
 
     version u8 | kind u8 | flags u8 | dtype u8 | ndim u8 | number u64 | group u16 | step u32 |
-    rows u16 | shape (ndim x u32) | rows x (uid u64, position u32) | body
+    rows u16 | shape (ndim x u32) | rows x (uid u64, position u32) | [times] | body
 
 all big-endian. `number` counts the frames the coordinator sends down a session (SETUP is 0);
 an answer (TOKEN, READY) carries the number of the frame it answers. `group` is the micro-batch
@@ -14,7 +14,9 @@ TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement); BEGI
 STATUS / READY / END bodies UTF-8 JSON objects. A BEGIN row's position is where the sequence
 starts: 0, or the tokens it takes from the prefix-cache entry its document names. An END may
 keep ended sequences' caches as prefix-cache entries and drop entries (then it may have no
-rows). docs/pipeline.md describes the flow.
+rows). A HIDDEN or TOKEN frame with the STAGE_TIMES flag carries, before its body, `count u8`
+and count x (compute µs u64, sealing µs u64): each remote stage it passed appends its
+session's running totals (engines/pipeline/frame_clock.py). docs/pipeline.md describes the flow.
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ MAX_ROWS = 1024
 MAX_JSON_BYTES = 64 * 1024
 # 64 MiB of activation per frame: a 256-token chunk of a 16384-wide float32 model fits.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
-KNOWN_FLAGS = 0
+STAGE_TIMES = 0x01  # flag: the frame carries the stages' running times (see above)
+KNOWN_FLAGS = STAGE_TIMES
+TIMES_COUNT = struct.Struct(">B")
+STAGE_TIME = struct.Struct(">QQ")
+MAX_TIMED_STAGES = 255
 PREFILL_GROUP = 0xFFFF  # the group of prefill chunks; decode micro-batches are 0, 1, ...
 # SETUP is the first frame of a session: nobody knows the sender's range yet.
 SETUP_SENDER = range(0, 0)
@@ -116,6 +122,7 @@ class Frame:
     dtype: int = 0
     shape: tuple[int, ...] = ()
     body: bytes = b""
+    times: tuple[tuple[int, int], ...] = ()  # per remote stage: (compute µs, sealing µs) so far
 
     @property
     def is_prefill(self) -> bool:
@@ -173,21 +180,32 @@ def binding_of(frame: Frame) -> bytes:
 
 
 def hidden_frame(
-    number: int, group: int, step: int, rows: Sequence[Row], hidden: mx.array
+    number: int,
+    group: int,
+    step: int,
+    rows: Sequence[Row],
+    hidden: mx.array,
+    times: Sequence[tuple[int, int]] = (),
 ) -> Frame:
     """A HIDDEN frame from an evaluated (B, L, D) activation, one row per sequence."""
     code = DTYPE_CODES.get(hidden.dtype)
     if code is None:
         raise WireError(f"activations of dtype {hidden.dtype} cannot travel on the pipeline wire")
     body = memoryview(hidden).tobytes()  # row-major, whatever the array's strides
-    return Frame(Kind.HIDDEN, number, group, step, tuple(rows), 0, code, tuple(hidden.shape), body)
+    shape = tuple(hidden.shape)
+    return Frame(Kind.HIDDEN, number, group, step, tuple(rows), 0, code, shape, body, tuple(times))
 
 
 def token_frame(
-    number: int, group: int, step: int, rows: Sequence[Row], tokens: Sequence[int]
+    number: int,
+    group: int,
+    step: int,
+    rows: Sequence[Row],
+    tokens: Sequence[int],
+    times: Sequence[tuple[int, int]] = (),
 ) -> Frame:
     body = b"".join(TOKEN.pack(token) for token in tokens)
-    return Frame(Kind.TOKEN, number, group, step, tuple(rows), body=body)
+    return Frame(Kind.TOKEN, number, group, step, tuple(rows), body=body, times=tuple(times))
 
 
 def document_frame(
@@ -213,10 +231,11 @@ def end_frame(
 
 def encode(frame: Frame) -> bytes:
     """The plaintext of a frame; the channel seals it."""
+    flags = frame.flags | STAGE_TIMES if frame.times else frame.flags & ~STAGE_TIMES
     header = HEADER.pack(
         VERSION,
         frame.kind,
-        frame.flags,
+        flags,
         frame.dtype,
         len(frame.shape),
         frame.number,
@@ -226,7 +245,13 @@ def encode(frame: Frame) -> bytes:
     )
     dims = b"".join(DIM.pack(size) for size in frame.shape)
     rows = b"".join(ROW.pack(row.uid, row.position) for row in frame.rows)
-    return header + dims + rows + frame.body
+    times = b""
+    if frame.times:
+        if len(frame.times) > MAX_TIMED_STAGES:
+            raise WireError(f"times of {len(frame.times)} stages (at most {MAX_TIMED_STAGES})")
+        times = TIMES_COUNT.pack(len(frame.times))
+        times += b"".join(STAGE_TIME.pack(*entry) for entry in frame.times)
+    return header + dims + rows + times + frame.body
 
 
 def decode(payload: bytes) -> Frame:
@@ -256,10 +281,29 @@ def decode(payload: bytes) -> Frame:
     )
     start = HEADER.size + ndim * DIM.size
     rows = tuple(Row(*ROW.unpack_from(payload, start + index * ROW.size)) for index in range(count))
+    times: tuple[tuple[int, int], ...] = ()
+    if flags & STAGE_TIMES:
+        if kind not in (Kind.HIDDEN, Kind.TOKEN):
+            raise WireError(f"{kind.name} frame carries stage times")
+        times, offset = _decode_times(payload, offset, kind)
     body = payload[offset:]
-    frame = Frame(kind, number, group, step, rows, flags, dtype, shape, bytes(body))
+    frame = Frame(kind, number, group, step, rows, flags, dtype, shape, bytes(body), times)
     _validate(frame)
     return frame
+
+
+def _decode_times(payload: bytes, offset: int, kind: Kind) -> tuple[tuple, int]:
+    """The stage times section at `offset`, and the offset after it."""
+    if len(payload) < offset + TIMES_COUNT.size:
+        raise WireError(f"{kind.name} frame ends inside its stage times")
+    (count,) = TIMES_COUNT.unpack_from(payload, offset)
+    offset += TIMES_COUNT.size
+    if not count or len(payload) < offset + count * STAGE_TIME.size:
+        raise WireError(f"{kind.name} frame ends inside its stage times")
+    times = tuple(
+        STAGE_TIME.unpack_from(payload, offset + index * STAGE_TIME.size) for index in range(count)
+    )
+    return times, offset + count * STAGE_TIME.size
 
 
 def _validate(frame: Frame) -> None:

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,9 @@ from planner.errors import EngineError
 from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
 from ..prefix_index import PrefixIndex
 from ..sampling import request_seed
+from ..step_timing import StepTimes
 from .group import WorkerSpec
+from .step_clock import step_segments
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ class TensorParallelEngine(Engine):
         self.prefix_index = PrefixIndex(self.spec.prefix_cache_bytes)
         self._evicts: list[int] = []  # entries every rank drops with the next step
         self._tokens: dict[int, list[int]] = {}  # uid -> prompt + tokens so far, until kept
+        self.step_timing = StepTimes()  # all_sum and compute per step (step_clock.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -174,6 +178,7 @@ class TensorParallelEngine(Engine):
 
     def remove(self, uids: Sequence[int]) -> None:
         gone = set(uids)
+        self.step_timing.forget(gone)
         unsent = [entry for entry in self._inserts if entry["uid"] in gone]
         self._inserts = [entry for entry in self._inserts if entry["uid"] not in gone]
         for entry in unsent:
@@ -191,7 +196,10 @@ class TensorParallelEngine(Engine):
         """One lockstep step of the whole batch: send its changes, read its tokens."""
         if not self._active and not self._inserts:
             return []
+        started = time.perf_counter()
         answer = self._exchange(advance=True)
+        exchange_s = time.perf_counter() - started
+        self.step_timing.observe(step_segments(answer.get("timing"), exchange_s), self._active)
         outputs = [StepOutput(uid, error=reason) for uid, reason in answer["refused"]]
         for uid, token, *logprobs in answer["tokens"]:
             if uid in self._tokens:
@@ -210,6 +218,9 @@ class TensorParallelEngine(Engine):
                 self._tokens.pop(output.uid, None)
         self._index_kept(answer.get("kept", []))
         return outputs
+
+    def step_times(self, uid: int) -> dict[str, float]:
+        return self.step_timing.request(uid)
 
     def evict_prefix_cache(self, keep_fraction: float) -> int:
         before = self.prefix_index.nbytes
@@ -295,6 +306,7 @@ class TensorParallelEngine(Engine):
             "sync_every": self.spec.sync_every,
             "ranks": ranks,
             "prefix_cache": self.prefix_index.snapshot(),
+            "step_timing": self.step_timing.snapshot(),
             "healthy": self.healthy(),
         }
         if self._lost_reason is not None:

@@ -11,6 +11,7 @@ inside the sharded layers that the batch generator has already queued.
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -201,12 +202,17 @@ class Lockstep:
         self.group = group
         self.rank = group.rank()
         self.world_size = group.size()
+        # Seconds spent in this object's all_sums so far, waits for slower ranks included
+        # (the step timing: engines/tensor_parallel/step_clock.py).
+        self.seconds = 0.0
 
     def sum_across_ranks(self, values: list[int]) -> list[int]:
         """One int32 `all_sum` on the generation stream, evaluated now."""
+        started = time.perf_counter()
         with mx.stream(generation_stream):
             total = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group)
             mx.eval(total)
+        self.seconds += time.perf_counter() - started
         return total.tolist()
 
     def broadcast(self, values: list[int], size: int) -> list[int]:

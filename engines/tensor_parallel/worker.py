@@ -5,7 +5,8 @@ stdin:  line 1 is the JSON WorkerSpec; rank 0 then reads commands, one JSON obje
         "temperature", "top_p", "seed"}, ...], "advance": true|false}, {"cmd": "shutdown"}.
 stdout: JSON lines only: {"event": "ready", ...} or {"event": "failed", "reason"} once loaded;
         rank 0 then answers every step with {"tokens": [[uid, token], ...], "refused":
-        [[uid, reason], ...]}, or {"error", "fatal": false} for a command it cannot read.
+        [[uid, reason], ...], "kept": [...], "timing": {"all_sum": s, "step": s}}, or
+        {"error", "fatal": false} for a command it cannot read.
 stderr: logs.
 """
 
@@ -45,6 +46,7 @@ from .lockstep import (
     idle_wait_s,
 )
 from .shard_batch import ShardBatch
+from .step_clock import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -316,10 +318,16 @@ class Rank:
                 pings += 1
                 wait_after_s = idle_wait_s(pings, self.spec.heartbeat_s)
             command = replace(command, wait_after_s=wait_after_s)
+            # the clock waits for the forward pass queued last step: a frozen peer stalls it
+            self.watchdog.arm(self.spec.stall_timeout_s, "the previous step's forward pass")
+            clock = StepClock(self.lockstep)
             tokens = self.run(command)
             if command.kind == STEP:
                 kept = self.batch.drain_kept()
-                self.output.write({"tokens": tokens, "refused": refused, "kept": kept})
+                timing = clock.read()
+                self.output.write(
+                    {"tokens": tokens, "refused": refused, "kept": kept, "timing": timing}
+                )
             deadline = time.monotonic() + command.wait_after_s
 
     def follow(self) -> None:
