@@ -13,6 +13,7 @@ from mlx_lm.generate import BatchGenerator
 from planner.errors import EngineError
 
 from .base import Engine, EngineInfo, GenerationRequest, StepOutput
+from .grammar import GrammarCompiler
 from .precision import upcast_on_cpu
 from .sampling import make_request_processors, make_request_sampler, request_seed, token_logprobs
 
@@ -29,6 +30,8 @@ class SingleEngine(Engine):
     then one prefill chunk for the newcomers, so a long prompt delays the others by one
     chunk per step instead of its whole prefill.
     """
+
+    features = frozenset({"penalties", "logprobs", "grammar"})
 
     def __init__(
         self,
@@ -48,6 +51,7 @@ class SingleEngine(Engine):
         self._to_generator: dict[int, int] = {}  # our uid -> the generator's uid
         self._from_generator: dict[int, int] = {}
         self._logprobs: dict[int, int] = {}  # uid -> top k, for sequences that asked
+        self._grammars: GrammarCompiler | None = None
 
     def load(self) -> None:
         try:
@@ -55,6 +59,8 @@ class SingleEngine(Engine):
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
         self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
+        vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", 0)
+        self._grammars = GrammarCompiler(self.tokenizer, max(vocab_size, len(self.tokenizer)))
         self._generator = BatchGenerator(
             self.model,
             completion_batch_size=self.max_batch,
@@ -72,6 +78,8 @@ class SingleEngine(Engine):
         processors = make_request_processors(
             request.repetition_penalty, request.presence_penalty, request.frequency_penalty
         )
+        if request.grammar is not None:  # last: penalties must not lift the grammar's mask
+            processors.append(self._grammars.processor(request.grammar))
         (generator_uid,) = self._generator.insert(
             [list(request.prompt_tokens)],
             max_tokens=[request.max_tokens],

@@ -2,21 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**64 - 1  # mlx seeds are unsigned 64-bit
+MAX_MESSAGES = 1024
+MAX_TOOLS = 128
+MAX_TOP_LOGPROBS = 20  # chat; OpenAI's own bound
+MAX_COMPLETION_LOGPROBS = 5  # completions; OpenAI's own bound
 
-Role = Literal["system", "developer", "user", "assistant"]
-FinishReason = Literal["stop", "length"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class RequestModel(BaseModel):
-    """Strict types (no "1" for 1, no true for 1) and unknown fields ignored, as OpenAI does."""
+    """Strict types (no "1" for 1, no true for 1); an unknown field is a 400 that names it,
+    as OpenAI does ("Unrecognized request argument"), never silently ignored."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class OpenObject(BaseModel):
+    """A JSON object the caller defines (a JSON schema, tool parameters): taken as it is."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -27,24 +48,116 @@ class TextPart(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(RequestModel):
+    """A tool call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: Role
-    content: str | list[TextPart]
+    tool_calls: list[ToolCall] | None = None  # assistant only
+    # Checked even when absent: only an assistant message with tool_calls may omit it.
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
+    tool_call_id: str | None = None  # tool only
+    refusal: str | None = None  # assistant only; sent back by clients that replay history
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def check_content(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and not (
+            info.data.get("role") == "assistant" and info.data.get("tool_calls")
+        ):
+            raise PydanticCustomError("missing", "Field required")
+        return value
+
+    @model_validator(mode="after")
+    def check_role_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         """The content as one string (text parts are joined without a separator, as OpenAI)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: OpenObject | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    json_schema: OpenObject | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
 
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
 class SamplingFields(RequestModel):
-    """The fields chat and completions share: model, limits, sampling, streaming."""
+    """The fields chat and completions share: model, limits, sampling, streaming.
+
+    Fields declared here but not honoured (see fields.py) are refused with a 400 naming them
+    whenever they ask for something other than the default.
+    """
 
     model: str
     max_tokens: int | None = None
@@ -56,7 +169,11 @@ class SamplingFields(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id: logged with the request, never used otherwise
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # mlx-lm's extension
+    logit_bias: dict[str, float] | None = None  # refused unless empty
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -81,11 +198,37 @@ class SamplingFields(RequestModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # identifiers and hints that change nothing in the output
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # refused unless absent or the default (fields.py says why)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    audio: OpenObject | None = None
+    prediction: OpenObject | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: OpenObject | None = None
+    functions: list[OpenObject] | None = None
+    function_call: str | OpenObject | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    # refused unless absent or the default (fields.py says why)
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -119,16 +262,57 @@ class Usage(BaseModel):
         )
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[AssistantToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def drop_absent_tool_calls(self, serialize: Any) -> dict[str, Any]:
+        body = serialize(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -140,9 +324,17 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def drop_absent(self, serialize: Any) -> dict[str, Any]:
@@ -154,7 +346,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -170,7 +362,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -182,6 +374,19 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API returns, whatever its status (OpenAI's shape)."""
+
+    error: ErrorDetail
 
 
 class ModelCard(BaseModel):

@@ -60,6 +60,8 @@ class EncryptedPipelineEngine(Engine):
     turns into EngineError for the whole batch and healthy() == False.
     """
 
+    features = frozenset()  # the last stage samples with temperature, top_p and seed only
+
     def __init__(
         self,
         model_path: Path,
