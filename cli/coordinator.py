@@ -214,7 +214,9 @@ def serve(config: ServeConfig) -> int:
             supervisor.start()
         except PlanError as error:
             raise PlanError(f"refusing to serve: {error}") from error
-        app = create_app(service, max_prompt_tokens=config.context_tokens)
+        app = create_app(
+            service, max_prompt_tokens=config.context_tokens, max_body_bytes=config.max_body_bytes
+        )
         log.info("serving %s on http://%s:%d/v1", model_id, config.host, config.port)
         uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
     finally:
