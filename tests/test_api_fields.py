@@ -298,7 +298,7 @@ REFUSED = [
     (CHAT, {"web_search_options": {}}, "web_search_options"),
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
     (CHAT, {"function_call": "auto"}, "function_call"),
-    (CHAT, {"top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"top_logprobs": 2, "logprobs": False}, "top_logprobs"),
     (CHAT, {"tool_choice": "required"}, "tool_choice"),
     (
         CHAT,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -91,18 +92,27 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture
-def served(demo_model_dir: Path) -> Iterator[tuple[str, psutil.Process]]:
+@contextmanager
+def served_app(
+    model_dir: Path, max_body_bytes: int, max_prompt_tokens: int = 4096, engine: bool = False
+) -> Iterator[tuple[str, psutil.Process]]:
+    """tests/serve_api_only.py in a process of its own on a free port; stopped on exit."""
     port = free_port()
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.serve_api_only", str(demo_model_dir), str(port), str(4 * MB)],
-        cwd=ROOT,
-        env=environment,
-    )
+    command = [
+        sys.executable,
+        "-m",
+        "tests.serve_api_only",
+        str(model_dir),
+        str(port),
+        str(max_body_bytes),
+        str(max_prompt_tokens),
+        *(["--engine"] if engine else []),
+    ]
+    process = subprocess.Popen(command, cwd=ROOT, env=environment)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while True:
             assert process.poll() is None, "the test server exited"
             try:
@@ -120,6 +130,12 @@ def served(demo_model_dir: Path) -> Iterator[tuple[str, psutil.Process]]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def served(demo_model_dir: Path) -> Iterator[tuple[str, psutil.Process]]:
+    with served_app(demo_model_dir, 4 * MB) as server:
+        yield server
 
 
 async def oversized_chat(url: str, size: int) -> tuple[int | None, float]:

@@ -44,7 +44,7 @@ def create_app(
     if service.limits.api_key:
         app.add_middleware(BearerKeyMiddleware, api_key=service.limits.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # last added: outermost
-    install_openapi(app)
+    install_openapi(app, service)
     app.include_router(chat.create_router(service, max_prompt_tokens))
     app.include_router(completions.create_router(service, max_prompt_tokens))
     app.include_router(create_info_router(service))

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..service import Service
 from .constraints import output_grammar
-from .errors import ERROR_RESPONSES
+from .errors import ERROR_RESPONSES, STREAMED
 from .generation import build_request, check_supported, collect, wait_budget_s
 from .logprobs import TokenScore, chat_logprobs
 from .prompts import chat_prompt_tokens
@@ -114,7 +114,11 @@ def single_call(body: ChatCompletionRequest) -> bool:
 def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions", response_model=None, responses=ERROR_RESPONSES)
+    @router.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={200: {"model": ChatCompletion, "content": STREAMED}, **ERROR_RESPONSES},
+    )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         check_supported(service, body)
         tokenizer = service.tokenizer

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..service import Service
-from .errors import ERROR_RESPONSES
+from .errors import ERROR_RESPONSES, STREAMED
 from .generation import build_request, check_supported, collect, wait_budget_s
 from .logprobs import TokenScore, completion_logprobs
 from .prompts import completion_prompt_tokens
@@ -57,7 +57,11 @@ class CompletionChunks:
 def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/completions", response_model=None, responses=ERROR_RESPONSES)
+    @router.post(
+        "/v1/completions",
+        response_model=None,
+        responses={200: {"model": Completion, "content": STREAMED}, **ERROR_RESPONSES},
+    )
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         check_supported(service, body)
         completion_id = f"cmpl-{uuid.uuid4().hex}"

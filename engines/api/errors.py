@@ -29,6 +29,8 @@ def documented(description: str) -> dict[str, Any]:
 # validation failures are 400s, as OpenAI's).
 UNAUTHORIZED = {401: documented("missing or wrong API key (only when the server has --api-key)")}
 SERVER_FAILURE = {500: documented("internal server error")}
+# The body of a 200: one JSON document, or with "stream": true server-sent events.
+STREAMED: dict[str, Any] = {"text/event-stream": {}}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: documented("invalid or unsupported request field; `param` names it"),
     **UNAUTHORIZED,
@@ -126,7 +128,12 @@ def _param_of(loc: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS or part[:1].isupper())
+    return isinstance(part, str) and (
+        "[" in part
+        or part in _UNION_TAGS
+        or part[:1].isupper()
+        or part.startswith("constrained-")  # an Annotated member: "constrained-str"
+    )
 
 
 def _plain_message(error: Any) -> str:
@@ -142,7 +149,12 @@ async def handle_api_error(_: Request, error: APIError) -> JSONResponse:
 
 
 async def handle_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    from .fields import refusal_of  # fields builds on this module
+
     message, param = describe_validation(error.errors())
+    refusal = refusal_of(param)
+    if refusal is not None:  # a field the schema only allows at its default
+        return APIError(400, refusal, param=param, code="unsupported_parameter").response()
     return APIError(400, message, param=param, code="invalid_value").response()
 
 

@@ -28,7 +28,7 @@ CHAT_REFUSALS = (
         "metadata", ({},), "metadata only applies to stored completions; this server stores none"
     ),
     Refusal("service_tier", ("auto", "default"), "this server has one service tier: 'auto'"),
-    Refusal("modalities", (["text"],), "this server answers with text only"),
+    Refusal("modalities", ([], ["text"], ["text", "text"]), "this server answers with text only"),
     Refusal("audio", (), "audio output is not supported"),
     Refusal("prediction", (), "predicted outputs are not supported"),
     Refusal("reasoning_effort", (), "reasoning_effort is not supported by this server"),
@@ -46,6 +46,14 @@ COMPLETION_REFUSALS = (
     Refusal("best_of", (1,), "only best_of=1 is supported"),
     Refusal("suffix", ("",), "suffix (insertion) is not supported by this server"),
 )
+
+
+def refusal_of(param: str | None) -> str | None:
+    """Why a top-level field is not honoured, or None for any other field."""
+    for refusal in SHARED_REFUSALS + CHAT_REFUSALS + COMPLETION_REFUSALS:
+        if refusal.field == param:
+            return refusal.reason
+    return None
 
 
 def check_fields(body: SamplingFields, features: frozenset[str]) -> None:
@@ -72,7 +80,8 @@ def check_fields(body: SamplingFields, features: frozenset[str]) -> None:
 def wants_logprobs(body: SamplingFields) -> bool:
     if isinstance(body, CompletionRequest):
         return body.logprobs is not None
-    return bool(getattr(body, "logprobs", False))
+    # top_logprobs alone asks for them too; logprobs=false with it is refused in _check_chat
+    return bool(body.logprobs) or (body.logprobs is None and body.top_logprobs is not None)
 
 
 def top_logprobs(body: SamplingFields) -> int | None:
@@ -85,7 +94,7 @@ def top_logprobs(body: SamplingFields) -> int | None:
 
 
 def _check_chat(body: ChatCompletionRequest, features: frozenset[str]) -> None:
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs is not None and body.logprobs is False:
         message = "top_logprobs needs logprobs set to true"
         raise APIError(400, message, param="top_logprobs", code="invalid_value")
     wants_json = body.response_format is not None and body.response_format.type != "text"

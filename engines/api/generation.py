@@ -89,6 +89,15 @@ def resolve_max_tokens(body: SamplingFields, limits: ServiceLimits, room: int) -
 
     `room` is what the planned context leaves after the prompt.
     """
+    for name in ("max_tokens", "max_completion_tokens"):  # both checked, though one wins
+        given = getattr(body, name)
+        if given is not None and not 1 <= given <= limits.max_tokens_cap:
+            raise APIError(
+                400,
+                f"{name} must be between 1 and {limits.max_tokens_cap}, got {given}",
+                param=name,
+                code="invalid_value",
+            )
     param, value = "max_completion_tokens", body.max_completion_tokens
     if value is None:
         param, value = "max_tokens", body.max_tokens
@@ -102,13 +111,6 @@ def resolve_max_tokens(body: SamplingFields, limits: ServiceLimits, room: int) -
         )
     if value is None:
         return min(limits.default_max_tokens, limits.max_tokens_cap, room)
-    if not 1 <= value <= limits.max_tokens_cap:
-        raise APIError(
-            400,
-            f"{param} must be between 1 and {limits.max_tokens_cap}, got {value}",
-            param=param,
-            code="invalid_value",
-        )
     if value > room:
         raise APIError(
             400,

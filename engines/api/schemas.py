@@ -6,17 +6,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
-    ValidationInfo,
     field_validator,
     model_serializer,
-    model_validator,
 )
-from pydantic_core import PydanticCustomError
 
 MAX_STOP_SEQUENCES = 4
-MAX_SEED = 2**64 - 1  # mlx seeds are unsigned 64-bit
+MAX_STOP_CHARS = 256  # each stop sequence; held-back text is bounded by the longest
+MAX_SEED = 2**53  # the largest integer every JSON client reads exactly (a double)
 MAX_MESSAGES = 1024
 MAX_TOOLS = 128
 MAX_TOP_LOGPROBS = 20  # chat; OpenAI's own bound
@@ -25,6 +24,14 @@ MAX_COMPLETION_LOGPROBS = 5  # completions; OpenAI's own bound
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls"]
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 3.0 as an integer; strict mode would refuse it. true stays refused.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
 
 
 class RequestModel(BaseModel):
@@ -63,29 +70,12 @@ class ToolCall(RequestModel):
 
 class ChatMessage(RequestModel):
     role: Role
-    tool_calls: list[ToolCall] | None = None  # assistant only
-    # Checked even when absent: only an assistant message with tool_calls may omit it.
-    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+    # Required but nullable: an assistant turn that only called tools has `"content": null`.
+    content: str | list[TextPart] | None
     name: str | None = None
-    tool_call_id: str | None = None  # tool only
-    refusal: str | None = None  # assistant only; sent back by clients that replay history
-
-    @field_validator("content", mode="after")
-    @classmethod
-    def check_content(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is None and not (
-            info.data.get("role") == "assistant" and info.data.get("tool_calls")
-        ):
-            raise PydanticCustomError("missing", "Field required")
-        return value
-
-    @model_validator(mode="after")
-    def check_role_fields(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs the tool_call_id it answers")
-        return self
+    tool_calls: list[ToolCall] | None = None  # the assistant's calls, passed to the template
+    tool_call_id: str | None = None  # the call a tool message answers
+    refusal: str | None = None  # sent back by clients that replay an assistant's message
 
     def text(self) -> str:
         """The content as one string (text parts are joined without a separator, as OpenAI)."""
@@ -160,33 +150,52 @@ class SamplingFields(RequestModel):
     """
 
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Integer | None = None
+    max_completion_tokens: Integer | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: (
+        Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
+            Field(max_length=MAX_STOP_SEQUENCES),
+        ]
+        | None
+    ) = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED), BeforeValidator(_integral)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)] | None = (
+        None  # one choice per request
+    )
     user: str | None = None  # an end-user id: logged with the request, never used otherwise
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # mlx-lm's extension
-    logit_bias: dict[str, float] | None = None  # refused unless empty
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)  # mlx-lm's extension
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=0)  # unsupported
 
     @field_validator("stop", mode="before")
     @classmethod
     def check_stop_shape(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
-            return value
-        if (
-            isinstance(value, list)
-            and len(value) <= MAX_STOP_SEQUENCES
-            and all(isinstance(item, str) for item in value)
+        sequences = [value] if isinstance(value, str) else value
+        if value is None or (
+            isinstance(sequences, list)
+            and len(sequences) <= MAX_STOP_SEQUENCES
+            and all(isinstance(item, str) and len(item) <= MAX_STOP_CHARS for item in sequences)
         ):
             return value
-        raise ValueError(f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings")
+        raise ValueError(
+            f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings, each of "
+            f"at most {MAX_STOP_CHARS} characters"
+        )
+
+    @field_validator("stream", "echo", "store", mode="before", check_fields=False)
+    @classmethod
+    def check_boolean(cls, value: Any) -> Any:
+        # A Literal[False] also matches 0 (0 == False): only a JSON boolean is one.
+        if value is not None and not isinstance(value, bool):
+            raise ValueError("Input should be a valid boolean")
+        return value
 
     def stop_sequences(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -200,7 +209,9 @@ class SamplingFields(RequestModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: (
+        Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral)] | None
+    ) = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
@@ -209,26 +220,34 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     # refused unless absent or the default (fields.py says why)
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-    modalities: list[str] | None = None
-    audio: OpenObject | None = None
-    prediction: OpenObject | None = None
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
-    web_search_options: OpenObject | None = None
-    functions: list[OpenObject] | None = None
-    function_call: str | OpenObject | None = None
+    store: Literal[False] | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=0)
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    audio: None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    web_search_options: None = None
+    functions: list[OpenObject] | None = Field(default=None, max_length=0)
+    function_call: None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[
+            list[Annotated[int, Field(ge=0), BeforeValidator(_integral)]], Field(min_length=1)
+        ]
+    )
+    logprobs: (
+        Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), BeforeValidator(_integral)] | None
+    ) = None
     # refused unless absent or the default (fields.py says why)
-    echo: bool | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: Literal[False] | None = None
+    best_of: Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)] | None = None
+    suffix: Literal[""] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -240,6 +259,7 @@ class CompletionRequest(SamplingFields):
                 if len(value) == 1:
                     return value
                 raise ValueError(f"only one prompt per request is supported, got {len(value)}")
+            value = [_integral(item) for item in value]
             if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
                 return value
         raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
