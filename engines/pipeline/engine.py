@@ -60,7 +60,7 @@ class EncryptedPipelineEngine(Engine):
     turns into EngineError for the whole batch and healthy() == False.
     """
 
-    features = frozenset()  # the last stage samples with temperature, top_p and seed only
+    features = frozenset({"penalties", "logprobs"})  # both at the last stage (wire.Sampling)
 
     def __init__(
         self,
@@ -239,7 +239,15 @@ class EncryptedPipelineEngine(Engine):
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
         sampling = wire.Sampling(
-            request.temperature, request.top_p, request_seed(request), request.request_id
+            request.temperature,
+            request.top_p,
+            request_seed(request),
+            request.request_id,
+            request.repetition_penalty,
+            request.presence_penalty,
+            request.frequency_penalty,
+            request.prompt_tokens[-wire.PENALTY_CONTEXT :],
+            request.logprobs,
         )
         try:
             wire.Sampling.of(sampling.document())  # refuse here what the last stage would
@@ -275,14 +283,19 @@ class EncryptedPipelineEngine(Engine):
                 if not self._awaiting:
                     return []
                 expected = self._awaiting[0]
-                produced = self._receive_answer()
+                produced, scores = self._receive_answer()
             except ChannelError as error:
                 waiting = f"for {expected.describe()}" if expected else "sending"
                 raise self._lost(waiting, error) from error
             except Exception as error:  # the stages are mid-batch: this chain is unusable now
                 self._lost("in a step", ChannelError(str(error)))
                 raise
-        return [StepOutput(uid, token) for uid, token in produced]
+        return [
+            StepOutput(uid, token)
+            if scores.get(uid) is None
+            else StepOutput(uid, token, None, *scores[uid])
+            for uid, token in produced
+        ]
 
     def _run_stage_zero(self, planned: Planned) -> None:
         """BEGIN the newcomers, embed and run stage 0 over the frame's tokens, send it down."""
@@ -301,7 +314,7 @@ class EncryptedPipelineEngine(Engine):
         self._send(wire.hidden_frame(number, group, step, rows, hidden))
         self._awaiting.append(wire.Frame(Kind.TOKEN, number, group, step, rows))
 
-    def _receive_answer(self) -> list[tuple[int, int]]:
+    def _receive_answer(self) -> tuple[list[tuple[int, int]], dict[int, Any]]:
         expected = self._awaiting[0]
         chain = self._chain
         if chain is None:
@@ -310,7 +323,8 @@ class EncryptedPipelineEngine(Engine):
             chain.inbound, self.token_timeout_s, expected, chain.last_layers
         )
         self._awaiting.popleft()
-        return self._schedule.answered(answer.tokens())
+        scores = dict(zip(answer.uids, answer.scores(), strict=True)) if answer.flags else {}
+        return self._schedule.answered(answer.tokens()), scores
 
     # -- the hops ----------------------------------------------------------------------------
 

@@ -174,8 +174,9 @@ class StageModel:
             hidden = block(hidden, masks[sliding], cache=layer_cache)
         return hidden
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        """Hidden (B, L, D) -> each row's next-token log-probabilities (B, V); last stage only."""
+    def logits(self, hidden: mx.array, normalized: bool = True) -> mx.array:
+        """Hidden (B, L, D) -> each row's next-token log-probabilities (B, V), or the raw
+        logits when not `normalized` (logits processors need them); last stage only."""
         if self.norm is None:
             raise EngineError(f"stage [{self.layers.start}, {self.layers.stop}) has no output head")
         out = self.norm(hidden)  # (B, L, D)
@@ -184,6 +185,8 @@ class StageModel:
         else:
             out = self.head(out)
         logits = out[:, -1, :]  # (B, V)
+        if not normalized:
+            return logits
         # As mlx-lm's GenerationBatch: samplers see log-probabilities, row by row.
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
