@@ -82,37 +82,21 @@ def start_serve(
     port = free_port(LOOPBACK)
     log_path = tmp / f"{name}.log"
     command = [
-        sys.executable,
-        "-m",
-        "cli.main",
-        "serve",
-        "--model",
-        str(model),
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        "--interface",
-        LOOPBACK,
-        "--cluster-key",
-        cluster_key,
-        "--state-dir",
-        str(tmp / f"{name}-state"),
-        "--cache-dir",
-        str(tmp / "cache"),
-        "--discovery-timeout",
-        "2",
-        "--lost-after",
-        "3",
+        sys.executable, "-m", "cli.main", "serve",
+        "--model", str(model),
+        "--host", LOOPBACK,
+        "--port", str(port),
+        "--interface", LOOPBACK,
+        "--cluster-key", cluster_key,
+        "--state-dir", str(tmp / f"{name}-state"),
+        "--cache-dir", str(tmp / "cache"),
+        "--discovery-timeout", "2",
+        "--lost-after", "3",
         *args,
     ]
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            command,
-            cwd=REPO_ROOT,
-            env=child_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            command, cwd=REPO_ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
     server = ServeProcess(process, port, log_path)

@@ -16,7 +16,7 @@ CONTEXT_TOKENS = 512
 SEED = 1  # fixed, so a failure reproduces; `st run ... --seed N` explores others
 
 
-def test_schemathesis_finds_nothing(demo_model_dir: Path) -> None:
+def test_schemathesis_finds_nothing(demo_model_dir: Path, tmp_path: Path) -> None:
     with served_app(demo_model_dir, 4 * MB, CONTEXT_TOKENS, engine=True) as (url, _):
         finished = subprocess.run(
             [
@@ -38,7 +38,7 @@ def test_schemathesis_finds_nothing(demo_model_dir: Path) -> None:
                 "--max-response-time",
                 "20",
             ],
-            cwd=ROOT,
+            cwd=tmp_path,  # schemathesis keeps a .schemathesis cache in its working directory
             capture_output=True,
             text=True,
             timeout=300,
