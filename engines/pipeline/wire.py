@@ -30,9 +30,9 @@ import numpy as np
 
 from planner.errors import ChannelError
 
-VERSION = 2
+VERSION = 3  # 3: BEGIN penalties and logprobs, TOKEN scores (an older stage would ignore them)
 PURPOSE = b"pipeline"  # the SecureChannel purpose of every pipeline hop
-AD_LABEL = b"tandem pipeline v2"
+AD_LABEL = b"tandem pipeline v3"
 HEADER = struct.Struct(">BBBBBQHIH")
 DIM = struct.Struct(">I")
 ROW = struct.Struct(">QI")
