@@ -264,6 +264,7 @@ def serve(config: ServeConfig) -> int:
         app = create_app(
             service,
             max_prompt_tokens=config.context_tokens,
+            max_body_bytes=config.max_body_bytes,
             metrics_open=config.observability.metrics_open,
             dashboard_open=config.observability.dashboard_open,
             stopping=stopping,

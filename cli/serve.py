@@ -56,6 +56,7 @@ class ServeConfig:
     state_dir: Path
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     send_weights: bool = True
+    max_body_bytes: int = 4 * 1024 * 1024
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -100,6 +101,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flag(parser, "--max-tokens-cap", default=4096, cast=int, help="largest max_tokens accepted")
     add_flag(parser, "--request-timeout", default=300.0, cast=float, help="seconds per request")
+    add_flag(
+        parser,
+        "--max-body-bytes",
+        default=4 * 1024 * 1024,
+        cast=int,
+        help="largest HTTP request body accepted; larger ones get 413 before they are read",
+    )
     add_flag(parser, "--api-key", help="require `Authorization: Bearer KEY` on /v1")
     add_interface_flag(parser)
     add_flag(
@@ -178,6 +186,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.max_tokens_cap < 1:
         raise ConfigError(f"--max-tokens-cap must be at least 1, got {args.max_tokens_cap}")
+    if args.max_body_bytes < 1:
+        raise ConfigError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
     prefix_cache_bytes = None  # auto
@@ -216,6 +226,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         state_dir=args.state_dir,
         observability=observability_from_args(args),
         send_weights=args.send_weights == "auto",
+        max_body_bytes=args.max_body_bytes,
     )
 
 

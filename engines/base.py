@@ -25,6 +25,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; k >= 0: the token's logprob and the top k others
+    grammar: str | None = None  # an llguidance grammar (JSON) the output must match; None: free
 
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
@@ -85,6 +86,9 @@ class Engine(abc.ABC):
 
     #: the mlx_lm TokenizerWrapper used for detokenizing and chat templates
     tokenizer: Any
+    #: what the engine honours beyond temperature/top_p/seed: "penalties", "logprobs",
+    #: "grammar" (GenerationRequest.grammar); the API refuses a request that needs more
+    features: frozenset[str] = frozenset({"penalties", "logprobs"})
 
     @abc.abstractmethod
     def load(self) -> None:

@@ -26,7 +26,7 @@ from .demo_architectures import ARCHITECTURE_NAMES, CONFIG_EXTRAS, TIED_BY_DEFAU
 log = logging.getLogger(__name__)
 
 # Bump when the bytes written for a given spec change, so cached demo models are rebuilt.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 DEMO_BUILD_STEPS = 4  # the progress callback's calls: tokenizer, config, weights, safetensors
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
 
@@ -35,15 +35,31 @@ EOS_TOKEN = "<|end|>"
 PAD_TOKEN = "<|pad|>"
 # Special tokens take the first ids, in this order.
 SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN, PAD_TOKEN, "<|system|>", "<|user|>", "<|assistant|>")
-# "developer" (newer OpenAI clients) is treated as "system"; any other role is refused.
+# "developer" (newer OpenAI clients) is treated as "system"; any other role is refused. Tools
+# are offered in a system turn and called as <tool_call>{"name": ..., "arguments": ...}</tool_call>
+# (mlx-lm's "json_tools" format); tool results come back in a user turn.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    '{% if tools %}{{ \'<|system|>\\nTools (answer with <tool_call>\\n{"name": ..., '
+    '"arguments": ...}\\n</tool_call>):\\n\' }}'
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}{{ '<|end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
     "{% set role = 'system' if message['role'] == 'developer' else message['role'] %}"
-    "{% if role not in ['system', 'user', 'assistant'] %}"
+    "{% if role not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unsupported chat role: ' + role) }}"
     "{% endif %}"
-    "{{ '<|' + role + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% if role == 'tool' %}"
+    "{{ '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|' + role + '|>\\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set tool_call = call['function'] %}"
+    '{{ \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
+    "{{ tool_call.arguments | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from planner.errors import EngineError
 
 from .base import Engine, EngineInfo, GenerationRequest, StepOutput
+from .grammar import GrammarCompiler
 from .load_progress import evaluate_by_layer
 from .precision import upcast_on_cpu
 from .prefix_index import PrefixIndex
@@ -33,6 +34,8 @@ class SingleEngine(Engine):
     then one prefill chunk for the newcomers, so a long prompt delays the others by one
     chunk per step instead of its whole prefill.
     """
+
+    features = frozenset({"penalties", "logprobs", "grammar"})
 
     def __init__(
         self,
@@ -56,6 +59,7 @@ class SingleEngine(Engine):
         self._to_generator: dict[int, int] = {}  # our uid -> the generator's uid
         self._from_generator: dict[int, int] = {}
         self._logprobs: dict[int, int] = {}  # uid -> top k, for sequences that asked
+        self._grammars: GrammarCompiler | None = None
 
     def load(self) -> None:
         try:
@@ -67,6 +71,8 @@ class SingleEngine(Engine):
         self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
         if not reusable(make_prompt_cache(self.model)):
             self.prefix_index.turn_off(NOT_REUSABLE)
+        vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", 0)
+        self._grammars = GrammarCompiler(self.tokenizer, max(vocab_size, len(self.tokenizer)))
         self._generator = BatchGenerator(
             self.model,
             completion_batch_size=self.max_batch,
@@ -75,7 +81,7 @@ class SingleEngine(Engine):
         )
         log.info("single engine loaded %s (batch of up to %d)", self.model_path, self.max_batch)
 
-    def insert(self, uid: int, request: GenerationRequest) -> None:
+    def insert(self, uid: int, request: GenerationRequest) -> int:
         if self._generator is None:
             raise EngineError("single engine used before load()")
         if not request.prompt_tokens:
@@ -88,6 +94,8 @@ class SingleEngine(Engine):
         caches, prefix = None, []
         if hit is not None:
             caches, prefix = self._prefix_store.take_prefix(hit.entry_id, hit.tokens)
+        if request.grammar is not None:  # last: penalties must not lift the grammar's mask
+            processors.append(self._grammars.processor(request.grammar))
         (generator_uid,) = self._generator.insert(
             [list(request.prompt_tokens[len(prefix) :])],
             max_tokens=[request.max_tokens],

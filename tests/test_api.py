@@ -98,10 +98,11 @@ async def test_chat_text_parts_equal_string_content(client: httpx.AsyncClient) -
     assert joined.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
 
 
-async def test_unknown_fields_are_ignored(client: httpx.AsyncClient) -> None:
-    extras = {"logit_bias": {"5": 1}, "frequency_penalty": 0.5, "tools": [], "whatever": [1]}
-    response = await client.post("/v1/chat/completions", json=chat_body(**extras))
-    assert response.status_code == 200, response.text
+async def test_unknown_fields_are_refused_by_name(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", json=chat_body(whatever=[1]))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "whatever"
+    assert "whatever" in response.json()["error"]["message"]
 
 
 # -- completions -------------------------------------------------------------------------------

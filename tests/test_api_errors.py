@@ -395,7 +395,9 @@ async def test_prompt_plus_max_tokens_must_fit_the_planned_context(runner: Engin
 
 async def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(runner: EngineRunner) -> None:
     huge = "lorem ipsum dolor sit amet " * 200_000  # ~5 MB: seconds of tokenizing
-    async with open_client(make_service(runner), max_prompt_tokens=64) as client:
+    # Limits high enough that the body and the character bound let it through to the tokenizer.
+    limits = {"max_prompt_tokens": 1_000_000, "max_body_bytes": 64 * 2**20}
+    async with open_client(make_service(runner), **limits) as client:
         big = asyncio.create_task(
             client.post(CHAT, json=chat_body(messages=[{"role": "user", "content": huge}]))
         )

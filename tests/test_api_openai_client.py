@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -132,6 +133,56 @@ def test_chat_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == 10
     assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_logprobs_json_and_tools_reach_the_client_typed(client: openai.OpenAI) -> None:
+    scored = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = scored.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(entry.top_logprobs) == 2 for entry in content)
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    shaped = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=MESSAGES,
+        max_tokens=20,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+    )
+    assert isinstance(json.loads(shaped.choices[0].message.content)["ok"], bool)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["id"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    called = client.chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, max_tokens=96, tools=[tool], tool_choice="required"
+    )
+    assert called.choices[0].finish_reason == "tool_calls", repr(called.choices[0].message.content)
+    [call] = called.choices[0].message.tool_calls
+    assert call.function.name == "lookup"
+    assert 0 <= json.loads(call.function.arguments)["id"] <= 9
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL_ID, messages=MESSAGES, max_tokens=5, extra_body={"top_k": 3}
+        )
+    assert refused.value.body["param"] == "top_k"
 
 
 def test_completions(client: openai.OpenAI) -> None:

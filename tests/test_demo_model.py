@@ -87,8 +87,8 @@ def test_chat_template_renders_turns_and_generation_prompt(loaded: tuple[Any, An
 
 def test_chat_template_refuses_unknown_role(loaded: tuple[Any, Any]) -> None:
     _, tokenizer = loaded
-    with pytest.raises(Exception, match="unsupported chat role: tool"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="unsupported chat role: robot"):
+        tokenizer.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
 
 
 def test_tokenizer_round_trips_text_and_knows_its_eos(

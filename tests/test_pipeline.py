@@ -295,6 +295,32 @@ def status(pipeline: Pipeline) -> list[dict[str, Any]]:
             time.sleep(0.02)
 
 
+def scored_events(runner: EngineRunner, request: GenerationRequest) -> list[Any]:
+    async def collect() -> list[Any]:
+        events = [event async for event in runner.submit(request).events()]
+        return [event for event in events if event.token is not None]
+
+    return asyncio.run(asyncio.wait_for(collect(), 60))
+
+
+def test_penalties_and_logprobs_match_single_engine(pipeline: Pipeline) -> None:
+    """Penalties run at the last stage on the raw logits, logprobs travel in TOKEN frames."""
+    options = {"repetition_penalty": 1.3, "frequency_penalty": 1.5, "presence_penalty": 0.5}
+    request = make_request(pipeline.runner, PROMPTS[0], max_tokens=24, logprobs=3, **options)
+    expected = scored_events(pipeline.reference, request)
+    got = scored_events(pipeline.runner, request)
+    assert [event.token for event in got] == [event.token for event in expected]
+    assert [event.logprob for event in got] == pytest.approx(
+        [event.logprob for event in expected], abs=1e-4
+    )
+    assert [[t for t, _ in e.top_logprobs] for e in got] == [
+        [t for t, _ in e.top_logprobs] for e in expected
+    ]
+    assert all(len(event.top_logprobs) == 3 for event in got)
+    plain = scored_events(pipeline.runner, make_request(pipeline.runner, PROMPTS[0], 24))
+    assert all(event.logprob is None for event in plain)
+
+
 def test_cancel_frees_every_stage_and_the_next_request_is_exact(pipeline: Pipeline) -> None:
     before = status(pipeline)
     request = make_request(pipeline.runner, PROMPTS[0], max_tokens=500)

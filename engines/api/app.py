@@ -13,8 +13,16 @@ from fastapi.responses import JSONResponse, Response
 from ..service import Service
 from . import chat, completions, dashboard
 from .auth import PROTECTED_PREFIX, BearerKeyMiddleware
-from .errors import install_error_handlers, model_not_found
+from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from .errors import (
+    SERVER_FAILURE,
+    UNAUTHORIZED,
+    documented,
+    install_error_handlers,
+    model_not_found,
+)
 from .metrics import Metrics, MetricsMiddleware
+from .openapi import install_openapi
 from .prompts import DEFAULT_MAX_PROMPT_TOKENS
 from .schemas import ModelCard, ModelList
 
@@ -30,12 +38,14 @@ def create_app(
     dashboard_open: bool = False,
     dashboard_interval_s: float = dashboard.UPDATE_INTERVAL_S,
     stopping: threading.Event | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """Build the app around `service`; nothing here touches mlx or blocks the event loop.
 
     With an API key, /metrics and the dashboard need it too unless `metrics_open` /
     `dashboard_open` leave them open (a trusted network). Once `stopping` is set (the server
-    is shutting down) the dashboard's endless event streams end.
+    is shutting down) the dashboard's endless event streams end. Bodies over
+    `max_body_bytes` get 413 before they are read in full.
     """
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be at least 1, got {max_prompt_tokens}")
@@ -54,8 +64,10 @@ def create_app(
             prefixes=(PROTECTED_PREFIX,) + (() if metrics_open else (METRICS_PATH,)),
             browser_paths=() if dashboard_open else DASHBOARD_PATHS,
         )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     metrics = Metrics(service)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 413s too
+    install_openapi(app, service)
     app.include_router(chat.create_router(service, max_prompt_tokens))
     app.include_router(completions.create_router(service, max_prompt_tokens))
     app.include_router(create_info_router(service))
@@ -76,22 +88,41 @@ def create_info_router(service: Service) -> APIRouter:
     def model_card() -> ModelCard:
         return ModelCard(id=service.model_id, created=started, revision=service.model_revision)
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", responses={**UNAUTHORIZED, **SERVER_FAILURE})
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @router.get("/v1/models/{model_id:path}")
+    @router.get(
+        "/v1/models/{model_id:path}",
+        responses={**UNAUTHORIZED, 404: documented("no such model"), **SERVER_FAILURE},
+    )
     async def retrieve_model(model_id: str) -> ModelCard:
         if model_id != service.model_id:
             raise model_not_found(model_id, service.model_id)
         return model_card()
 
-    @router.get("/health")
+    @router.get(
+        "/health",
+        response_model=None,
+        responses={
+            200: {"description": "serving", "content": {"application/json": {}}},
+            503: {"description": "starting or degraded", "content": {"application/json": {}}},
+            **SERVER_FAILURE,
+        },
+    )
     async def health() -> JSONResponse:
         status = service.health()
         return JSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)
 
-    @router.get("/v1/cluster")
+    @router.get(
+        "/v1/cluster",
+        response_model=None,
+        responses={
+            200: {"description": "the plan and members", "content": {"application/json": {}}},
+            **UNAUTHORIZED,
+            **SERVER_FAILURE,
+        },
+    )
     async def cluster() -> JSONResponse:
         return JSONResponse(service.cluster_status())
 

@@ -5,35 +5,46 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..service import Service
+from .errors import ERROR_RESPONSES, STREAMED
 from .generation import build_request, check_supported, collect, wait_budget_s
+from .logprobs import TokenScore, completion_logprobs
 from .metrics import mark_submitted, received_at
 from .prompts import completion_prompt_tokens
 from .schemas import Completion, CompletionChoice, CompletionRequest, Usage
 from .streaming import EventStreamResponse, stream_generation
 
 
-@dataclass(frozen=True, slots=True)
 class CompletionChunks:
     """The chunk shapes of a streamed completion; OpenAI sends no opening chunk here."""
 
-    id: str
-    created: int
-    model: str
+    def __init__(
+        self, id: str, created: int, model: str, tokenizer: Any, top: int | None = None
+    ) -> None:
+        self.id = id
+        self.created = created
+        self.model = model
+        self._tokenizer = tokenizer
+        self._top = top  # None: no logprobs
+        self._offset = 0  # text_offset of the next token
 
     def opening(self) -> None:
         return None
 
-    def content(self, text: str) -> Completion:
-        return self._chunk([CompletionChoice(text=text)])
+    def content(self, text: str, scores: list[TokenScore]) -> Completion:
+        logprobs = None
+        if self._top is not None and scores:
+            logprobs = completion_logprobs(self._tokenizer, scores, self._top, self._offset)
+        self._offset += len(text)
+        return self._chunk([CompletionChoice(text=text, logprobs=logprobs)])
 
-    def finish(self, reason: str) -> Completion:
-        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
+    def finish(self, reason: str) -> list[Completion]:
+        return [self._chunk([CompletionChoice(text="", finish_reason=reason)])]
 
     def usage(self, usage: Usage) -> Completion:
         return self._chunk([], usage)
@@ -47,7 +58,11 @@ class CompletionChunks:
 def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/completions", response_model=None)
+    @router.post(
+        "/v1/completions",
+        response_model=None,
+        responses={200: {"model": Completion, "content": STREAMED}, **ERROR_RESPONSES},
+    )
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         check_supported(service, body)
         completion_id = f"cmpl-{uuid.uuid4().hex}"
@@ -62,13 +77,20 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         )
         mark_submitted(request.scope)
         if body.stream:
-            writer = CompletionChunks(completion_id, created, service.model_id)
+            writer = CompletionChunks(
+                completion_id, created, service.model_id, service.tokenizer, body.logprobs
+            )
             events = stream_generation(
                 submission, wait_budget_s(service), writer, body.include_usage()
             )
             return EventStreamResponse(events, on_close=submission.cancel)
         outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
-        choice = CompletionChoice(text=outcome.text, finish_reason=outcome.finish_reason)
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(service.tokenizer, outcome.scores, body.logprobs)
+        choice = CompletionChoice(
+            text=outcome.text, finish_reason=outcome.finish_reason, logprobs=logprobs
+        )
         completion = Completion(
             id=completion_id,
             created=created,

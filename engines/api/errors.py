@@ -13,10 +13,35 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from planner.errors import EngineError, OverloadedError, QueueFullError
 
+from .schemas import ErrorResponse
+
 log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+
+
+def documented(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+# The statuses each kind of route can answer, for the OpenAPI document (never 422: request
+# validation failures are 400s, as OpenAI's).
+UNAUTHORIZED = {401: documented("missing or wrong API key (only when the server has --api-key)")}
+SERVER_FAILURE = {500: documented("internal server error")}
+# The body of a 200: one JSON document, or with "stream": true server-sent events.
+STREAMED: dict[str, Any] = {"text/event-stream": {}}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: documented("invalid or unsupported request field; `param` names it"),
+    **UNAUTHORIZED,
+    404: documented("the model is not the one this server serves"),
+    413: documented("the request body is larger than --max-body-bytes"),
+    429: documented("the request queue is full; retry later"),
+    **SERVER_FAILURE,
+    503: documented("no engine is serving (starting, re-planning, or shutting down)"),
+    504: documented("the generation did not finish within --request-timeout"),
+}
+
 
 # pydantic names union members in error locations ("str", "list[TextPart]"); a user never
 # typed those, so they are dropped from the `param` we report.
@@ -96,6 +121,8 @@ def describe_validation(errors: Sequence[Any]) -> tuple[str, str | None]:
         return "the request body must be a JSON object (Content-Type: application/json)", None
     if first.get("type") == "missing":
         return f"'{param}' is required", param
+    if first.get("type") == "extra_forbidden":
+        return f"unrecognized request argument supplied: '{param}'", param
     messages = dict.fromkeys(_plain_message(error) for p, error in deepest if p == path)
     return f"invalid value for '{param}': {' or '.join(messages)}", param
 
@@ -106,7 +133,12 @@ def _param_of(loc: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS or part[:1].isupper())
+    return isinstance(part, str) and (
+        "[" in part
+        or part in _UNION_TAGS
+        or part[:1].isupper()
+        or part.startswith("constrained-")  # an Annotated member: "constrained-str"
+    )
 
 
 def _plain_message(error: Any) -> str:
@@ -122,7 +154,12 @@ async def handle_api_error(_: Request, error: APIError) -> JSONResponse:
 
 
 async def handle_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    from .fields import refusal_of  # fields builds on this module
+
     message, param = describe_validation(error.errors())
+    refusal = refusal_of(param)
+    if refusal is not None:  # a field the schema only allows at its default
+        return APIError(400, refusal, param=param, code="unsupported_parameter").response()
     return APIError(400, message, param=param, code="invalid_value").response()
 
 

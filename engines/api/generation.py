@@ -12,6 +12,8 @@ from ..base import GenerationRequest, TokenEvent
 from ..runner import Submission
 from ..service import Service, ServiceLimits
 from .errors import APIError, engine_unavailable, generation_timeout, model_not_found
+from .fields import check_fields, top_logprobs
+from .logprobs import TokenScore
 from .schemas import SamplingFields
 
 log = logging.getLogger(__name__)
@@ -36,12 +38,14 @@ class Outcome:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    scores: list[TokenScore]  # one per token, when the request asked for logprobs
     cached_tokens: int = 0
 
 
 def check_supported(service: Service, body: SamplingFields) -> None:
-    """What the schema cannot check: the model this server serves, n (one choice only), and
-    that a tokenizer is there (none until the first engine has loaded)."""
+    """What the schema cannot check: the model this server serves, n (one choice only), the
+    fields the running engine cannot honour, and that a tokenizer is there (none until the
+    first engine has loaded)."""
     if body.model != service.model_id:
         raise model_not_found(body.model, service.model_id)
     if body.n is not None and body.n != 1:
@@ -50,6 +54,8 @@ def check_supported(service: Service, body: SamplingFields) -> None:
     if service.tokenizer is None:
         reason = f": {service.state_reason}" if service.state_reason else ""
         raise engine_unavailable(f"the model is not loaded yet ({service.state}{reason})")
+    runner = service.runner
+    check_fields(body, runner.engine.features if runner is not None else frozenset())
 
 
 def build_request(
@@ -58,6 +64,7 @@ def build_request(
     body: SamplingFields,
     prompt_tokens: tuple[int, ...],
     context_tokens: int,
+    grammar: str | None = None,
 ) -> GenerationRequest:
     """The engine-agnostic request; prompt + max_tokens must fit the context the KV cache was
     planned for (an absent max_tokens shrinks to what is left)."""
@@ -70,6 +77,11 @@ def build_request(
         stop=body.stop_sequences(),
         seed=body.seed,
         timeout_s=service.limits.request_timeout_s,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logprobs=top_logprobs(body),
+        grammar=grammar,
     )
 
 
@@ -78,6 +90,15 @@ def resolve_max_tokens(body: SamplingFields, limits: ServiceLimits, room: int) -
 
     `room` is what the planned context leaves after the prompt.
     """
+    for name in ("max_tokens", "max_completion_tokens"):  # both checked, though one wins
+        given = getattr(body, name)
+        if given is not None and not 1 <= given <= limits.max_tokens_cap:
+            raise APIError(
+                400,
+                f"{name} must be between 1 and {limits.max_tokens_cap}, got {given}",
+                param=name,
+                code="invalid_value",
+            )
     param, value = "max_completion_tokens", body.max_completion_tokens
     if value is None:
         param, value = "max_tokens", body.max_tokens
@@ -91,13 +112,6 @@ def resolve_max_tokens(body: SamplingFields, limits: ServiceLimits, room: int) -
         )
     if value is None:
         return min(limits.default_max_tokens, limits.max_tokens_cap, room)
-    if not 1 <= value <= limits.max_tokens_cap:
-        raise APIError(
-            400,
-            f"{param} must be between 1 and {limits.max_tokens_cap}, got {value}",
-            param=param,
-            code="invalid_value",
-        )
     if value > room:
         raise APIError(
             400,
@@ -164,6 +178,7 @@ async def collect(
 ) -> Outcome:
     """Gather a whole generation; cancel it when the client goes away or time runs out."""
     parts: list[str] = []
+    scores: list[TokenScore] = []
     try:
         async with aclosing(watch_events(submission, timeout_s, DISCONNECT_POLL_S)) as events:
             async for event in events:
@@ -172,6 +187,9 @@ async def collect(
                         raise APIError(CLIENT_CLOSED, "the client closed the request")
                     continue
                 parts.append(event.text)
+                score = TokenScore.of(event)
+                if score is not None:
+                    scores.append(score)
                 if event.finish_reason in ("stop", "length"):
                     text = "".join(parts)
                     return Outcome(
@@ -179,6 +197,7 @@ async def collect(
                         event.finish_reason,
                         event.prompt_tokens,
                         event.completion_tokens,
+                        scores,
                         event.cached_tokens,
                     )
                 if event.finish_reason is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 from jinja2 import TemplateError
@@ -16,16 +18,21 @@ _TEMPLATE_ROLES = {"developer": "system"}
 
 
 def chat_prompt_tokens(
-    tokenizer: Any, messages: list[ChatMessage], max_prompt_tokens: int
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    max_prompt_tokens: int,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[int, ...]:
-    """Render the conversation with the model's chat template, ending in the assistant's turn."""
-    conversation = [
-        {"role": _TEMPLATE_ROLES.get(message.role, message.role), "content": message.text()}
-        for message in messages
-    ]
+    """Render the conversation (and the tools on offer) with the model's chat template, ending
+    in the assistant's turn."""
+    check_prompt_size(tokenizer, chat_text_length(messages, tools), max_prompt_tokens, "messages")
+    conversation = [_template_message(message) for message in messages]
     if getattr(tokenizer, "has_chat_template", False):
+        extra = {"tools": tools} if tools else {}
         try:
-            tokens = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+            tokens = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, **extra
+            )
         except (TemplateError, ValueError) as error:
             raise APIError(
                 400, f"the model's chat template rejected the messages: {error}", param="messages"
@@ -53,10 +60,72 @@ def completion_prompt_tokens(
     text = prompt if isinstance(prompt, str) else prompt[0]
     if not text:
         raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+    check_prompt_size(tokenizer, len(text), max_prompt_tokens, "prompt")
     return _checked(tokenizer.encode(text), max_prompt_tokens, "prompt")
 
 
-def _plain_transcript(conversation: list[dict[str, str]]) -> str:
+def check_prompt_size(tokenizer: Any, text_length: int, max_prompt_tokens: int, param: str) -> None:
+    """Refuse, before tokenizing, a prompt whose characters alone prove it too long.
+
+    No token is longer than the tokenizer's longest vocabulary entry, so a prompt of N
+    characters has at least N / longest tokens: a bound that costs nothing to check.
+    """
+    limit = max_prompt_tokens * longest_token_chars(tokenizer)
+    if text_length > limit:
+        raise APIError(
+            400,
+            f"'{param}' has {text_length} characters: more than the {max_prompt_tokens} prompt "
+            f"tokens this server accepts can hold (at most {limit} characters)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def chat_text_length(messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> int:
+    offered = sum(len(json.dumps(tool)) for tool in tools or ())
+    return offered + sum(len(message.text()) for message in messages)
+
+
+@functools.lru_cache(maxsize=4)
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for in this tokenizer (at least 1)."""
+    vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(token) for token in vocabulary), default=1) or 1
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    turn: dict[str, Any] = {
+        "role": _TEMPLATE_ROLES.get(message.role, message.role),
+        "content": message.text(),
+    }
+    if message.name is not None:
+        turn["name"] = message.name
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        # Templates render the arguments as an object (`arguments | tojson`), not as text.
+        turn["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    return turn
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _plain_transcript(conversation: list[dict[str, Any]]) -> str:
     # Only for tokenizers without a chat template: a readable transcript the model continues.
     lines = [f"{turn['role']}: {turn['content']}" for turn in conversation]
     return "\n".join([*lines, "assistant:"])

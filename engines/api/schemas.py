@@ -2,21 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+)
 
 MAX_STOP_SEQUENCES = 4
-MAX_SEED = 2**64 - 1  # mlx seeds are unsigned 64-bit
+MAX_STOP_CHARS = 256  # each stop sequence; held-back text is bounded by the longest
+MAX_SEED = 2**53  # the largest integer every JSON client reads exactly (a double)
+MAX_MESSAGES = 1024
+MAX_TOOLS = 128
+MAX_TOP_LOGPROBS = 20  # chat; OpenAI's own bound
+MAX_COMPLETION_LOGPROBS = 5  # completions; OpenAI's own bound
 
-Role = Literal["system", "developer", "user", "assistant"]
-FinishReason = Literal["stop", "length"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 3.0 as an integer; strict mode would refuse it. true stays refused.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_integral)]
 
 
 class RequestModel(BaseModel):
-    """Strict types (no "1" for 1, no true for 1) and unknown fields ignored, as OpenAI does."""
+    """Strict types (no "1" for 1, no true for 1); an unknown field is a 400 that names it,
+    as OpenAI does ("Unrecognized request argument"), never silently ignored."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class OpenObject(BaseModel):
+    """A JSON object the caller defines (a JSON schema, tool parameters): taken as it is."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -27,49 +55,147 @@ class TextPart(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(RequestModel):
+    """A tool call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: Role
-    content: str | list[TextPart]
+    # Required but nullable: an assistant turn that only called tools has `"content": null`.
+    content: str | list[TextPart] | None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # the assistant's calls, passed to the template
+    tool_call_id: str | None = None  # the call a tool message answers
+    refusal: str | None = None  # sent back by clients that replay an assistant's message
 
     def text(self) -> str:
         """The content as one string (text parts are joined without a separator, as OpenAI)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: OpenObject | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    json_schema: OpenObject | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
 
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
 class SamplingFields(RequestModel):
-    """The fields chat and completions share: model, limits, sampling, streaming."""
+    """The fields chat and completions share: model, limits, sampling, streaming.
+
+    Fields declared here but not honoured (see fields.py) are refused with a 400 naming them
+    whenever they ask for something other than the default.
+    """
 
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Integer | None = None
+    max_completion_tokens: Integer | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: (
+        Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
+            Field(max_length=MAX_STOP_SEQUENCES),
+        ]
+        | None
+    ) = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED), BeforeValidator(_integral)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    user: str | None = None
+    n: Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)] | None = (
+        None  # one choice per request
+    )
+    user: str | None = None  # an end-user id: logged with the request, never used otherwise
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)  # mlx-lm's extension
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=0)  # unsupported
 
     @field_validator("stop", mode="before")
     @classmethod
     def check_stop_shape(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
-            return value
-        if (
-            isinstance(value, list)
-            and len(value) <= MAX_STOP_SEQUENCES
-            and all(isinstance(item, str) for item in value)
+        sequences = [value] if isinstance(value, str) else value
+        if value is None or (
+            isinstance(sequences, list)
+            and len(sequences) <= MAX_STOP_SEQUENCES
+            and all(isinstance(item, str) and len(item) <= MAX_STOP_CHARS for item in sequences)
         ):
             return value
-        raise ValueError(f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings")
+        raise ValueError(
+            f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings, each of "
+            f"at most {MAX_STOP_CHARS} characters"
+        )
+
+    @field_validator("stream", "echo", "store", mode="before", check_fields=False)
+    @classmethod
+    def check_boolean(cls, value: Any) -> Any:
+        # A Literal[False] also matches 0 (0 == False): only a JSON boolean is one.
+        if value is not None and not isinstance(value, bool):
+            raise ValueError("Input should be a valid boolean")
+        return value
 
     def stop_sequences(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -81,11 +207,47 @@ class SamplingFields(RequestModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    logprobs: bool | None = None
+    top_logprobs: (
+        Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral)] | None
+    ) = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # identifiers and hints that change nothing in the output
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # refused unless absent or the default (fields.py says why)
+    store: Literal[False] | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=0)
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    audio: None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    web_search_options: None = None
+    functions: list[OpenObject] | None = Field(default=None, max_length=0)
+    function_call: None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[
+            list[Annotated[int, Field(ge=0), BeforeValidator(_integral)]], Field(min_length=1)
+        ]
+    )
+    logprobs: (
+        Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), BeforeValidator(_integral)] | None
+    ) = None
+    # refused unless absent or the default (fields.py says why)
+    echo: Literal[False] | None = None
+    best_of: Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)] | None = None
+    suffix: Literal[""] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -97,6 +259,7 @@ class CompletionRequest(SamplingFields):
                 if len(value) == 1:
                     return value
                 raise ValueError(f"only one prompt per request is supported, got {len(value)}")
+            value = [_integral(item) for item in value]
             if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
                 return value
         raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
@@ -125,16 +288,57 @@ class Usage(BaseModel):
         )
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[AssistantToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def drop_absent_tool_calls(self, serialize: Any) -> dict[str, Any]:
+        body = serialize(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -146,9 +350,17 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def drop_absent(self, serialize: Any) -> dict[str, Any]:
@@ -160,7 +372,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -176,7 +388,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -188,6 +400,19 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API returns, whatever its status (OpenAI's shape)."""
+
+    error: ErrorDetail
 
 
 class ModelCard(BaseModel):

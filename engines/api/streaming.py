@@ -15,6 +15,7 @@ from starlette.types import Send
 from ..runner import Submission
 from .errors import SERVER_ERROR, APIError, error_body, generation_timeout
 from .generation import GenerationTimeout, failure_of, watch_events
+from .logprobs import TokenScore
 from .schemas import Usage
 
 log = logging.getLogger(__name__)
@@ -26,13 +27,17 @@ KEEPALIVE_S = 10.0
 
 
 class ChunkWriter(Protocol):
-    """The chunk shapes of one endpoint (chat and completions differ only here)."""
+    """The chunk shapes of one endpoint (chat and completions differ only here).
+
+    `content` may hold text back (a tool call being written) and return None; `finish`
+    returns the last chunks, the held-back ones first.
+    """
 
     def opening(self) -> BaseModel | None: ...
 
-    def content(self, text: str) -> BaseModel: ...
+    def content(self, text: str, scores: list[TokenScore]) -> BaseModel | None: ...
 
-    def finish(self, reason: str) -> BaseModel: ...
+    def finish(self, reason: str) -> list[BaseModel]: ...
 
     def usage(self, usage: Usage) -> BaseModel: ...
 
@@ -86,10 +91,15 @@ async def stream_generation(
                     quiet = True
                     continue
                 quiet = False
+                score = TokenScore.of(event)
+                scores = [score] if score is not None else []
+                if event.text or scores:
+                    chunk = writer.content(event.text, scores)
+                    if chunk is not None:
+                        yield encode_event(chunk)
                 if event.finish_reason in ("stop", "length"):
-                    if event.text:
-                        yield encode_event(writer.content(event.text))
-                    yield encode_event(writer.finish(event.finish_reason))
+                    for chunk in writer.finish(event.finish_reason):
+                        yield encode_event(chunk)
                     if include_usage:
                         usage = Usage.counted(
                             event.prompt_tokens, event.completion_tokens, event.cached_tokens
@@ -97,8 +107,6 @@ async def stream_generation(
                         yield encode_event(writer.usage(usage))
                 elif event.finish_reason is not None:
                     yield encode_event(failure_of(event).body())
-                elif event.text:
-                    yield encode_event(writer.content(event.text))
     except GenerationTimeout as error:
         yield encode_event(generation_timeout(f"request timed out: {error}").body())
     except APIError as error:

@@ -82,6 +82,8 @@ class EncryptedPipelineEngine(Engine):
     ended sequences to keep and which entries to drop. Entries live as long as the session.
     """
 
+    features = frozenset({"penalties", "logprobs"})  # both at the last stage (wire.Sampling)
+
     def __init__(
         self,
         model_path: Path,
@@ -272,7 +274,15 @@ class EncryptedPipelineEngine(Engine):
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
         sampling = wire.Sampling(
-            request.temperature, request.top_p, request_seed(request), request.request_id
+            request.temperature,
+            request.top_p,
+            request_seed(request),
+            request.request_id,
+            request.repetition_penalty,
+            request.presence_penalty,
+            request.frequency_penalty,
+            request.prompt_tokens[-wire.PENALTY_CONTEXT :],
+            request.logprobs,
         )
         try:
             wire.Sampling.of(sampling.document())  # refuse here what the last stage would
@@ -342,14 +352,19 @@ class EncryptedPipelineEngine(Engine):
                 if not self._awaiting:
                     return []
                 expected = self._awaiting[0]
-                produced = self._receive_answer()
+                produced, scores = self._receive_answer()
             except ChannelError as error:
                 waiting = f"for {expected.describe()}" if expected else "sending"
                 raise self._lost(waiting, error) from error
             except Exception as error:  # the stages are mid-batch: this chain is unusable now
                 self._lost("in a step", ChannelError(str(error)))
                 raise
-        return [StepOutput(uid, token) for uid, token in produced]
+        return [
+            StepOutput(uid, token)
+            if scores.get(uid) is None
+            else StepOutput(uid, token, None, *scores[uid])
+            for uid, token in produced
+        ]
 
     def _run_stage_zero(self, planned: Planned) -> None:
         """BEGIN the newcomers, embed and run stage 0 over the frame's tokens, send it down."""
@@ -380,7 +395,7 @@ class EncryptedPipelineEngine(Engine):
         self._clock.sent(number, stage_zero_s)
         self._awaiting.append(wire.Frame(Kind.TOKEN, number, group, step, rows))
 
-    def _receive_answer(self) -> list[tuple[int, int]]:
+    def _receive_answer(self) -> tuple[list[tuple[int, int]], dict[int, Any]]:
         expected = self._awaiting[0]
         chain = self._chain
         if chain is None:
@@ -394,7 +409,10 @@ class EncryptedPipelineEngine(Engine):
             # rows removed while their frame was out are not charged (nor kept)
             running = [uid for uid in expected.uids if uid in self._schedule]
             self.step_timing.observe(segments, running)
-        return self._schedule.answered(answer.tokens())
+        scores = {}
+        if answer.flags & wire.SCORES:
+            scores = dict(zip(answer.uids, answer.scores(), strict=True))
+        return self._schedule.answered(answer.tokens()), scores
 
     # -- the prefix cache --------------------------------------------------------------------
 

@@ -174,8 +174,9 @@ class StageModel:
             hidden = block(hidden, masks[window], layer_cache)
         return hidden
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        """Hidden (B, L, D) -> each row's next-token log-probabilities (B, V); last stage only."""
+    def logits(self, hidden: mx.array, normalized: bool = True) -> mx.array:
+        """Hidden (B, L, D) -> each row's next-token log-probabilities (B, V), or the raw
+        logits when not `normalized` (logits processors need them); last stage only."""
         if self.norm is None:
             raise EngineError(f"stage [{self.layers.start}, {self.layers.stop}) has no output head")
         out = self.norm(hidden)  # (B, L, D)
@@ -186,5 +187,7 @@ class StageModel:
         if self.layout.logit_softcap is not None:  # gemma2
             out = apply_softcap(out, self.layout.logit_softcap)
         logits = out[:, -1, :]  # (B, V)
+        if not normalized:
+            return logits
         # As mlx-lm's GenerationBatch: samplers see log-probabilities, row by row.
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)

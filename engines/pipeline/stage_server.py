@@ -13,7 +13,12 @@ import mlx.core as mx
 
 from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
-from engines.sampling import Sampler, make_request_sampler
+from engines.sampling import (
+    Sampler,
+    make_request_processors,
+    make_request_sampler,
+    token_logprobs,
+)
 from planner.errors import ChannelError
 
 from . import wire
@@ -29,6 +34,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # how often an idle server notices stop() from another thread
 CONNECT_RETRY_S = 0.1
+HISTORY_TOKENS = 64  # more than the penalties' window (wire.PENALTY_CONTEXT)
 MAX_CONNECT_WAIT_S = 5.0
 
 
@@ -52,6 +58,7 @@ class _Session:
         self.batches = StageBatches(stage)
         self.samplers: dict[int, Sampler] = {}  # last stage: uid -> its own sampler
         self.meter = StageMeter(inbound, outbound)  # compute and sealing, sent with each frame
+        self.scoring: dict[int, _Scoring] = {}  # last stage: penalties / logprobs, if asked
         self.last_frame_at = time.monotonic()
         self.closed = False
 
@@ -62,6 +69,29 @@ class _Session:
         self.closed = True
         self.inbound.close()
         self.outbound.close()
+
+
+class _Scoring:
+    """A sequence's logits processors (with the tokens they look at) and its logprobs count."""
+
+    def __init__(self, sampling: wire.Sampling) -> None:
+        self.processors = make_request_processors(
+            sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty
+        )
+        self.history = list(sampling.context)  # the prompt's tail, then every sampled token
+        self.logprobs = sampling.logprobs
+
+    def process(self, logits: mx.array) -> mx.array:
+        """One row's raw logits (1, V) through the processors."""
+        context = mx.array(self.history[-HISTORY_TOKENS:], dtype=mx.int32)
+        for processor in self.processors:
+            logits = processor(context, logits)
+        return logits
+
+    def sampled(self, token: int) -> None:
+        if self.processors:
+            self.history.append(token)
+            del self.history[:-HISTORY_TOKENS]
 
 
 class EncryptedPipelineServer:
@@ -225,6 +255,8 @@ class EncryptedPipelineServer:
                 session.samplers[frame.rows[0].uid] = make_request_sampler(
                     sampling.temperature, sampling.top_p, sampling.seed
                 )
+                if sampling.penalised or sampling.logprobs is not None:
+                    session.scoring[frame.rows[0].uid] = _Scoring(sampling)
             else:
                 wire.send(session.outbound, frame, me)
             log.debug("sequence %d (%s) began", frame.rows[0].uid, sampling.label)
@@ -238,6 +270,7 @@ class EncryptedPipelineServer:
             self.served_requests += held - session.batches.active
             for uid in frame.uids:
                 session.samplers.pop(uid, None)
+                session.scoring.pop(uid, None)
             if not last:
                 wire.send(session.outbound, frame, me)
         else:
@@ -272,22 +305,52 @@ class EncryptedPipelineServer:
         if frame.is_prefill:  # nothing to sample: acknowledge once the caches hold the chunk
             mx.eval(batches.prefill_caches_of(rows[0].uid))
             tokens: list[int] = []
+            scores = None
         else:
-            tokens = self._sample(session, frame.uids, self.stage.logits(hidden))
+            tokens, scores = self._sample(session, frame.uids, hidden)
         session.meter.compute_s += time.perf_counter() - started
         times = (*frame.times, session.meter.entry())
-        answer = wire.token_frame(number, group, step, rows, tokens, times)
+        answer = wire.token_frame(number, group, step, rows, tokens, times, scores)
         wire.send(session.outbound, answer, self.stage.layers)
 
-    def _sample(self, session: _Session, uids: list[int], logprobs: mx.array) -> list[int]:
-        """Each row with its own sampler; one batched call when they share one (greedy)."""
+    def _sample(
+        self, session: _Session, uids: list[int], hidden: mx.array
+    ) -> tuple[list[int], list[Any] | None]:
+        """Each row with its own sampler (one batched call when they share one: greedy), after
+        its own logits processors; the logprobs of the rows that asked for them."""
+        scorings = [session.scoring.get(uid) for uid in uids]
+        if any(scoring is not None and scoring.processors for scoring in scorings):
+            logits = self.stage.logits(hidden, normalized=False)  # (B, V)
+            rows = [
+                logits[index : index + 1]
+                if scoring is None or not scoring.processors
+                else scoring.process(logits[index : index + 1])
+                for index, scoring in enumerate(scorings)
+            ]
+            logits = mx.concatenate(rows, axis=0)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        else:
+            logprobs = self.stage.logits(hidden)
         samplers = [session.samplers[uid] for uid in uids]
         if all(sampler is samplers[0] for sampler in samplers):
             sampled = samplers[0](logprobs)  # (B,)
         else:
             rows = [sampler(logprobs[index : index + 1]) for index, sampler in enumerate(samplers)]
             sampled = mx.concatenate(rows, axis=0)  # (B,)
-        return sampled.tolist()
+        tokens = sampled.tolist()
+        if all(scoring is None for scoring in scorings):
+            return tokens, None
+        scores: list[Any] = []
+        for index, (token, scoring) in enumerate(zip(tokens, scorings, strict=True)):
+            if scoring is None:
+                scores.append(None)
+                continue
+            scoring.sampled(token)
+            if scoring.logprobs is None:
+                scores.append(None)
+            else:
+                scores.append(token_logprobs(logprobs[index], token, scoring.logprobs))
+        return tokens, scores
 
     def _roll_call(self, session: _Session, frame: wire.Frame, setup: bool) -> None:
         """SETUP or STATUS: append this stage's report and pass it on (the last one answers)."""

@@ -10,7 +10,8 @@ an answer (TOKEN, READY) carries the number of the frame it answers. `group` is 
 (PREFILL_GROUP for a prefill chunk) and `step` that micro-batch's frame count. Each row is a
 sequence (uid) and how many of its tokens the KV caches held before this frame (position).
 HIDDEN bodies are the raw row-major bytes of a (B, L, D) activation, one row per sequence;
-TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement); BEGIN / SETUP /
+TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement), then, when flagged
+SCORES, a JSON list with each row's [logprob, [[id, logprob], ...]] or null; BEGIN / SETUP /
 STATUS / READY / END bodies UTF-8 JSON objects. A BEGIN row's position is where the sequence
 starts: 0, or the tokens it takes from the prefix-cache entry its document names. An END may
 keep ended sequences' caches as prefix-cache entries and drop entries (then it may have no
@@ -34,9 +35,10 @@ import numpy as np
 
 from planner.errors import ChannelError
 
-VERSION = 3
+# 4: prefix-cache BEGIN/END, stage times, BEGIN penalties and logprobs, TOKEN scores
+VERSION = 4
 PURPOSE = b"pipeline"  # the SecureChannel purpose of every pipeline hop
-AD_LABEL = b"tandem pipeline v3"
+AD_LABEL = b"tandem pipeline v4"
 HEADER = struct.Struct(">BBBBBQHIH")
 DIM = struct.Struct(">I")
 ROW = struct.Struct(">QI")
@@ -49,7 +51,8 @@ MAX_JSON_BYTES = 64 * 1024
 # 64 MiB of activation per frame: a 256-token chunk of a 16384-wide float32 model fits.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 STAGE_TIMES = 0x01  # flag: the frame carries the stages' running times (see above)
-KNOWN_FLAGS = STAGE_TIMES
+SCORES = 0x02  # flag: a TOKEN frame that carries log-probabilities after its tokens
+KNOWN_FLAGS = STAGE_TIMES | SCORES
 TIMES_COUNT = struct.Struct(">B")
 STAGE_TIME = struct.Struct(">QQ")
 MAX_TIMED_STAGES = 255
@@ -62,6 +65,9 @@ MAX_LABEL_CHARS = 128
 MAX_UID = 2**64 - 1  # a row's uid field; prefix-cache entry ids are uids
 MAX_POSITION = 2**32 - 1  # a row's position field
 MAX_EVICT_PER_END = 1000  # entry ids per END document: keeps it far below MAX_JSON_BYTES
+MAX_PENALTY = 100.0
+MAX_TOP_LOGPROBS = 20
+PENALTY_CONTEXT = 20  # prompt tokens a BEGIN carries for the penalties (mlx-lm's window)
 
 
 class WireError(ChannelError):
@@ -141,7 +147,21 @@ class Frame:
 
     def tokens(self) -> list[int]:
         """A TOKEN frame's sampled tokens, one per row (none for a prefill acknowledgement)."""
-        return [value for (value,) in TOKEN.iter_unpack(self.body)]
+        width = TOKEN.size * (0 if self.is_prefill else len(self.rows))
+        return [value for (value,) in TOKEN.iter_unpack(self.body[:width])]
+
+    def scores(self) -> list[tuple[float, tuple[tuple[int, float], ...]] | None]:
+        """A SCORES TOKEN frame's (logprob, top alternatives) per row; None for rows without."""
+        if not self.flags & SCORES:
+            return [None] * len(self.rows)
+        width = TOKEN.size * len(self.rows)
+        try:
+            entries = json.loads(self.body[width:].decode("utf-8"))
+            if not isinstance(entries, list) or len(entries) != len(self.rows):
+                raise ValueError("not one entry per row")
+            return [_score(entry) for entry in entries]
+        except (UnicodeDecodeError, ValueError, TypeError, RecursionError) as error:
+            raise WireError(f"malformed scores in a TOKEN frame: {error}") from None
 
     def document(self) -> dict[str, Any]:
         """The JSON object a BEGIN / SETUP / STATUS / READY frame carries."""
@@ -203,9 +223,27 @@ def token_frame(
     rows: Sequence[Row],
     tokens: Sequence[int],
     times: Sequence[tuple[int, int]] = (),
+    scores: Sequence[Any] | None = None,
 ) -> Frame:
+    """`scores`: per row None or (logprob, [(id, logprob), ...]); sent only when one is set."""
     body = b"".join(TOKEN.pack(token) for token in tokens)
-    return Frame(Kind.TOKEN, number, group, step, tuple(rows), body=body, times=tuple(times))
+    flags = 0
+    if scores is not None and any(score is not None for score in scores):
+        flags = SCORES
+        entries = [None if s is None else [s[0], [list(pair) for pair in s[1]]] for s in scores]
+        body += json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    return Frame(
+        Kind.TOKEN, number, group, step, tuple(rows), flags=flags, body=body, times=tuple(times)
+    )
+
+
+def _score(entry: Any) -> tuple[float, tuple[tuple[int, float], ...]] | None:
+    if entry is None:
+        return None
+    chosen, top = entry
+    if len(top) > MAX_TOP_LOGPROBS:
+        raise ValueError(f"{len(top)} alternatives, more than {MAX_TOP_LOGPROBS}")
+    return float(chosen), tuple((int(token), float(value)) for token, value in top)
 
 
 def document_frame(
@@ -310,6 +348,8 @@ def _validate(frame: Frame) -> None:
     kind = frame.kind
     if kind in ROW_KINDS and not frame.rows and kind is not Kind.END:  # END may only evict
         raise WireError(f"{kind.name} frame has no rows")
+    if frame.flags & SCORES and kind is not Kind.TOKEN:
+        raise WireError(f"{kind.name} frame carries scores (flags {frame.flags:#x})")
     if kind not in ROW_KINDS and frame.rows:
         raise WireError(f"{kind.name} frame carries {len(frame.rows)} rows")
     if kind is Kind.BEGIN and len(frame.rows) != 1:
@@ -325,7 +365,11 @@ def _validate(frame: Frame) -> None:
         raise WireError(f"{kind.name} frame carries a dtype or shape")
     if kind is Kind.TOKEN:
         expected = 0 if frame.is_prefill else TOKEN.size * len(frame.rows)
-        if len(frame.body) != expected:
+        if frame.flags & SCORES and not frame.is_prefill:
+            if len(frame.body) - expected > MAX_JSON_BYTES:
+                raise WireError(f"TOKEN frame scores exceed {MAX_JSON_BYTES} bytes")
+            frame.scores()
+        elif len(frame.body) != expected:
             raise WireError(
                 f"TOKEN frame for {len(frame.rows)} rows of group {frame.group} carries "
                 f"{len(frame.body)} bytes, not {expected}"
@@ -364,14 +408,34 @@ class Sampling:
     top_p: float
     seed: int
     label: str = ""
+    # mlx-lm's logits processors (None / 0 = off) and the prompt's last tokens they look at
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    context: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: off; k: the token's logprob and the top k
 
     def document(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,
             "id": self.label[:MAX_LABEL_CHARS],
         }
+        if self.penalised:
+            document["penalties"] = [
+                self.repetition_penalty or 0.0,
+                self.presence_penalty,
+                self.frequency_penalty,
+            ]
+            document["context"] = list(self.context[-PENALTY_CONTEXT:])
+        if self.logprobs is not None:
+            document["logprobs"] = self.logprobs
+        return document
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.repetition_penalty or self.presence_penalty or self.frequency_penalty)
 
     @classmethod
     def of(cls, document: dict[str, Any]) -> Sampling:
@@ -387,7 +451,42 @@ class Sampling:
             raise WireError(f"BEGIN seed {seed!r} is not an integer in [0, {MAX_SEED}]")
         if not (0.0 <= temperature <= MAX_TEMPERATURE and 0.0 <= top_p <= 1.0):
             raise WireError(f"BEGIN temperature {temperature} or top_p {top_p} is out of range")
-        return cls(temperature, top_p, seed, label)
+        penalties = document.get("penalties", [0.0, 0.0, 0.0])
+        context = document.get("context", [])
+        logprobs = document.get("logprobs")
+        if not (
+            isinstance(penalties, list)
+            and len(penalties) == 3
+            and all(
+                isinstance(value, int | float) and not isinstance(value, bool)
+                for value in penalties
+            )
+            and 0.0 <= penalties[0] <= MAX_PENALTY
+            and all(math.isfinite(value) and abs(value) <= MAX_PENALTY for value in penalties)
+        ):
+            raise WireError(f"BEGIN penalties {penalties!r} are not three numbers in range")
+        if not (
+            isinstance(context, list)
+            and len(context) <= PENALTY_CONTEXT
+            and all(isinstance(token, int) and 0 <= token < 2**32 for token in context)
+        ):
+            raise WireError(f"BEGIN context is not a list of at most {PENALTY_CONTEXT} token ids")
+        if logprobs is not None and not (
+            isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise WireError(f"BEGIN logprobs {logprobs!r} is not an integer in [0, 20]")
+        repetition, presence, frequency = (float(value) for value in penalties)
+        return cls(
+            temperature,
+            top_p,
+            seed,
+            label,
+            repetition or None,
+            presence,
+            frequency,
+            tuple(context),
+            logprobs,
+        )
 
 
 def prefix_entry_of(document: dict[str, Any]) -> int | None:

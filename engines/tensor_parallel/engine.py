@@ -148,7 +148,7 @@ class TensorParallelEngine(Engine):
 
     # -- the batch -------------------------------------------------------------------------
 
-    def insert(self, uid: int, request: GenerationRequest) -> None:
+    def insert(self, uid: int, request: GenerationRequest) -> int:
         if self._child is None:
             raise EngineError("tensor-parallel engine used before load()")
         if not request.prompt_tokens:
