@@ -23,6 +23,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.bench.bench_single
 	$(BIN)/python -m tests.bench.bench_tensor_parallel
 	$(BIN)/python -m tests.bench.bench_pipeline
+	$(BIN)/python -m tests.bench.bench_prefix_cache
 	$(BIN)/python -m tests.bench.architectures_table
 
 lint: $(STAMP)
