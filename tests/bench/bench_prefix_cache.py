@@ -45,7 +45,7 @@ SYSTEM = (
     "You are the support assistant of a hardware shop. Be exact, be brief, quote the manual, "
     "and never invent part numbers. The manual follows. "
 ) + " ".join(
-    f"Section {n}: the part fits models {n} to {n + 3} and needs tool {n % 7}." for n in range(60)
+    f"Section {n}: the part fits models {n} to {n + 3} and needs tool {n % 7}." for n in range(30)
 )
 QUESTIONS = ("Which tool do I need for section 12?", "And for section 40, which models fit?")
 CONVERSATIONS = 8
