@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -48,6 +49,7 @@ from engines.tensor_parallel.lockstep import (
 )
 from engines.tensor_parallel.shard_batch import ShardBatch
 from planner.errors import EngineError
+from tests.helpers_api import chat_body, make_service, open_client
 from tests.helpers_engine import (
     make_request,
     run_all,
@@ -312,9 +314,45 @@ def test_a_bad_grammar_is_refused_for_its_sequence_only(tp_runner, single_runner
     assert good.tokens == expected.tokens
 
 
-def run_events(runner: EngineRunner, request: GenerationRequest) -> list[Any]:
-    import asyncio
+def test_the_api_answers_json_mode_and_forced_tool_calls_over_tp(tp_runner, single_runner):
+    """Through the API: tp no longer refuses the fields and answers what single answers."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    bodies = [
+        chat_body(response_format={"type": "json_object"}, max_tokens=24),
+        chat_body(tools=[weather], tool_choice="required", max_tokens=64),
+    ]
 
+    async def answers(runner: EngineRunner) -> list[dict[str, Any]]:
+        async with open_client(make_service(runner)) as client:
+            responses = [await client.post("/v1/chat/completions", json=b) for b in bodies]
+        assert all(response.status_code == 200 for response in responses), responses[0].text
+        choices = [response.json()["choices"][0] for response in responses]
+        for choice in choices:  # call ids are random
+            for call in choice["message"].get("tool_calls") or []:
+                call.pop("id")
+        return choices
+
+    expected = asyncio.run(answers(single_runner))
+    json_mode, tool_call = asyncio.run(answers(tp_runner))
+    assert [json_mode, tool_call] == expected
+    assert completes_to_object(json_mode["message"]["content"])
+    assert tool_call["finish_reason"] == "tool_calls"
+    [call] = tool_call["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+
+
+def run_events(runner: EngineRunner, request: GenerationRequest) -> list[Any]:
     async def collect() -> list[Any]:
         events = [event async for event in runner.submit(request).events()]
         return [event for event in events if event.token is not None]
