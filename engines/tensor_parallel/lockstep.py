@@ -91,7 +91,7 @@ def grammar_words(grammar: str | None) -> tuple[int, list[int]]:
     """(byte length, int32 words) of a grammar's UTF-8 text: 4 bytes to a word, zero-padded."""
     data = (grammar or "").encode()
     padded = data + bytes(-len(data) % GRAMMAR_BYTES_PER_WORD)
-    return len(data), list(struct.unpack(f"<{len(padded) // 4}i", padded))
+    return len(data), list(struct.unpack(f"<{len(padded) // GRAMMAR_BYTES_PER_WORD}i", padded))
 
 
 def grammar_text(length: int, words: list[int]) -> str | None:
