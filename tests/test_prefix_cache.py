@@ -17,7 +17,7 @@ from planner import Parallelism
 from planner.cluster_plan import PREFIX_CACHE_SHARE, NodeResources, plan_cluster
 from tests.helpers_engine import run_all, run_one
 from tests.test_cluster_plan import SHAPE
-from tests.test_tensor_parallel import start_rank, stop_processes
+from tests.test_tensor_parallel import GRAMMAR, start_rank, stop_processes
 
 LOAD_TIMEOUT_S = 120
 BUDGET = 1 << 28
@@ -198,13 +198,19 @@ def test_tp_over_the_ring_reuses_the_first_turn_on_every_rank(demo_model_dir, co
         turn_one = run_one(runner, GenerationRequest("t1", first, 16))
         second = follow_up(runner, first, turn_one.tokens, question)
         unrelated = tuple(engine.tokenizer.encode("Unrelated prompt"))
-        requests = [GenerationRequest("t2", second, 16), GenerationRequest("new", unrelated, 16)]
+        requests = [
+            GenerationRequest("t2", second, 16),
+            GenerationRequest("new", unrelated, 16),
+            # a grammar starts from the cached prefix too: it masks from the prompt's end
+            GenerationRequest("t2-json", second, 16, grammar=GRAMMAR),
+        ]
         turns = run_all(runner, requests)
         cold = run_all(cold_runner, requests)
         assert turns[0].cached_tokens >= len(first) and turns[1].cached_tokens == 0
+        assert turns[2].cached_tokens >= len(first) and turns[2].text.startswith("{")
         assert [t.tokens for t in turns] == [c.tokens for c in cold]
         snapshot = engine.info().detail["prefix_cache"]
-        assert snapshot["hits"] == 1 and snapshot["entries"] >= 1
+        assert snapshot["hits"] == 2 and snapshot["entries"] >= 1
         assert engine.evict_prefix_cache(0.0) > 0  # sent to every rank while idle
         assert run_one(runner, GenerationRequest("t3", second, 4)).cached_tokens == 0
     finally:

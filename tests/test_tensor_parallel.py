@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,8 +17,10 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from llguidance import LLMatcher
 
 from cli.status import engine_steps, parse_metrics
+from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
 from engines.base import GenerationRequest
 from engines.runner import EngineRunner
 from engines.single import SingleEngine
@@ -40,10 +43,13 @@ from engines.tensor_parallel.lockstep import (
     decode_payload,
     encode_header,
     encode_payload,
+    grammar_text,
+    grammar_words,
     idle_wait_s,
 )
 from engines.tensor_parallel.shard_batch import ShardBatch
 from planner.errors import EngineError
+from tests.helpers_api import chat_body, make_service, open_client
 from tests.helpers_engine import (
     make_request,
     run_all,
@@ -56,6 +62,8 @@ from tests.helpers_timing import check_request_shares, flow
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 WORKER = [sys.executable, "-m", "engines.tensor_parallel.worker"]
 PROMPTS = ("The quick brown fox", "Once upon a time, in a city by the sea,", "def main():")
+# JSON mode as the API compiles it (engines/api/constraints.py)
+GRAMMAR = LLMatcher.grammar_from_json_schema(ANY_OBJECT, overrides=JSON_OPTIONS)
 LOAD_TIMEOUT_S = 60.0
 
 pytestmark = pytest.mark.cluster
@@ -232,9 +240,119 @@ def test_penalties_and_logprobs_equal_single(tp_runner, single_runner):
     assert all(value is not None for value in logprobs)
 
 
-def run_events(runner: EngineRunner, request: GenerationRequest) -> list[Any]:
-    import asyncio
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "boolean"},
+        "mood": {"enum": ["calm", "wild"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "mood", "count"],
+    "additionalProperties": False,
+}
+# A forced tool call's shape (engines/api/constraints.py): text markers around a JSON call.
+CALL = {**SCHEMA, "x-guidance": JSON_OPTIONS}
+TOOL_CALL = (
+    f'start: "<tool_call>" "\\n" call "\\n" "</tool_call>"\ncall: %json {json.dumps(CALL)}\n'
+)
+# Endings that close a JSON object cut short inside a key, a value or after a comma.
+CLOSINGS = ("", "}", '"}', '":0}', "0}", '":""}', 'n":0}', '\\n"}', '"]}', "]}", '0"}')
 
+
+def completes_to_object(text: str) -> bool:
+    """True when `text` is a JSON object, or one cut short that a few characters close."""
+    for ending in CLOSINGS:
+        try:
+            return isinstance(json.loads(text + ending), dict)
+        except ValueError:
+            continue
+    return False
+
+
+def test_grammars_give_the_tokens_single_gives(tp_runner, single_runner):
+    """JSON mode, a JSON schema and a forced tool call's grammar cross the lockstep: every rank
+    masks the same tokens, so the output equals the single engine's, token for token."""
+    assert "grammar" in tp_runner.engine.features
+    schema = LLMatcher.grammar_from_json_schema(SCHEMA, overrides=JSON_OPTIONS)
+    tool_call = LLMatcher.grammar_from_lark(TOOL_CALL)
+    cases = [
+        (PROMPTS[0], 24, {"grammar": GRAMMAR}),
+        (PROMPTS[1], 24, {"grammar": GRAMMAR, "temperature": 1.0, "seed": 3}),
+        (PROMPTS[2], 48, {"grammar": schema}),
+        (PROMPTS[0], 64, {"grammar": tool_call}),
+        (PROMPTS[1], 24, {}),  # in the same batch, a sequence without a grammar stays free
+    ]
+    requests = [make_request(single_runner.engine, p, n, **o) for p, n, o in cases]
+    expected = [run_one(single_runner, request) for request in requests]
+    got = run_all(tp_runner, requests)
+    assert [g.tokens for g in got] == [e.tokens for e in expected]
+    assert [(g.text, g.finish) for g in got] == [(e.text, e.finish) for e in expected]
+    json_object, sampled, answer, call, free = got
+    for outcome in (json_object, sampled):
+        if outcome.finish == "stop":  # the grammar closed the object, then EOS
+            assert isinstance(json.loads(outcome.text), dict)
+        else:
+            assert completes_to_object(outcome.text), outcome.text
+    value = json.loads(answer.text)
+    assert set(value) == {"answer", "mood", "count"} and value["mood"] in ("calm", "wild")
+    assert call.text.startswith("<tool_call>\n{") and call.text.endswith("}\n</tool_call>")
+    assert json.loads(call.text.split("\n")[1])["mood"] in ("calm", "wild")
+    assert not completes_to_object(free.text)
+
+
+def test_a_bad_grammar_is_refused_for_its_sequence_only(tp_runner, single_runner):
+    expected = run_one(single_runner, make_request(single_runner.engine, PROMPTS[0], 12))
+    bad = [
+        "not a grammar",
+        LLMatcher.grammar_from_lark('start: "a" <[999999]>\n'),  # a token id the model lacks
+    ]
+    requests = [make_request(tp_runner.engine, PROMPTS[0], 12, grammar=g) for g in bad]
+    *refused, good = run_all(tp_runner, [*requests, make_request(tp_runner.engine, PROMPTS[0], 12)])
+    for outcome in refused:
+        assert outcome.finish == "error" and "grammar" in outcome.error, outcome.error
+        assert not outcome.tokens
+    assert good.tokens == expected.tokens
+
+
+def test_the_api_answers_json_mode_and_forced_tool_calls_over_tp(tp_runner, single_runner):
+    """Through the API: tp no longer refuses the fields and answers what single answers."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    bodies = [
+        chat_body(response_format={"type": "json_object"}, max_tokens=24),
+        chat_body(tools=[weather], tool_choice="required", max_tokens=64),
+    ]
+
+    async def answers(runner: EngineRunner) -> list[dict[str, Any]]:
+        async with open_client(make_service(runner)) as client:
+            responses = [await client.post("/v1/chat/completions", json=b) for b in bodies]
+        assert all(response.status_code == 200 for response in responses), responses[0].text
+        choices = [response.json()["choices"][0] for response in responses]
+        for choice in choices:  # call ids are random
+            for call in choice["message"].get("tool_calls") or []:
+                call.pop("id")
+        return choices
+
+    expected = asyncio.run(answers(single_runner))
+    json_mode, tool_call = asyncio.run(answers(tp_runner))
+    assert [json_mode, tool_call] == expected
+    assert completes_to_object(json_mode["message"]["content"])
+    assert tool_call["finish_reason"] == "tool_calls"
+    [call] = tool_call["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+
+
+def run_events(runner: EngineRunner, request: GenerationRequest) -> list[Any]:
     async def collect() -> list[Any]:
         events = [event async for event in runner.submit(request).events()]
         return [event for event in events if event.token is not None]
@@ -445,6 +563,11 @@ def test_step_commands_round_trip_exact_floats_and_large_seeds():
     inserts = (
         Insert(7, (5, 6, 7), 99, 2**63 + 11, 0.7, 0.95, 1.3, 0.25, 0.5, 3),
         Insert(8, (1,), 3, 0, 0.0, 1.0, entry=5, cached=40),
+        # grammars of every length modulo 4 and multi-byte UTF-8 cross in whole words
+        *(
+            Insert(9 + size, (2, 3), 4, grammar=text, entry=size, cached=size + 1)
+            for size, text in enumerate(("x", "{}", '\u00e9"', "\u20ac\U0001f600", GRAMMAR))
+        ),
     )
     command = Command(STEP, inserts, (2, 4), (5, 9), advance=False, sync=True, wait_after_s=0.032)
     payload = encode_payload(command)
@@ -459,6 +582,11 @@ def test_step_commands_round_trip_exact_floats_and_large_seeds():
     assert decode_payload(payload) == ((2, 4), inserts, (5, 9))
     with pytest.raises(EngineError, match="out of step"):
         decode_payload(payload + [0])
+    assert grammar_words("\u20ac") == (3, [0x00AC82E2])  # UTF-8 E2 82 AC, zero-padded
+    assert grammar_text(*grammar_words(GRAMMAR)) == GRAMMAR
+    one = encode_payload(Command(STEP, (Insert(1, (2,), 3, grammar="abcde"),)))
+    with pytest.raises(EngineError, match="out of step"):
+        decode_payload(one[:-2] + one[-1:])  # a grammar word lost
 
 
 def test_sync_detects_diverging_ranks():

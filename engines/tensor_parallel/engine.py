@@ -41,6 +41,9 @@ class TensorParallelEngine(Engine):
     `rank_nodes` (node ids by rank) lets failure messages name the node at fault.
     """
 
+    # every rank applies the same penalties and grammar to the same logits (lockstep.py)
+    features = frozenset({"penalties", "logprobs", "grammar"})
+
     def __init__(
         self,
         model_path: Path | str,
@@ -171,6 +174,7 @@ class TensorParallelEngine(Engine):
                 "presence_penalty": request.presence_penalty,
                 "frequency_penalty": request.frequency_penalty,
                 "logprobs": request.logprobs,
+                "grammar": request.grammar,
             }
         )
         self._prefilling.add(uid)

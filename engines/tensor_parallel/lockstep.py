@@ -2,9 +2,9 @@
 
 A broadcast is an `all_sum` to which rank 0 contributes the values and every other rank
 zeros. Before every step rank 0 sends one header and, when the batch changes, a payload
-listing the removed uids and the inserted sequences (prompt and sampling parameters); every
-rank then makes the same calls on its own shard, so every rank holds the same batch. All
-collectives run on mlx-lm's generation stream, so they stay ordered with the `all_sum`s
+listing the removed uids and the inserted sequences (prompt, sampling parameters, output
+grammar); every rank then makes the same calls on its own shard, so every rank holds the same
+batch. All collectives run on mlx-lm's generation stream, so they stay ordered with the `all_sum`s
 inside the sharded layers that the batch generator has already queued.
 """
 
@@ -28,9 +28,11 @@ COMMAND_NAMES = {STEP: "step", PING: "ping", SHUTDOWN: "shutdown"}
 HEADER_SIZE = 5
 # per inserted sequence: uid, prompt length, max_tokens, seed lo/hi, temperature lo/hi,
 # top_p lo/hi, repetition / presence / frequency penalty lo/hi each, logprobs (-1 = off),
-# prefix-cache entry (-1 = none), cached tokens taken from it, then the prompt's token ids
-# (only those after the cached prefix)
-INSERT_FIELDS = 18
+# prefix-cache entry (-1 = none), cached tokens taken from it, the grammar's length in UTF-8
+# bytes (0 = none), then the prompt's token ids (only those after the cached prefix), then the
+# grammar's bytes, 4 to a word (little-endian, the last word zero-padded)
+INSERT_FIELDS = 19
+GRAMMAR_BYTES_PER_WORD = 4
 # Idle ranks must not wait inside a collective: mlx's ring (and JACCL) backends busy-poll
 # there, one core per idle rank. Every rank instead sleeps `wait_after` between headers,
 # starting short after real work and doubling up to the heartbeat while idle.
@@ -59,6 +61,7 @@ class Insert:
     logprobs: int = -1  # -1 = off; k >= 0: the token's logprob and the top k
     entry: int = -1  # start from this prefix-cache entry (-1: from nothing) ...
     cached: int = 0  # ... its first `cached` tokens; `prompt` holds only the rest
+    grammar: str | None = None  # llguidance grammar the output must match (None: free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +87,27 @@ def _value(fmt: str, low: int, high: int) -> float | int:
     return struct.unpack(fmt, struct.pack("<ii", low, high))[0]
 
 
+def grammar_words(grammar: str | None) -> tuple[int, list[int]]:
+    """(byte length, int32 words) of a grammar's UTF-8 text: 4 bytes to a word, zero-padded."""
+    data = (grammar or "").encode()
+    padded = data + bytes(-len(data) % GRAMMAR_BYTES_PER_WORD)
+    return len(data), list(struct.unpack(f"<{len(padded) // GRAMMAR_BYTES_PER_WORD}i", padded))
+
+
+def grammar_text(length: int, words: list[int]) -> str | None:
+    """The grammar `grammar_words` encoded; None for length 0."""
+    if not length:
+        return None
+    count = -(-length // GRAMMAR_BYTES_PER_WORD)
+    if length < 0 or len(words) != count:
+        raise ValueError(f"a {length}-byte grammar needs {count} words, got {len(words)}")
+    return struct.pack(f"<{count}i", *words)[:length].decode()
+
+
 def encode_payload(command: Command) -> list[int]:
     words = [len(command.removes), *command.removes, len(command.inserts)]
     for insert in command.inserts:
+        grammar_length, grammar = grammar_words(insert.grammar)
         words += [
             insert.uid,
             len(insert.prompt),
@@ -100,7 +121,9 @@ def encode_payload(command: Command) -> list[int]:
             insert.logprobs,
             insert.entry,
             insert.cached,
+            grammar_length,
             *insert.prompt,
+            *grammar,
         ]
     return words + [len(command.evicts), *command.evicts]
 
@@ -118,7 +141,7 @@ def decode_payload(
         for _ in range(words[at]):
             fields = words[at + 1 : at + 1 + INSERT_FIELDS]
             uid, length, max_tokens, logprobs = fields[0], fields[1], fields[2], fields[15]
-            entry, cached = fields[16], fields[17]
+            entry, cached, grammar_length = fields[16], fields[17], fields[18]
             seed = int(_value("<Q", *fields[3:5]))
             temperature, top_p, repetition, presence, frequency = (
                 float(_value("<d", *fields[index : index + 2])) for index in range(5, 15, 2)
@@ -126,6 +149,9 @@ def decode_payload(
             at += INSERT_FIELDS
             prompt = tuple(words[at + 1 : at + 1 + length])
             at += length
+            grammar_count = -(-grammar_length // GRAMMAR_BYTES_PER_WORD)
+            grammar = grammar_text(grammar_length, words[at + 1 : at + 1 + grammar_count])
+            at += grammar_count
             inserts.append(
                 Insert(
                     uid,
@@ -140,12 +166,13 @@ def decode_payload(
                     logprobs,
                     entry,
                     cached,
+                    grammar,
                 )
             )
         at += 1
         evicts = tuple(words[at + 1 : at + 1 + words[at]])
         at += len(evicts)
-    except (IndexError, ValueError, struct.error) as error:
+    except (IndexError, ValueError, struct.error) as error:  # UnicodeDecodeError is a ValueError
         raise EngineError(f"malformed lockstep payload ({error}): ranks are out of step") from None
     if at + 1 != len(words):
         raise EngineError("lockstep payload has trailing words: ranks are out of step")

@@ -7,9 +7,12 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from planner.errors import EngineError
+
 from ..prefix_store import PrefixStore, reusable
 from ..sampling import make_request_processors, make_request_sampler, token_logprobs
 from .lockstep import Command, update_checksum
+from .rank_grammar import RankGrammars
 
 DEFAULT_PREFILL_CHUNK = 256
 
@@ -24,6 +27,10 @@ class ShardBatch:
     With `keep_prefixes`, every sequence that ends leaves its KV shard in this rank's prefix
     store under its uid; rank 0's engine indexes it (from `drain_kept`) and names the
     entries to start from and to drop in later commands.
+
+    A sequence with a grammar gets `grammars.processor(grammar)` last among its logits
+    processors, as in the single engine: every rank masks the same tokens, so every rank
+    still samples the same one.
     """
 
     def __init__(
@@ -32,7 +39,9 @@ class ShardBatch:
         max_batch: int,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         keep_prefixes: bool = False,
+        grammars: RankGrammars | None = None,
     ):
+        self._grammars = grammars
         self._generator = BatchGenerator(
             model,
             completion_batch_size=max_batch,
@@ -68,6 +77,10 @@ class ShardBatch:
             processors = make_request_processors(
                 insert.repetition_penalty, insert.presence_penalty, insert.frequency_penalty
             )
+            if insert.grammar is not None:  # last: penalties must not lift the grammar's mask
+                if self._grammars is None:
+                    raise EngineError("a sequence with a grammar reached a batch without grammars")
+                processors.append(self._grammars.processor(insert.grammar))
             caches, prefix = None, []
             if insert.entry >= 0:
                 caches, prefix = self.prefixes.take_prefix(insert.entry, insert.cached)

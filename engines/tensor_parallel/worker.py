@@ -2,7 +2,8 @@
 
 stdin:  line 1 is the JSON WorkerSpec; rank 0 then reads commands, one JSON object per line:
         {"cmd": "step", "remove": [uid, ...], "insert": [{"uid", "prompt", "max_tokens",
-        "temperature", "top_p", "seed"}, ...], "advance": true|false}, {"cmd": "shutdown"}.
+        "temperature", "top_p", "seed", "grammar", ...}, ...], "advance": true|false},
+        {"cmd": "shutdown"}.
 stdout: JSON lines only: {"event": "ready", ...} or {"event": "failed", "reason"} once loaded;
         rank 0 then answers every step with {"tokens": [[uid, token], ...], "refused":
         [[uid, reason], ...], "kept": [...], "timing": {"all_sum": s, "step": s}}, or
@@ -31,6 +32,7 @@ from mlx_lm.utils import load_model
 
 from discovery.json_child import ProtocolOutput, open_protocol_output
 from planner.decision import tp_split_problems
+from planner.errors import EngineError
 
 from .. import blas
 from ..precision import upcast_on_cpu
@@ -45,6 +47,7 @@ from .lockstep import (
     Lockstep,
     idle_wait_s,
 )
+from .rank_grammar import RankGrammars
 from .shard_batch import ShardBatch
 from .step_clock import StepClock
 
@@ -148,8 +151,9 @@ def join_group(spec: WorkerSpec) -> mx.distributed.Group:
         return mx.distributed.init(backend=spec.backend, strict=True)
 
 
-def load_shard(spec: WorkerSpec) -> tuple[Any, int | None, mx.distributed.Group]:
-    """Join the group and load this rank's shard with mlx-lm's own `Model.shard`.
+def load_shard(spec: WorkerSpec) -> tuple[Any, int | None, mx.distributed.Group, RankGrammars]:
+    """Join the group and load this rank's shard with mlx-lm's own `Model.shard`; the
+    grammars load the tokenizer from the same directory when a sequence first needs it.
 
     The weights are loaded lazily and evaluated one layer at a time after sharding, so a
     rank's peak memory stays near its shard instead of the whole model (evaluating every
@@ -181,7 +185,9 @@ def load_shard(spec: WorkerSpec) -> tuple[Any, int | None, mx.distributed.Group]
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
     upcast_on_cpu(model, spec.upcast_float32)
-    return model, config.get("vocab_size"), group
+    model_vocab = getattr(getattr(model, "args", None), "vocab_size", 0) or 0
+    grammars = RankGrammars(model_path, model_vocab, config.get("eos_token_id"))
+    return model, config.get("vocab_size"), group, grammars
 
 
 def gather_memory(lockstep: Lockstep) -> tuple[list[int], list[int]]:
@@ -194,8 +200,14 @@ def gather_memory(lockstep: Lockstep) -> tuple[list[int], list[int]]:
     return [value * 1024 for value in kib[:size]], [value * 1024 for value in kib[size:]]
 
 
-def parse_insert(message: Any, vocab_size: int | None) -> Insert:
-    """Validate one inserted sequence before any rank sees it (a refusal keeps ranks in step)."""
+def parse_insert(
+    message: Any, vocab_size: int | None, grammars: RankGrammars | None = None
+) -> Insert:
+    """Validate one inserted sequence before any rank sees it (a refusal keeps ranks in step).
+
+    A grammar is compiled here, on rank 0, so one that fails is refused for its sequence
+    instead of failing a rank after the broadcast.
+    """
     if not isinstance(message, dict):
         raise ValueError("an insert must be a JSON object")
     prompt = message.get("prompt")
@@ -231,6 +243,9 @@ def parse_insert(message: Any, vocab_size: int | None) -> Insert:
         raise ValueError(
             f"a prefix-cache start needs an entry and cached > 0, got {entry}, {cached}"
         )
+    grammar = message.get("grammar")
+    if grammar is not None:
+        check_grammar(grammar, grammars)
     return Insert(
         message["uid"],
         tuple(prompt),
@@ -242,11 +257,25 @@ def parse_insert(message: Any, vocab_size: int | None) -> Insert:
         logprobs,
         entry,
         cached,
+        grammar,
     )
 
 
+def check_grammar(grammar: Any, grammars: RankGrammars | None) -> None:
+    """ValueError unless `grammar` is text that compiles against this model's tokenizer."""
+    if not isinstance(grammar, str) or not grammar:
+        raise ValueError("grammar must be a non-empty string or null")
+    grammar.encode()  # a lone surrogate cannot cross the lockstep: UnicodeEncodeError
+    if grammars is None:
+        raise ValueError("this rank has no grammar compiler")
+    try:
+        grammars.processor(grammar)
+    except (EngineError, RuntimeError) as error:  # llguidance raises RuntimeError on some input
+        raise ValueError(str(error)) from None
+
+
 def parse_step(
-    message: dict[str, Any], vocab_size: int | None
+    message: dict[str, Any], vocab_size: int | None, grammars: RankGrammars | None = None
 ) -> tuple[Command, list[tuple[Any, str]]]:
     """A step command from the engine, and the inserts refused with their reasons."""
     removes = message.get("remove", [])
@@ -260,7 +289,7 @@ def parse_step(
         if not isinstance(uid, int) or not 0 <= uid < 2**31:
             raise ValueError(f"an insert needs a uid in [0, 2**31), got {uid!r}")
         try:
-            inserts.append(parse_insert(entry, vocab_size))
+            inserts.append(parse_insert(entry, vocab_size, grammars))
         except (TypeError, ValueError) as error:
             refused.append((uid, str(error)))
     evicts = message.get("evict", [])
@@ -282,6 +311,7 @@ class Rank:
     vocab_size: int | None
     output: ProtocolOutput
     watchdog: Watchdog
+    grammars: RankGrammars | None = None
 
     def lead(self) -> None:
         """Rank 0: turn stdin step commands into broadcasts; PING when none came in time."""
@@ -305,7 +335,7 @@ class Rank:
                 try:
                     if message.get("cmd") != "step":
                         raise ValueError(message.get("reason", f"unknown command {message}"))
-                    command, refused = parse_step(message, self.vocab_size)
+                    command, refused = parse_step(message, self.vocab_size, self.grammars)
                 except (TypeError, ValueError) as error:
                     self.output.write({"error": str(error), "fatal": False})
                     continue  # nothing was broadcast: the other ranks keep their schedule
@@ -379,7 +409,7 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
         threading.Thread(target=exit_when_stdin_closes, name="stdin-watch", daemon=True).start()
     started = time.monotonic()
     try:
-        model, vocab_size, group = load_shard(spec)
+        model, vocab_size, group, grammars = load_shard(spec)
         lockstep = Lockstep(group)
         peaks, active = gather_memory(lockstep)
     except Exception as error:  # every load failure becomes one "failed" line
@@ -398,9 +428,13 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
     )
     try:
         batch = ShardBatch(
-            model, spec.max_batch, spec.prefill_chunk, keep_prefixes=spec.prefix_cache_bytes > 0
+            model,
+            spec.max_batch,
+            spec.prefill_chunk,
+            keep_prefixes=spec.prefix_cache_bytes > 0,
+            grammars=grammars,
         )
-        rank = Rank(spec, lockstep, batch, vocab_size, output, watchdog)
+        rank = Rank(spec, lockstep, batch, vocab_size, output, watchdog, grammars)
         if spec.rank == 0:
             rank.lead()
         else:
