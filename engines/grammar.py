@@ -30,6 +30,11 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._compiled: Any = None
 
+    def prepare(self) -> None:
+        """Build llguidance's view of the tokenizer now rather than in the first constrained
+        request's step (a pipeline stage must not stall mid-session)."""
+        self._llg_tokenizer()
+
     def processor(self, grammar: str) -> LogitsProcessor:
         """A fresh processor for one sequence (it keeps that sequence's parser state)."""
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)

@@ -353,7 +353,7 @@ async def test_default_values_of_refused_fields_pass(
     ],
 )
 def test_an_engine_without_a_feature_refuses_the_field(fields: dict, param: str) -> None:
-    # What the pipeline engine declares today (EncryptedPipelineEngine.features).
+    # An engine that declares none of the features (every engine declares all three today).
     body = ChatCompletionRequest.model_validate(chat_body(**fields))
     with pytest.raises(APIError) as refused:
         check_fields(body, frozenset())

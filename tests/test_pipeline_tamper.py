@@ -15,6 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from llguidance import LLMatcher
+from mlx_lm.utils import load_tokenizer
 
 from discovery.cluster_key import generate_key
 from discovery.framing import ChannelTimeout
@@ -32,6 +34,11 @@ UPSTREAM = range(0, 4)  # the test plays every stage before the live one
 LAST = range(4, 5)
 HIDDEN_SIZE = 256
 READ_TIMEOUT_S = 2.0
+JSON_OBJECT = LLMatcher.grammar_from_json_schema(
+    {"type": "object"}, overrides={"whitespace_flexible": False}
+)
+# Valid without a tokenizer, but token 999999 is not in the demo model's vocabulary.
+UNKNOWN_TOKEN = LLMatcher.grammar_from_lark('start: "a" <[999999]>')
 
 
 class RecordingSocket(socket.socket):
@@ -104,11 +111,15 @@ class Chain:
     def send(self, frame: Frame) -> None:
         wire.send(self.out, frame, UPSTREAM)
 
-    def begin(self, uid: int, position: int = 0, entry: object = None) -> None:
+    def begin(
+        self, uid: int, position: int = 0, entry: object = None, grammar: str | None = None
+    ) -> None:
         """BEGIN `uid`, from the first `position` tokens of prefix entry `entry` if given."""
         document = {"id": "tamper", "temperature": 0.0, "top_p": 1.0, "seed": 0}
         if entry is not None:
             document["prefix_entry"] = entry
+        if grammar is not None:
+            document["grammar"] = grammar
         self.send(wire.document_frame(Kind.BEGIN, self.take(), document, [Row(uid, position)]))
 
     def decode(
@@ -123,7 +134,10 @@ class Chain:
         return Frame(Kind.TOKEN, number, group, step, tuple(rows))
 
     def tokens(self, expected: Frame) -> list[int]:
-        return wire.receive_answer(self.back, 5.0, expected, LAST).tokens()
+        return self.answer(expected).tokens()
+
+    def answer(self, expected: Frame) -> Frame:
+        return wire.receive_answer(self.back, 5.0, expected, LAST)
 
     def end(self, uids: list[int], keep: list[tuple[int, int]] = (), evict: list[int] = ()) -> None:
         self.send(wire.end_frame(self.take(), uids, keep, evict))
@@ -323,6 +337,41 @@ def test_a_prefix_entry_starts_sequences_where_it_left_off(
     assert chain.tokens(chain.decode(1, [Row(4, 2)])) == reference
     chain.end([2, 3, 4], evict=[1])
     assert chain.status()["prefix_entries"] == 0
+
+
+def test_a_grammar_constrains_its_row_alone(
+    chain: Chain, baseline: list[int], demo_model_factory: Callable[..., Path]
+) -> None:
+    """Sequence 1 must write a JSON object; sequence 2, in the same micro-batch, is free."""
+    tokenizer = load_tokenizer(demo_model_factory(layers=5))
+    chain.begin(1, grammar=JSON_OBJECT)
+    chain.begin(2)
+    constrained = []
+    for position in (0, 1, 2):
+        first, second = chain.tokens(chain.decode(0, [Row(1, position), Row(2, position)]))
+        constrained.append(first)
+        if position < 2:
+            assert second == baseline[position]
+    assert not tokenizer.decode(baseline).startswith("{")  # free, it writes something else
+    assert tokenizer.decode(constrained).startswith("{")
+    chain.end([1, 2])
+
+
+def test_a_grammar_that_does_not_compile_refuses_its_row_alone(
+    stage: LiveStage, chain: Chain, baseline: list[int]
+) -> None:
+    """The refusal travels in the row's score; the other row and the session go on."""
+    since = stage.log_size()
+    chain.begin(1, grammar=UNKNOWN_TOKEN)
+    chain.begin(2)
+    answer = chain.answer(chain.decode(0, [Row(1, 0), Row(2, 0)]))
+    refusal, score = answer.scores()
+    assert isinstance(refusal, str) and "the output grammar is invalid" in refusal
+    assert score is None and answer.tokens()[1] == baseline[0]
+    stage.wait_for_log("sequence 1 \\(tamper\\) refused", since)
+    chain.end([1])
+    assert chain.tokens(chain.decode(0, [Row(2, 1)])) == baseline[1:]
+    chain.end([2])
 
 
 def keep_entry_one(chain: Chain) -> None:
@@ -529,12 +578,20 @@ def test_an_ended_sequence_cannot_decode(stage: LiveStage, chain: Chain) -> None
     reject(stage, chain, attack, "row 1 of micro-batch 0 is neither in it nor")
 
 
+def begin_with_grammar(grammar: object) -> Frame:
+    document = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "grammar": grammar}
+    return wire.document_frame(Kind.BEGIN, 1, document, [Row(1, 0)])
+
+
 @pytest.mark.parametrize(
     ("frame", "logged"),
     [
         (Frame(Kind.BEGIN, 1, rows=(Row(1, 0),), body=b"{not json"), "not UTF-8 JSON"),
         (Frame(Kind.BEGIN, 1, rows=(Row(1, 0),), body=b'{"temperature": 0}'), "malformed BEGIN"),
         (Frame(Kind.BEGIN, 1, body=b"{}"), "BEGIN frame has no rows"),
+        (begin_with_grammar(123), "BEGIN grammar '123' is not a text"),
+        (begin_with_grammar(""), "BEGIN grammar '' is not a text"),
+        (begin_with_grammar(["start: a"]), "is not a text"),
         (
             wire.token_frame(1, 0, 1, [Row(1, 0)], [5]),
             "expected a BEGIN or HIDDEN or END or STATUS",
@@ -553,6 +610,9 @@ def test_an_ended_sequence_cannot_decode(stage: LiveStage, chain: Chain) -> None
         "json",
         "fields",
         "rowless",
+        "grammar-number",
+        "grammar-empty",
+        "grammar-list",
         "token-downstream",
         "ready-downstream",
         "end-step",
@@ -679,6 +739,25 @@ def test_end_orders_round_trip_and_refusals() -> None:
     for bad in (-1, 2**64, True, 1.5, "3"):
         with pytest.raises(WireError, match="not an entry id"):
             wire.prefix_entry_of({"prefix_entry": bad})
+
+
+def test_grammars_and_refusals_round_trip_and_malformed_ones_are_refused() -> None:
+    sampling = wire.Sampling(0.5, 0.9, 7, "x", grammar=JSON_OBJECT)
+    assert sampling.scored and wire.Sampling.of(sampling.document()) == sampling
+    document = sampling.document()
+    for bad in (None, "", 5, True, ["x"], {"x": 1}, "x" * (wire.MAX_GRAMMAR_CHARS + 1)):
+        if bad is None:
+            assert wire.Sampling.of({**document, "grammar": None}).grammar is None
+            continue
+        with pytest.raises(WireError, match="BEGIN grammar"):
+            wire.Sampling.of({**document, "grammar": bad})
+    rows = [Row(1, 4), Row(2, 9), Row(3, 0)]
+    frame = wire.token_frame(5, 0, 1, rows, [11, 12, 13], scores=[None, "refused", (-0.5, ())])
+    assert wire.decode(wire.encode(frame)).scores() == [None, "refused", (-0.5, ())]
+    for refusal in ("", "x" * (wire.MAX_REFUSAL_CHARS + 1)):
+        frame = wire.token_frame(5, 0, 1, rows[:1], [11], scores=[refusal])
+        with pytest.raises(WireError, match="malformed scores"):
+            wire.decode(wire.encode(frame))
 
 
 def test_associated_data_differs_in_every_field() -> None:

@@ -19,6 +19,7 @@ from discovery.secure_channel import SecureChannel
 from planner.errors import ChannelError, EngineError
 
 from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
+from ..grammar import GrammarCompiler
 from ..prefix_index import PrefixHit, PrefixIndex
 from ..prefix_store import NOT_REUSABLE
 from ..sampling import request_seed
@@ -82,7 +83,8 @@ class EncryptedPipelineEngine(Engine):
     ended sequences to keep and which entries to drop. Entries live as long as the session.
     """
 
-    features = frozenset({"penalties", "logprobs"})  # both at the last stage (wire.Sampling)
+    # all at the last stage (wire.Sampling); a grammar is checked here first
+    features = frozenset({"penalties", "logprobs", "grammar"})
 
     def __init__(
         self,
@@ -135,6 +137,7 @@ class EncryptedPipelineEngine(Engine):
         self._schedule = MicroBatchSchedule(groups, prefill_chunk, 1 + len(stages))
         self._local: StageBatches | None = None  # stage 0's caches
         self._sampling: dict[int, wire.Sampling] = {}
+        self._grammars: GrammarCompiler | None = None  # checks grammars before the chain does
         self._awaiting: deque[wire.Frame] = deque()  # the answers due, in the order sent
         self._number = 0  # the last frame number sent down this session
         self._healthy = False
@@ -175,6 +178,7 @@ class EncryptedPipelineEngine(Engine):
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer of {self.model_path}: {error}") from error
         self.stage = StageModel.load(self.model_path, self.layers, False, self.upcast)
+        self._load_grammars()
         if any(window is not None for window in self.stage.layout.windows):
             self.prefix_index.turn_off(NOT_REUSABLE)  # windows anywhere in the chain
         chunk_bytes = self.prefill_chunk * self.stage.hidden_size * 4
@@ -185,6 +189,19 @@ class EncryptedPipelineEngine(Engine):
             )
         self.open_return_listener()
         self.connect()
+
+    def _load_grammars(self) -> None:
+        """The compiler that checks grammars here, ready before the first constrained insert
+        (which would otherwise stall the chain); without one, "grammar" leaves `features` and
+        the API refuses constrained requests by name."""
+        try:
+            vocab_size = max(self.stage.vocab_size, len(self.tokenizer))
+            self._grammars = GrammarCompiler(self.tokenizer, vocab_size)
+            self._grammars.prepare()
+        except Exception as error:  # noqa: BLE001 (llguidance refusing a tokenizer costs grammars)
+            log.warning("no output grammars: llguidance cannot use this tokenizer: %s", error)
+            self._grammars = None
+            self.features = type(self).features - {"grammar"}
 
     def connect(self) -> None:
         """(Re)build the sealed chain with fresh session keys and run the SETUP roll call."""
@@ -283,11 +300,9 @@ class EncryptedPipelineEngine(Engine):
             request.frequency_penalty,
             request.prompt_tokens[-wire.PENALTY_CONTEXT :],
             request.logprobs,
+            request.grammar,
         )
-        try:
-            wire.Sampling.of(sampling.document())  # refuse here what the last stage would
-        except wire.WireError as error:
-            raise EngineError(f"request {request.request_id}: {error}") from None
+        self._check_begin(request, sampling)
         with self._io_lock:  # the index is shared with evict_prefix_cache()
             hit = self.prefix_index.lookup(request.prompt_tokens)
             cached = hit.tokens if hit is not None else 0
@@ -296,6 +311,33 @@ class EncryptedPipelineEngine(Engine):
                 self._hits[uid] = hit
         self._sampling[uid] = sampling
         return cached
+
+    def _check_begin(self, request: GenerationRequest, sampling: wire.Sampling) -> None:
+        """Refuse here, for this request alone, what the last stage would refuse."""
+        if request.grammar is not None:
+            begin = {**sampling.document(), "prefix_entry": wire.MAX_UID}  # its largest BEGIN
+            try:
+                wire.document_frame(Kind.BEGIN, 0, begin)
+            except wire.WireError as error:
+                raise EngineError(
+                    f"request {request.request_id}: its output grammar of "
+                    f"{len(request.grammar)} characters does not fit in a pipeline BEGIN frame "
+                    f"({error})"
+                ) from None
+        try:
+            wire.Sampling.of(sampling.document())
+        except wire.WireError as error:
+            raise EngineError(f"request {request.request_id}: {error}") from None
+        if request.grammar is None:
+            return
+        if self._grammars is None:
+            raise EngineError(
+                f"request {request.request_id}: this model's tokenizer cannot apply output grammars"
+            )
+        try:  # the last stage compiles it with the same tokenizer: a failure would be there too
+            self._grammars.processor(request.grammar)
+        except EngineError as error:
+            raise EngineError(f"request {request.request_id}: {error}") from None
 
     def remove(self, uids: Sequence[int]) -> None:
         self.step_timing.forget(uids)
@@ -359,12 +401,7 @@ class EncryptedPipelineEngine(Engine):
             except Exception as error:  # the stages are mid-batch: this chain is unusable now
                 self._lost("in a step", ChannelError(str(error)))
                 raise
-        return [
-            StepOutput(uid, token)
-            if scores.get(uid) is None
-            else StepOutput(uid, token, None, *scores[uid])
-            for uid, token in produced
-        ]
+        return [_output(uid, token, scores.get(uid)) for uid, token in produced]
 
     def _run_stage_zero(self, planned: Planned) -> None:
         """BEGIN the newcomers, embed and run stage 0 over the frame's tokens, send it down."""
@@ -395,7 +432,7 @@ class EncryptedPipelineEngine(Engine):
         self._clock.sent(number, stage_zero_s)
         self._awaiting.append(wire.Frame(Kind.TOKEN, number, group, step, rows))
 
-    def _receive_answer(self) -> tuple[list[tuple[int, int]], dict[int, Any]]:
+    def _receive_answer(self) -> tuple[list[tuple[int, int]], dict[int, wire.Score]]:
         expected = self._awaiting[0]
         chain = self._chain
         if chain is None:
@@ -567,3 +604,13 @@ class EncryptedPipelineEngine(Engine):
         chain, self._chain = self._chain, None
         if chain is not None:
             chain.close()
+
+
+def _output(uid: int, token: int, score: wire.Score) -> StepOutput:
+    """A row of a TOKEN answer as the runner sees it: a token (with its logprobs if asked),
+    or the last stage's refusal of this sequence alone."""
+    if score is None:
+        return StepOutput(uid, token)
+    if isinstance(score, str):
+        return StepOutput(uid, error=f"the last pipeline stage refused the sequence: {score}")
+    return StepOutput(uid, token, None, *score)

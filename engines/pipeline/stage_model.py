@@ -44,6 +44,7 @@ class StageModel:
         layout: StageLayout,
         cache_template: list[Any],
         peak_memory_bytes: int,
+        vocab_size: int = 0,
     ) -> None:
         self.layers = layers
         self.total_layers = total_layers
@@ -57,6 +58,7 @@ class StageModel:
         self.model_type = layout.architecture
         self.windows = layout.windows[layers.start : layers.stop]
         self.peak_memory_bytes = peak_memory_bytes
+        self.vocab_size = vocab_size  # the config's (0 when it names none): the logits' width
         self._cache_template = cache_template
 
     @property
@@ -122,6 +124,7 @@ class StageModel:
         for module in kept:
             upcast_on_cpu(module, upcast)
         hidden_size = int(model.args.hidden_size)
+        vocab_size = int(getattr(model.args, "vocab_size", 0) or 0)
         del model, inner
         stage = cls(
             layers=layers,
@@ -134,6 +137,7 @@ class StageModel:
             layout=layout,
             cache_template=cache_template,
             peak_memory_bytes=int(mx.get_peak_memory()),
+            vocab_size=vocab_size,
         )
         log.info(
             "loaded layers [%d, %d) of %d from %s (%s), peak memory %.1f MB",

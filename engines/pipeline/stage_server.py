@@ -13,13 +13,14 @@ import mlx.core as mx
 
 from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
+from engines.grammar import GrammarCompiler, LogitsProcessor
 from engines.sampling import (
     Sampler,
     make_request_processors,
     make_request_sampler,
     token_logprobs,
 )
-from planner.errors import ChannelError
+from planner.errors import ChannelError, EngineError
 
 from . import wire
 from .batches import StageBatches
@@ -58,7 +59,7 @@ class _Session:
         self.batches = StageBatches(stage)
         self.samplers: dict[int, Sampler] = {}  # last stage: uid -> its own sampler
         self.meter = StageMeter(inbound, outbound)  # compute and sealing, sent with each frame
-        self.scoring: dict[int, _Scoring] = {}  # last stage: penalties / logprobs, if asked
+        self.scoring: dict[int, _Scoring] = {}  # last stage: penalties / logprobs / grammar
         self.last_frame_at = time.monotonic()
         self.closed = False
 
@@ -72,38 +73,66 @@ class _Session:
 
 
 class _Scoring:
-    """A sequence's logits processors (with the tokens they look at) and its logprobs count."""
+    """A sequence's logits processors (with the tokens they look at), its grammar, its
+    logprobs count, or why it was refused (its grammar did not compile here)."""
 
-    def __init__(self, sampling: wire.Sampling) -> None:
+    def __init__(
+        self,
+        sampling: wire.Sampling,
+        grammar: LogitsProcessor | None = None,
+        refusal: str | None = None,
+    ) -> None:
         self.processors = make_request_processors(
             sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty
         )
         self.history = list(sampling.context)  # the prompt's tail, then every sampled token
+        self.grammar = grammar
+        self.generated: list[int] = []  # what the grammar has seen: every sampled token
         self.logprobs = sampling.logprobs
+        self.refusal = refusal
+
+    @property
+    def processes(self) -> bool:
+        return bool(self.processors) or self.grammar is not None
 
     def process(self, logits: mx.array) -> mx.array:
-        """One row's raw logits (1, V) through the processors."""
-        context = mx.array(self.history[-HISTORY_TOKENS:], dtype=mx.int32)
-        for processor in self.processors:
-            logits = processor(context, logits)
+        """One row's raw logits (1, V) through the penalties, then the grammar: last, so that
+        no penalty lifts its mask (as SingleEngine orders them)."""
+        if self.processors:
+            context = mx.array(self.history[-HISTORY_TOKENS:], dtype=mx.int32)
+            for processor in self.processors:
+                logits = processor(context, logits)
+        if self.grammar is not None:
+            # the grammar counts the tokens since its first call, which sees none
+            logits = self.grammar(mx.array(self.generated, dtype=mx.int32), logits)
         return logits
 
     def sampled(self, token: int) -> None:
         if self.processors:
             self.history.append(token)
             del self.history[:-HISTORY_TOKENS]
+        if self.grammar is not None:
+            self.generated.append(token)
 
 
 class EncryptedPipelineServer:
     """Serves one stage: accept the previous hop, connect the next, run frames until it ends.
 
     `channel_class` exists only so the benchmark can measure the cost of sealing; everything
-    else uses SecureChannel.
+    else uses SecureChannel. `grammars` (last stage) compiles the BEGIN grammars; without it a
+    sequence with a grammar is refused.
     """
 
-    def __init__(self, spec: StageSpec, stage: StageModel, channel_class: Any = SecureChannel):
+    def __init__(
+        self,
+        spec: StageSpec,
+        stage: StageModel,
+        channel_class: Any = SecureChannel,
+        grammars: GrammarCompiler | None = None,
+    ):
         self.spec = spec
         self.stage = stage
+        self.grammars = grammars
         self._channel_class = channel_class
         self._listener: socket.socket | None = None
         self._stopping = False
@@ -252,11 +281,11 @@ class EncryptedPipelineServer:
             row = frame.rows[0]
             session.batches.begin(row.uid, row.position, wire.prefix_entry_of(document))
             if last:
-                session.samplers[frame.rows[0].uid] = make_request_sampler(
+                session.samplers[row.uid] = make_request_sampler(
                     sampling.temperature, sampling.top_p, sampling.seed
                 )
-                if sampling.penalised or sampling.logprobs is not None:
-                    session.scoring[frame.rows[0].uid] = _Scoring(sampling)
+                if sampling.scored:
+                    session.scoring[row.uid] = self._scoring(row.uid, sampling)
             else:
                 wire.send(session.outbound, frame, me)
             log.debug("sequence %d (%s) began", frame.rows[0].uid, sampling.label)
@@ -275,6 +304,21 @@ class EncryptedPipelineServer:
                 wire.send(session.outbound, frame, me)
         else:
             self._run_hidden(session, frame)
+
+    def _scoring(self, uid: int, sampling: wire.Sampling) -> _Scoring:
+        """A sequence's scoring; a grammar that does not compile refuses this sequence alone
+        (its next TOKEN row says why) rather than the session."""
+        if sampling.grammar is None:
+            return _Scoring(sampling)
+        if self.grammars is None:
+            refusal = "this stage has no tokenizer to apply an output grammar with"
+        else:
+            try:
+                return _Scoring(sampling, self.grammars.processor(sampling.grammar))
+            except EngineError as error:
+                refusal = str(error)[: wire.MAX_REFUSAL_CHARS]
+        log.warning("sequence %d (%s) refused: %s", uid, sampling.label, refusal)
+        return _Scoring(sampling, refusal=refusal)
 
     def _run_hidden(self, session: _Session, frame: wire.Frame) -> None:
         """Run a HIDDEN frame through this stage's layers; pass it on, or answer with tokens."""
@@ -317,13 +361,14 @@ class EncryptedPipelineServer:
         self, session: _Session, uids: list[int], hidden: mx.array
     ) -> tuple[list[int], list[Any] | None]:
         """Each row with its own sampler (one batched call when they share one: greedy), after
-        its own logits processors; the logprobs of the rows that asked for them."""
+        its own logits processors; the logprobs of the rows that asked for them; a refused
+        row's refusal instead (its token means nothing)."""
         scorings = [session.scoring.get(uid) for uid in uids]
-        if any(scoring is not None and scoring.processors for scoring in scorings):
+        if any(scoring is not None and scoring.processes for scoring in scorings):
             logits = self.stage.logits(hidden, normalized=False)  # (B, V)
             rows = [
                 logits[index : index + 1]
-                if scoring is None or not scoring.processors
+                if scoring is None or not scoring.processes
                 else scoring.process(logits[index : index + 1])
                 for index, scoring in enumerate(scorings)
             ]
@@ -344,6 +389,9 @@ class EncryptedPipelineServer:
         for index, (token, scoring) in enumerate(zip(tokens, scorings, strict=True)):
             if scoring is None:
                 scores.append(None)
+                continue
+            if scoring.refusal is not None:
+                scores.append(scoring.refusal)
                 continue
             scoring.sampled(token)
             if scoring.logprobs is None:

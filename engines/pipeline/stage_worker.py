@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlx_lm.utils import load_config, load_tokenizer
+
 from discovery.cluster_key import KEY_BYTES, KEY_PREFIX, parse_key
 from discovery.json_child import ChildNotReady, JsonChild, open_protocol_output
 from discovery.secure_channel import SecureChannel
 from planner.errors import ConfigError, EngineError, ModelError
 
 from .. import blas
+from ..grammar import GrammarCompiler
 from ..weights.fetch import model_for_assignment
 from .stage_model import StageModel
 from .stage_server import EncryptedPipelineServer
@@ -171,7 +174,8 @@ def run(channel_class: Any = SecureChannel) -> int:
     try:
         model_path = model_for_assignment(spec.model_path, spec.weights, spec.cluster_key)
         stage = StageModel.load(model_path, spec.layers, spec.is_last, spec.upcast_float32)
-        server = EncryptedPipelineServer(spec, stage, channel_class)
+        grammars = grammar_compiler(model_path, stage) if spec.is_last else None
+        server = EncryptedPipelineServer(spec, stage, channel_class, grammars)
         port = server.bind()
     except (EngineError, ModelError, OSError) as error:
         output.write({"event": "failed", "reason": str(error)})
@@ -186,6 +190,20 @@ def run(channel_class: Any = SecureChannel) -> int:
     output.write({"event": "ready", "port": port, "peak_memory_bytes": stage.peak_memory_bytes})
     server.serve(stop_fd=sys.stdin.fileno())
     return 0
+
+
+def grammar_compiler(model_path: Path, stage: StageModel) -> GrammarCompiler | None:
+    """The last stage's grammar compiler over the model's tokenizer, ready to use; None (each
+    sequence with a grammar is then refused, the others served) when it cannot be built."""
+    try:
+        config = load_config(model_path)
+        tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+        compiler = GrammarCompiler(tokenizer, max(stage.vocab_size, len(tokenizer)))
+        compiler.prepare()  # now, not while the first constrained sequence's frame waits
+    except Exception as error:  # noqa: BLE001 (any tokenizer failure costs grammars only)
+        log.warning("no output grammars on this stage: cannot load the tokenizer: %s", error)
+        return None
+    return compiler
 
 
 def main() -> None:

@@ -11,11 +11,13 @@ an answer (TOKEN, READY) carries the number of the frame it answers. `group` is 
 sequence (uid) and how many of its tokens the KV caches held before this frame (position).
 HIDDEN bodies are the raw row-major bytes of a (B, L, D) activation, one row per sequence;
 TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement), then, when flagged
-SCORES, a JSON list with each row's [logprob, [[id, logprob], ...]] or null; BEGIN / SETUP /
-STATUS / READY / END bodies UTF-8 JSON objects. A BEGIN row's position is where the sequence
-starts: 0, or the tokens it takes from the prefix-cache entry its document names. An END may
-keep ended sequences' caches as prefix-cache entries and drop entries (then it may have no
-rows). A HIDDEN or TOKEN frame with the STAGE_TIMES flag carries, before its body, `count u8`
+SCORES, a JSON list with each row's [logprob, [[id, logprob], ...]] or null, or a string when
+the last stage refused that row's sequence (its grammar did not compile there: the row's token
+means nothing); BEGIN / SETUP / STATUS / READY / END bodies UTF-8 JSON objects. A BEGIN
+row's position is where the sequence starts: 0, or the tokens it takes from the prefix-cache
+entry its document names; its document may carry an output grammar the last stage applies. An
+END may keep ended sequences' caches as prefix-cache entries and drop entries (then it may have
+no rows). A HIDDEN or TOKEN frame with the STAGE_TIMES flag carries, before its body, `count u8`
 and count x (compute µs u64, sealing µs u64): each remote stage it passed appends its
 session's running totals (engines/pipeline/frame_clock.py). docs/pipeline.md describes the flow.
 """
@@ -35,10 +37,10 @@ import numpy as np
 
 from planner.errors import ChannelError
 
-# 4: prefix-cache BEGIN/END, stage times, BEGIN penalties and logprobs, TOKEN scores
-VERSION = 4
+# 5: BEGIN carries an output grammar (a v4 last stage would ignore it and sample freely)
+VERSION = 5
 PURPOSE = b"pipeline"  # the SecureChannel purpose of every pipeline hop
-AD_LABEL = b"tandem pipeline v4"
+AD_LABEL = b"tandem pipeline v5"
 HEADER = struct.Struct(">BBBBBQHIH")
 DIM = struct.Struct(">I")
 ROW = struct.Struct(">QI")
@@ -68,6 +70,8 @@ MAX_EVICT_PER_END = 1000  # entry ids per END document: keeps it far below MAX_J
 MAX_PENALTY = 100.0
 MAX_TOP_LOGPROBS = 20
 PENALTY_CONTEXT = 20  # prompt tokens a BEGIN carries for the penalties (mlx-lm's window)
+MAX_GRAMMAR_CHARS = MAX_JSON_BYTES  # a BEGIN's grammar: the whole document bounds it anyway
+MAX_REFUSAL_CHARS = 512  # a TOKEN row's refusal message
 
 
 class WireError(ChannelError):
@@ -95,6 +99,9 @@ DTYPES: dict[int, tuple[mx.Dtype, type[np.generic]]] = {
     3: (mx.bfloat16, np.uint16),
 }
 DTYPE_CODES = {dtype: code for code, (dtype, _) in DTYPES.items()}
+
+# a TOKEN row's score: None, (logprob, ((id, logprob), ...)), or why its sequence was refused
+Score = tuple[float, tuple[tuple[int, float], ...]] | str | None
 
 
 class Channel(Protocol):
@@ -150,8 +157,9 @@ class Frame:
         width = TOKEN.size * (0 if self.is_prefill else len(self.rows))
         return [value for (value,) in TOKEN.iter_unpack(self.body[:width])]
 
-    def scores(self) -> list[tuple[float, tuple[tuple[int, float], ...]] | None]:
-        """A SCORES TOKEN frame's (logprob, top alternatives) per row; None for rows without."""
+    def scores(self) -> list[Score]:
+        """A SCORES TOKEN frame's (logprob, top alternatives) per row; None for rows without,
+        a refusal message for a row whose sequence the last stage refused."""
         if not self.flags & SCORES:
             return [None] * len(self.rows)
         width = TOKEN.size * len(self.rows)
@@ -225,21 +233,29 @@ def token_frame(
     times: Sequence[tuple[int, int]] = (),
     scores: Sequence[Any] | None = None,
 ) -> Frame:
-    """`scores`: per row None or (logprob, [(id, logprob), ...]); sent only when one is set."""
+    """`scores`: per row None, (logprob, [(id, logprob), ...]) or a refusal message; sent only
+    when one is set."""
     body = b"".join(TOKEN.pack(token) for token in tokens)
     flags = 0
     if scores is not None and any(score is not None for score in scores):
         flags = SCORES
-        entries = [None if s is None else [s[0], [list(pair) for pair in s[1]]] for s in scores]
+        entries = [
+            s if s is None or isinstance(s, str) else [s[0], [list(pair) for pair in s[1]]]
+            for s in scores
+        ]
         body += json.dumps(entries, separators=(",", ":")).encode("utf-8")
     return Frame(
         Kind.TOKEN, number, group, step, tuple(rows), flags=flags, body=body, times=tuple(times)
     )
 
 
-def _score(entry: Any) -> tuple[float, tuple[tuple[int, float], ...]] | None:
+def _score(entry: Any) -> Score:
     if entry is None:
         return None
+    if isinstance(entry, str):
+        if not 0 < len(entry) <= MAX_REFUSAL_CHARS:
+            raise ValueError(f"a refusal of {len(entry)} characters")
+        return entry
     chosen, top = entry
     if len(top) > MAX_TOP_LOGPROBS:
         raise ValueError(f"{len(top)} alternatives, more than {MAX_TOP_LOGPROBS}")
@@ -414,6 +430,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     context: tuple[int, ...] = ()
     logprobs: int | None = None  # None: off; k: the token's logprob and the top k
+    grammar: str | None = None  # an llguidance grammar the output must match (engines/grammar.py)
 
     def document(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -431,7 +448,14 @@ class Sampling:
             document["context"] = list(self.context[-PENALTY_CONTEXT:])
         if self.logprobs is not None:
             document["logprobs"] = self.logprobs
+        if self.grammar is not None:
+            document["grammar"] = self.grammar
         return document
+
+    @property
+    def scored(self) -> bool:
+        """Whether the last stage does more than sample: processors, logprobs or a grammar."""
+        return self.penalised or self.logprobs is not None or self.grammar is not None
 
     @property
     def penalised(self) -> bool:
@@ -454,6 +478,7 @@ class Sampling:
         penalties = document.get("penalties", [0.0, 0.0, 0.0])
         context = document.get("context", [])
         logprobs = document.get("logprobs")
+        grammar = document.get("grammar")
         if not (
             isinstance(penalties, list)
             and len(penalties) == 3
@@ -475,6 +500,13 @@ class Sampling:
             isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS
         ):
             raise WireError(f"BEGIN logprobs {logprobs!r} is not an integer in [0, 20]")
+        if grammar is not None and not (
+            isinstance(grammar, str) and 0 < len(grammar) <= MAX_GRAMMAR_CHARS
+        ):
+            raise WireError(
+                f"BEGIN grammar {str(grammar)[:40]!r} is not a text of 1 to "
+                f"{MAX_GRAMMAR_CHARS} characters"
+            )
         repetition, presence, frequency = (float(value) for value in penalties)
         return cls(
             temperature,
@@ -486,6 +518,7 @@ class Sampling:
             frequency,
             tuple(context),
             logprobs,
+            grammar,
         )
 
 
