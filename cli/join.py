@@ -54,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cache-dir",
         default=Path.home() / ".cache" / "tandem",
         cast=Path,
-        help="where models fetched from the coordinator are kept (under models/CONTENT-HASH)",
+        help="where models fetched from the coordinator are kept (under models/CONTENT-HASH); "
+        "its free disk and the copies in it are reported to the coordinator's planner",
     )
     add_flag(
         parser, "--heartbeat-interval", default=1.0, cast=float, help="seconds between heartbeats"
