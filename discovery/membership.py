@@ -434,7 +434,11 @@ class Membership:
             if self._ready_wait(pending, started, timeout_s, stall_s) > 0:
                 continue  # progress came meanwhile
             stalled = ""
-            if stall_s is not None and pending.progress_at is not None:
+            if (
+                stall_s is not None
+                and pending.progress_at is not None
+                and not pending.arrived.is_set()
+            ):
                 stalled = f" (its model transfer stalled: no progress for {stall_s:g} s)"
             raise PeerError(
                 f"node {pending.node_id} did not report {what} for assignment {assignment_id} "
@@ -452,7 +456,9 @@ class Membership:
         """Seconds left to wait: to the ready deadline, or later while transfers progress."""
         deadline = started + timeout_s
         if stall_s is not None and pending.progress_at is not None:
-            deadline = max(deadline, pending.progress_at + stall_s)
+            # Once the model is all there, loading it gets a whole ready timeout of its own.
+            extra = timeout_s if pending.arrived.is_set() else stall_s
+            deadline = max(deadline, pending.progress_at + extra)
         return max(deadline - time.monotonic(), 0.0)
 
     def release(

@@ -89,8 +89,15 @@ def test_progress_extends_the_ready_wait_and_a_stall_ends_it(
     assert member.transfer is not None and member.transfer.done_bytes == 10_000
     assert membership.release(agent.node_id, "next", wait_s=5.0)
     # Progress that stops: the wait ends one stall timeout after the last event.
-    stalled = {"mode": "progress", "steps": 3, "every_s": 0.2, "then": "stall"}
+    stalled = {"mode": "progress", "steps": 3, "every_s": 0.2, "total": 9000, "then": "stall"}
     started = time.monotonic()
     with pytest.raises(PeerError, match="transfer stalled: no progress for 1 s"):
         membership.wait_ready(membership.assign(agent.node_id, "pp_stage", stalled), 0.5, 1.0)
     assert 1.5 <= time.monotonic() - started < 4.0
+    assert membership.release(agent.node_id, "next", wait_s=5.0)
+    # tp: the coordinator waits for the model in place (all of it arrived), then for ready.
+    assignment = membership.assign(agent.node_id, "tp_rank", payload)
+    membership.wait_model(assignment, 0.5, 1.5)
+    (member,) = [m for m in membership.members() if m.node_id == agent.node_id]
+    assert member.transfer is not None and member.transfer.done_bytes == 10_000
+    assert membership.wait_ready(assignment, 5.0).detail["echo"] == payload
