@@ -251,7 +251,7 @@ def model_for_assignment(
             raise
         log.info("model %s is not on this machine (%s): fetching it", reference, error)
     else:
-        if on_progress is not None:
+        if weights and on_progress is not None:  # the coordinator waits to hear it
             on_progress(0, 0)  # found here: nothing to receive
         return found
     return fetch_model(
