@@ -119,7 +119,7 @@ def describe(
 
 
 def _receiving(transfer: Any) -> str:
-    """", receiving the model 45%" while a model transfer to the node is under way."""
+    """ ", receiving the model 45%" while a model transfer to the node is under way."""
     if not isinstance(transfer, dict) or not transfer.get("total_bytes"):
         return ""
     done, total = int(transfer.get("done_bytes") or 0), int(transfer["total_bytes"])

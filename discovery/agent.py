@@ -74,6 +74,7 @@ class AgentConfig:
     duplicate_check_s: float = 1.5
     role_modules: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_MODULES))
     cache_dir: Path | None = None  # where models fetched from a coordinator are kept
+    disk_limit: int | None = None  # bytes the models there may take (None: the free disk)
 
 
 class CoordinatorSession:
@@ -173,6 +174,7 @@ class CoordinatorSession:
             payload["weights"] = {
                 **payload["weights"],
                 "cache_dir": str(self.agent.config.cache_dir / "models"),
+                "disk_limit": self.agent.config.disk_limit,
             }
         try:
             worker.start(payload)
@@ -302,7 +304,9 @@ class Agent:
         self._stopping = threading.Event()
         self._accept_thread: threading.Thread | None = None
         cache = config.cache_dir
-        self.model_cache = ModelCacheReader(cache / "models") if cache is not None else None
+        self.model_cache = (
+            ModelCacheReader(cache / "models", config.disk_limit) if cache is not None else None
+        )
 
     @property
     def bind_host(self) -> str:

@@ -24,15 +24,24 @@ SHARE_PATTERN = re.compile(r"^layers (\d+)-(\d+)(?: \+ head)? of ([0-9a-f]{64})$
 REFRESH_S = 5.0
 
 
-def read_model_cache(root: Path) -> ModelCache:
-    """Free bytes where copies land under `root`, and every complete copy in it."""
+def read_model_cache(root: Path, limit: int | None = None) -> ModelCache:
+    """Free bytes where copies land under `root` (within `limit` bytes for everything under
+    it, when given), and every complete copy in it."""
     root = Path(root)
     models = []
     for manifest in sorted(root.glob(f"*/{MANIFEST_NAME}")):
         held = _held(manifest)
         if held is not None:
             models.append(held)
-    return ModelCache(free_bytes=_free_bytes(root), models=models)
+    free = _free_bytes(root)
+    if limit is not None:
+        free = min(free, max(limit - used_bytes(root), 0))
+    return ModelCache(free_bytes=free, models=models)
+
+
+def used_bytes(root: Path) -> int:
+    """Bytes of every file under `root` (copies, partial files)."""
+    return sum(file.stat().st_size for file in Path(root).rglob("*") if file.is_file())
 
 
 def _held(manifest: Path) -> HeldModel | None:
@@ -72,8 +81,9 @@ def _free_bytes(root: Path) -> int:
 class ModelCacheReader:
     """read_model_cache at most every REFRESH_S seconds (heartbeats ask every second)."""
 
-    def __init__(self, root: Path, refresh_s: float = REFRESH_S) -> None:
+    def __init__(self, root: Path, limit: int | None = None, refresh_s: float = REFRESH_S) -> None:
         self.root = Path(root)
+        self.limit = limit
         self.refresh_s = refresh_s
         self._read_at = float("-inf")
         self._latest: ModelCache | None = None
@@ -81,5 +91,5 @@ class ModelCacheReader:
     def latest(self, fresh: bool = False) -> ModelCache:
         now = time.monotonic()
         if fresh or self._latest is None or now - self._read_at >= self.refresh_s:
-            self._latest, self._read_at = read_model_cache(self.root), now
+            self._latest, self._read_at = read_model_cache(self.root, self.limit), now
         return self._latest

@@ -4,6 +4,7 @@ real `tandem join` processes on 127.0.0.1 (a fake role worker stands in for the 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,3 +102,38 @@ def test_progress_extends_the_ready_wait_and_a_stall_ends_it(
     (member,) = [m for m in membership.members() if m.node_id == agent.node_id]
     assert member.transfer is not None and member.transfer.done_bytes == 10_000
     assert membership.wait_ready(assignment, 5.0).detail["echo"] == payload
+
+
+def test_serve_refuses_or_plans_around_an_agent_short_on_disk(
+    pool: AgentPool, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """`tandem join --disk-limit 1M`: an explicit pp is refused with the numbers, auto serves
+    without that agent."""
+    from tests.helpers_serve import start_serve
+
+    cache = tmp_path / "agent-cache"
+    agent = pool.start("tight", extra_args=["--cache-dir", str(cache), "--disk-limit", "1M"])
+    refused = start_serve(
+        tmp_path, demo_model_dir, pool.cluster_key, ["--parallelism", "pp"], wait=False, name="pp"
+    )
+    try:
+        assert refused.process.wait(timeout=60) == 2
+    finally:
+        refused.stop()
+    assert re.search(
+        rf"refusing to serve: pp disk: {agent.node_id} lacks layers \d+-\d+ \+ head: needs "
+        r"[\d.]+ MB of disk to receive it, has 1\.0 MB free \(short by [\d.]+ MB\)",
+        refused.log_text(),
+    ), refused.log_text()
+    server = start_serve(
+        tmp_path, demo_model_dir, pool.cluster_key, ["--parallelism", "auto"], name="auto"
+    )
+    try:
+        cluster = server.cluster()
+        assert cluster["strategy"] == "single"
+        assert cluster["reason"].startswith(
+            f"auto without {agent.node_id} (too little disk to receive the model); "
+        )
+        assert not next(c for c in cluster["plan"]["checks"] if c["name"] == "pp disk")["passed"]
+    finally:
+        server.stop()

@@ -254,11 +254,20 @@ def model_for_assignment(
         if weights and on_progress is not None:  # the coordinator waits to hear it
             on_progress(0, 0)  # found here: nothing to receive
         return found
+    root, limit = Path(str(weights["cache_dir"])), weights.get("disk_limit")
     return fetch_model(
         str(weights["host"]),
         int(weights["port"]),
         cluster_key,
         str(weights["content_hash"]),
-        Path(str(weights["cache_dir"])),
+        root,
         on_progress=on_progress,
+        disk_free=None if limit is None else _within(root, int(limit)),
     )
+
+
+def _within(root: Path, limit: int) -> Callable[[Path], int]:
+    """Free disk as the agent's --disk-limit leaves it for everything under `root`."""
+    from discovery.model_cache import used_bytes
+
+    return lambda path: min(_free_bytes(path), max(limit - used_bytes(root), 0))

@@ -22,7 +22,8 @@ def with_holdings(
 
     A repo-id model an agent may have in its own Hugging Face cache does not count: the
     agent cannot tell without hashing it, so the planner assumes it must receive the
-    model (and so have the disk). At assignment it still uses that copy and receives nothing.
+    model (and so have the disk); likewise a model directory at the same path there. At
+    assignment it still uses that copy and receives nothing.
     """
     caches = {member.node_id: member.model_cache for member in members}
     whole = None
