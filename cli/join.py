@@ -54,7 +54,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cache-dir",
         default=Path.home() / ".cache" / "tandem",
         cast=Path,
-        help="where models fetched from the coordinator are kept (under models/CONTENT-HASH)",
+        help="where models fetched from the coordinator are kept (under models/CONTENT-HASH); "
+        "its free disk and the copies in it are reported to the coordinator's planner",
+    )
+    add_flag(
+        parser,
+        "--disk-limit",
+        help="models received from coordinators may take at most this much disk, e.g. 20G "
+        "(default: the free disk)",
     )
     add_flag(
         parser, "--heartbeat-interval", default=1.0, cast=float, help="seconds between heartbeats"
@@ -151,6 +158,7 @@ def config_from_args(args: argparse.Namespace):  # -> AgentConfig (imported lazi
         worker_frozen_s=max(args.lost_after - 2 * args.heartbeat_interval, args.heartbeat_interval),
         role_modules=role_modules,
         cache_dir=Path(args.cache_dir).expanduser(),
+        disk_limit=parse_memory_size(args.disk_limit) if args.disk_limit else None,
     )
 
 

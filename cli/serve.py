@@ -164,7 +164,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         choices=["auto", "off"],
         help="auto: an agent that cannot find the model fetches it from this machine over the "
-        "cluster's encrypted channel (pp stages); off: every machine needs its own copy",
+        "cluster's encrypted channel (its pp share, or all of it for tp), and the plan checks "
+        "its free cache disk first; off: every machine needs its own copy",
     )
     add_flag(
         parser,

@@ -113,8 +113,17 @@ def describe(
             f"{(node.get('memory_available') or 0) / 2**30:>7.1f} GB "
             f"{str(node.get('memory_tier') or '-'):<8} "
             f"{'-' if age is None else f'{age:.1f} s':>9} {node.get('worker_state') or '-'}"
+            + _receiving(node.get("transfer"))
         )
     return lines
+
+
+def _receiving(transfer: Any) -> str:
+    """ ", receiving the model 45%" while a model transfer to the node is under way."""
+    if not isinstance(transfer, dict) or not transfer.get("total_bytes"):
+        return ""
+    done, total = int(transfer.get("done_bytes") or 0), int(transfer["total_bytes"])
+    return f", receiving the model {100 * done / total:.0f}%" if done < total else ""
 
 
 def engine_steps(metrics: dict[str, float]) -> str:

@@ -23,6 +23,8 @@ from discovery.control import (
     Heartbeat,
     Hello,
     MemoryReport,
+    ModelCache,
+    Progress,
     Ready,
     Release,
     accept_control,
@@ -31,6 +33,7 @@ from discovery.control import (
 from discovery.control import RdmaDevice as WireRdmaDevice
 from discovery.framing import ChannelTimeout, wait_readable
 from discovery.memory_monitor import MemoryMonitor
+from discovery.model_cache import ModelCacheReader
 from discovery.node_identity import StateDirLock, load_or_create_node_id
 from discovery.role_worker import RoleWorker
 from discovery.zeroconf_service import (
@@ -71,6 +74,7 @@ class AgentConfig:
     duplicate_check_s: float = 1.5
     role_modules: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_MODULES))
     cache_dir: Path | None = None  # where models fetched from a coordinator are kept
+    disk_limit: int | None = None  # bytes the models there may take (None: the free disk)
 
 
 class CoordinatorSession:
@@ -170,6 +174,7 @@ class CoordinatorSession:
             payload["weights"] = {
                 **payload["weights"],
                 "cache_dir": str(self.agent.config.cache_dir / "models"),
+                "disk_limit": self.agent.config.disk_limit,
             }
         try:
             worker.start(payload)
@@ -219,6 +224,12 @@ class CoordinatorSession:
         elif kind == "failed":
             reason = str(event.get("reason") or "worker reported failure without a reason")
             self._send_quietly(Failed(assignment_id=worker.assignment_id, reason=reason))
+        elif kind == "progress":  # receiving the model: the coordinator's wait goes on
+            done, total = int(event.get("done_bytes", 0)), int(event.get("total_bytes", 0))
+            progress = Progress(
+                assignment_id=worker.assignment_id, done_bytes=done, total_bytes=total
+            )
+            self._send_quietly(progress)
 
     def _relay_exit(self, worker: RoleWorker, code: int, last_stderr: str) -> None:
         if worker.state == "failed":  # it already said why
@@ -292,6 +303,10 @@ class Agent:
         self._session_lock = threading.Lock()
         self._stopping = threading.Event()
         self._accept_thread: threading.Thread | None = None
+        cache = config.cache_dir
+        self.model_cache = (
+            ModelCacheReader(cache / "models", config.disk_limit) if cache is not None else None
+        )
 
     @property
     def bind_host(self) -> str:
@@ -397,6 +412,7 @@ class Agent:
             ],
             control_port=self.control_port,
             hostname=self.hostname,
+            model_cache=self._model_cache(fresh=True),
         )
 
     def heartbeat(self, worker: RoleWorker | None) -> Heartbeat:
@@ -409,7 +425,11 @@ class Agent:
             worker_pid=worker.pid if worker is not None else None,
             sent_at=time.time(),
             memory=self._memory_report(),
+            model_cache=self._model_cache(),
         )
+
+    def _model_cache(self, fresh: bool = False) -> ModelCache | None:
+        return self.model_cache.latest(fresh) if self.model_cache is not None else None
 
     def _memory_report(self) -> MemoryReport | None:
         if self.memory_monitor is None:

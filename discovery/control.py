@@ -30,6 +30,21 @@ class RdmaDevice(_Message):
     port_state: str  # as ibv_devinfo prints it, e.g. "PORT_ACTIVE"
 
 
+class HeldModel(_Message):
+    """A verified copy in an agent's model cache; a pipeline share names its model and layers."""
+
+    content_hash: str
+    share_of: str = ""  # the whole model's content hash, for a stage's share
+    layers: list[int] = Field(default_factory=list)  # [start, stop) of a share
+
+
+class ModelCache(_Message):
+    """An agent's model cache (discovery/model_cache.py): free disk and what it holds."""
+
+    free_bytes: int = Field(ge=0)
+    models: list[HeldModel] = Field(default_factory=list)
+
+
 class Hello(_Message):
     """Agent -> coordinator, first message: who this node is and what it can do."""
 
@@ -44,6 +59,7 @@ class Hello(_Message):
     rdma_devices: list[RdmaDevice]
     control_port: int = Field(ge=0, le=65535)
     hostname: str
+    model_cache: ModelCache | None = None  # None: the agent keeps no cache (cannot receive)
 
 
 class AssignRole(_Message):
@@ -92,6 +108,16 @@ class Heartbeat(_Message):
     worker_pid: int | None = None
     sent_at: float  # seconds since the epoch, sender's clock
     memory: MemoryReport | None = None  # the agent's memory tier; None from a coordinator
+    model_cache: ModelCache | None = None  # refreshed every few seconds by an agent
+
+
+class Progress(_Message):
+    """Agent -> coordinator: the worker of `assignment_id` is receiving the model."""
+
+    type: Literal["progress"] = "progress"
+    assignment_id: str
+    done_bytes: int = Field(ge=0)
+    total_bytes: int = Field(ge=0)
 
 
 class Release(_Message):
@@ -103,7 +129,8 @@ class Release(_Message):
 
 
 Message = Annotated[
-    Hello | AssignRole | Ready | Failed | Heartbeat | Release, Field(discriminator="type")
+    Hello | AssignRole | Ready | Failed | Heartbeat | Release | Progress,
+    Field(discriminator="type"),
 ]
 _MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
 

@@ -151,12 +151,15 @@ class JsonChild:
 
     def wait_ready(self, timeout_s: float) -> Message:
         """The child's ready message; ChildNotReady (with the reason) when it failed, exited
-        or said nothing in time. The caller decides whether to kill it."""
-        try:
-            message = self.next_message(timeout_s)
-        except TimeoutError:
-            reason = f"no ready line within {timeout_s:g} s; last log: {self.last_log()}"
-            raise ChildNotReady(reason, timed_out=True) from None
+        or said nothing in time (progress lines of a model arriving are skipped, each
+        restarting the wait). The caller decides whether to kill it."""
+        message: Message | None = {"event": "progress"}
+        while message is not None and message.get("event") == "progress":  # a model arriving
+            try:
+                message = self.next_message(timeout_s)
+            except TimeoutError:
+                reason = f"no ready line within {timeout_s:g} s; last log: {self.last_log()}"
+                raise ChildNotReady(reason, timed_out=True) from None
         if message is None:
             raise ChildNotReady(f"it {self.exit_description()}")
         if message.get("event") != "ready":

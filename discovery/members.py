@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from discovery.control import ControlConnection, Heartbeat, Hello, MemoryReport
+from discovery.control import (
+    ControlConnection,
+    Heartbeat,
+    Hello,
+    MemoryReport,
+    ModelCache,
+    Progress,
+)
 from discovery.zeroconf_service import PeerRecord
 
 CONNECTED = "connected"  # verified, heartbeating, assignable
@@ -34,6 +41,9 @@ class Member:
     memory_available: int
     assignment_id: str | None
     memory: MemoryReport | None = None  # from the last heartbeat: the agent's memory tier
+    model_cache: ModelCache | None = None  # its free cache disk and verified copies
+    transfer: Progress | None = None  # the last progress of a model transfer to it
+    transfer_age_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -52,6 +62,8 @@ class Link:
     heartbeat: Heartbeat | None = None
     heartbeat_at: float = 0.0  # local monotonic time the last heartbeat arrived
     assignment_id: str | None = None
+    transfer: Progress | None = None  # the assignment's last transfer progress
+    transfer_at: float = 0.0
 
     def snapshot(self, now: float) -> Member:
         memory = self.hello.memory_available if self.hello else 0
@@ -75,6 +87,10 @@ class Link:
             memory_available=memory,
             assignment_id=self.assignment_id,
             memory=self.heartbeat.memory if self.heartbeat else None,
+            model_cache=(self.heartbeat and self.heartbeat.model_cache)
+            or (self.hello.model_cache if self.hello else None),
+            transfer=self.transfer,
+            transfer_age_s=now - self.transfer_at if self.transfer else None,
         )
 
     def has_released(self, since: float) -> bool:

@@ -24,6 +24,7 @@ from discovery.control import (
     Failed,
     Heartbeat,
     Hello,
+    Progress,
     Ready,
     Release,
     dial_control,
@@ -71,6 +72,8 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     detail: dict[str, Any] | None = None
     failure: str | None = None
+    progress_at: float | None = None  # monotonic time of the last transfer progress
+    arrived: threading.Event = field(default_factory=threading.Event)  # model in place
 
 
 def browse_peers(interface: str | None, timeout_s: float) -> list[PeerRecord]:
@@ -239,13 +242,24 @@ class Membership:
                 link.last_heard = time.monotonic()
                 if isinstance(message, Heartbeat):
                     link.heartbeat, link.heartbeat_at = message, link.last_heard
-            if isinstance(message, Ready):
+            if isinstance(message, Progress):
+                self._progress(link, message)
+            elif isinstance(message, Ready):
                 self._settle(message.assignment_id, detail=dict(message.detail))
             elif isinstance(message, Failed):
                 self._assignment_failed(link, message)
             elif isinstance(message, Release):
                 self._declare_lost(link, f"the agent released us: {message.reason}")
                 return
+
+    def _progress(self, link: Link, message: Progress) -> None:
+        with self._lock:
+            link.transfer, link.transfer_at = message, time.monotonic()
+            pending = self._pending.get(message.assignment_id)
+            if pending is not None:
+                pending.progress_at = link.transfer_at
+                if message.done_bytes >= message.total_bytes:  # all here (0 of 0: nothing to send)
+                    pending.arrived.set()
 
     def _ensure_monitor(self) -> None:
         with self._lock:
@@ -326,6 +340,7 @@ class Membership:
                 return False
             pending.detail, pending.failure = detail, failure
             pending.done.set()
+            pending.arrived.set()
             return True
 
     # -- what the coordinator calls -----------------------------------------------------------
@@ -344,6 +359,7 @@ class Membership:
                 address=member.address,
                 memory_bytes=member.memory_available,
                 backends=tuple(member.hello.backends),
+                disk_free_bytes=member.model_cache.free_bytes if member.model_cache else None,
             )
             for member in self.members()
             if member.state == CONNECTED and member.hello is not None
@@ -362,7 +378,7 @@ class Membership:
                 state = "unknown" if link is None else f"{link.state}: {link.reason}"
                 raise PeerError(f"cannot assign {role} to node {node_id}: it is {state}")
             connection = link.connection
-            link.assignment_id = assignment_id
+            link.assignment_id, link.transfer = assignment_id, None
             self._pending[assignment_id] = _Pending(node_id)
         try:
             connection.send(message)
@@ -372,26 +388,78 @@ class Membership:
         logger.info("assigned %s to %s as %s", role, node_id, assignment_id)
         return assignment_id
 
-    def wait_ready(self, assignment_id: str, timeout_s: float) -> AssignmentResult:
-        """Block until the worker is ready; PeerError when it failed, was lost, or timed out."""
-        with self._lock:
-            pending = self._pending.get(assignment_id)
-        if pending is None:
-            raise PeerError(f"unknown assignment {assignment_id}")
+    def wait_ready(
+        self, assignment_id: str, timeout_s: float, stall_s: float | None = None
+    ) -> AssignmentResult:
+        """Block until the worker is ready; PeerError when it failed, was lost, or timed out.
+
+        With `stall_s`, transfer progress extends the wait: it ends only once `timeout_s`
+        has passed and no progress came for `stall_s` (a big model takes what it takes).
+        """
+        pending = self._waiting(assignment_id)
         try:
-            if not pending.done.wait(timeout_s):
-                raise PeerError(
-                    f"node {pending.node_id} did not report assignment {assignment_id} ready "
-                    f"within {timeout_s} s"
-                )
-            if pending.failure is not None:
-                raise PeerError(
-                    f"node {pending.node_id} failed assignment {assignment_id}: {pending.failure}"
-                )
+            self._wait(pending, pending.done, assignment_id, "ready", timeout_s, stall_s)
             return AssignmentResult(pending.node_id, assignment_id, pending.detail or {})
         finally:
             with self._lock:
                 self._pending.pop(assignment_id, None)
+
+    def wait_model(
+        self, assignment_id: str, timeout_s: float, stall_s: float | None = None
+    ) -> None:
+        """Block until the worker has its model in place (received, cached or found there),
+        or is ready; PeerError as wait_ready. The assignment stays pending."""
+        pending = self._waiting(assignment_id)
+        what = "its model in place"
+        self._wait(pending, pending.arrived, assignment_id, what, timeout_s, stall_s)
+
+    def _waiting(self, assignment_id: str) -> _Pending:
+        with self._lock:
+            pending = self._pending.get(assignment_id)
+        if pending is None:
+            raise PeerError(f"unknown assignment {assignment_id}")
+        return pending
+
+    def _wait(
+        self,
+        pending: _Pending,
+        event: threading.Event,
+        assignment_id: str,
+        what: str,
+        timeout_s: float,
+        stall_s: float | None,
+    ) -> None:
+        started = time.monotonic()
+        while not event.wait(self._ready_wait(pending, started, timeout_s, stall_s)):
+            if self._ready_wait(pending, started, timeout_s, stall_s) > 0:
+                continue  # progress came meanwhile
+            stalled = ""
+            if (
+                stall_s is not None
+                and pending.progress_at is not None
+                and not pending.arrived.is_set()
+            ):
+                stalled = f" (its model transfer stalled: no progress for {stall_s:g} s)"
+            raise PeerError(
+                f"node {pending.node_id} did not report {what} for assignment {assignment_id} "
+                f"within {timeout_s} s{stalled}"
+            )
+        if pending.failure is not None:
+            raise PeerError(
+                f"node {pending.node_id} failed assignment {assignment_id}: {pending.failure}"
+            )
+
+    @staticmethod
+    def _ready_wait(
+        pending: _Pending, started: float, timeout_s: float, stall_s: float | None
+    ) -> float:
+        """Seconds left to wait: to the ready deadline, or later while transfers progress."""
+        deadline = started + timeout_s
+        if stall_s is not None and pending.progress_at is not None:
+            # Once the model is all there, loading it gets a whole ready timeout of its own.
+            extra = timeout_s if pending.arrived.is_set() else stall_s
+            deadline = max(deadline, pending.progress_at + extra)
+        return max(deadline - time.monotonic(), 0.0)
 
     def release(
         self, node_id: str, reason: str = "released by the coordinator", wait_s: float = 0.0

@@ -28,7 +28,8 @@ class MembershipLike(Protocol):
     """The part of discovery.membership.Membership that launching needs."""
 
     def assign(self, node_id: str, role: str, payload: dict[str, Any]) -> str: ...
-    def wait_ready(self, assignment_id: str, timeout_s: float) -> Any: ...
+    def wait_ready(self, assignment_id: str, timeout_s: float, stall_s: float | None) -> Any: ...
+    def wait_model(self, assignment_id: str, timeout_s: float, stall_s: float | None) -> None: ...
     def release_all(self, reason: str = ...) -> None: ...
 
 
@@ -40,6 +41,9 @@ class LaunchSettings:
     cluster_key: bytes | None
     coordinator_address: str  # where other members reach this machine
     ready_timeout_s: float = 120.0
+    # A worker receiving the model reports progress: the wait goes on past ready_timeout_s
+    # until no progress came for this long.
+    transfer_stall_s: float = 60.0
     token_timeout_s: float = 10.0
     ring_port_base: int = DEFAULT_RING_PORT_BASE
     max_batch: int = 16  # sequences decoded together
@@ -115,8 +119,20 @@ def _build_tensor_parallel(
         for spec in specs[1:]:
             spec["weights"] = settings.weights.offer()
             spec["cluster_key"] = format_key(settings.cluster_key)
-    for rank, node_id in enumerate(plan.ranks[1:], start=1):
+    assignments = [
         membership.assign(node_id, TP_ROLE, specs[rank])
+        for rank, node_id in enumerate(plan.ranks[1:], start=1)
+    ]
+    if settings.weights is not None:
+        # Rank 0 joins the group once every rank has its model, so the load timeout counts
+        # the group and the load, not a transfer (which takes as long as it progresses).
+        for assignment, node_id in zip(assignments, plan.ranks[1:], strict=True):
+            try:
+                membership.wait_model(
+                    assignment, settings.ready_timeout_s, settings.transfer_stall_s
+                )
+            except PeerError as error:
+                raise EngineError(f"tensor-parallel rank on {node_id}: {error}") from error
     endpoints = ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports, strict=True))
     log.info("tp: %d ranks on %s", len(specs), endpoints)
     return TensorParallelEngine(
@@ -196,7 +212,9 @@ def _assign_stages(
             spec["weights"] = settings.weights.offer(stage.layers, spec["is_last"])
         assignment = membership.assign(stage.node_id, PP_ROLE, spec)
         try:
-            ready = membership.wait_ready(assignment, settings.ready_timeout_s)
+            ready = membership.wait_ready(
+                assignment, settings.ready_timeout_s, settings.transfer_stall_s
+            )
         except PeerError as error:
             message = f"pipeline stage {index} on {stage.node_id} failed: {error}"
             raise EngineError(message) from error

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from planner import ClusterPlan, NodeResources, Parallelism, plan_cluster
+from planner import ClusterPlan, NodeResources, Parallelism, TransferSizes, plan_cluster
 from planner.errors import PlanError, TandemError
 
 from .base import Engine
@@ -91,14 +91,23 @@ class ClusterSupervisor:
         if self.membership is not None:
             excluded = self.exclusions.excluded_now()
             nodes += [n for n in self.membership.to_resources() if n.node_id not in excluded]
+        transfer = None
+        weights = self.launch_settings.weights if self.launch_settings is not None else None
+        if weights is not None and self.membership is not None:  # agents may receive the model
+            from .weights.holdings import with_holdings
+
+            nodes = with_holdings(nodes, self.membership.members(), weights.content_hash)
+            transfer = TransferSizes(self.facts.to_shape(), weights.model_bytes())
         if self.plan_settings.cpu_float32 and self.facts.can_upcast and on_cpu():
-            plan = self._plan_nodes(nodes, float32=True)
+            plan = self._plan_nodes(nodes, float32=True, transfer=transfer)
             if plan.refusal is None:
                 return replace(plan, compute_dtype="float32")
             log.info("float32 does not fit: computing in the model's own half precision")
-        return self._plan_nodes(nodes, float32=False)
+        return self._plan_nodes(nodes, float32=False, transfer=transfer)
 
-    def _plan_nodes(self, nodes: list[NodeResources], float32: bool) -> ClusterPlan:
+    def _plan_nodes(
+        self, nodes: list[NodeResources], float32: bool, transfer: TransferSizes | None = None
+    ) -> ClusterPlan:
         return plan_cluster(
             self.plan_settings.choice,
             self.facts.to_shape(float32=float32),
@@ -107,6 +116,7 @@ class ClusterSupervisor:
             context_tokens=self.plan_settings.context_tokens,
             max_batch=self.plan_settings.max_batch,
             prefix_cache_bytes=self.plan_settings.prefix_cache_bytes,
+            transfer=transfer,
         )
 
     def start(self) -> ClusterPlan:
@@ -307,6 +317,8 @@ class ClusterSupervisor:
                 "worker_pid": m.worker_pid,
                 "memory_tier": m.memory.tier if m.memory else None,
                 "memory": m.memory.model_dump() if m.memory else None,
+                "disk_free_bytes": m.model_cache.free_bytes if m.model_cache else None,
+                "transfer": _transfer(m),
             }
             for m in self.membership.members()
         ]
@@ -351,6 +363,18 @@ def _assignment(plan: ClusterPlan | None) -> tuple[Any, ...]:
         return ()
     stages = tuple((s.node_id, s.layers.start, s.layers.stop) for s in plan.stages)
     return (plan.decision.chosen, tuple(plan.ranks), stages)
+
+
+def _transfer(member: Any) -> dict[str, Any] | None:
+    """The member's last model transfer progress (engines/weights/fetch.py), if any."""
+    progress = member.transfer
+    if progress is None:
+        return None
+    return {
+        "done_bytes": progress.done_bytes,
+        "total_bytes": progress.total_bytes,
+        "age_s": member.transfer_age_s,
+    }
 
 
 def _engine_info(runner: EngineRunner | None) -> dict[str, Any] | None:

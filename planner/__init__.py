@@ -11,6 +11,7 @@ from planner.decision import (
     capability_checks,
     decide,
 )
+from planner.disk import DISK_MARGIN_BYTES, TransferSizes
 from planner.errors import PlanError
 from planner.memory import (
     ModelShape,
@@ -23,6 +24,7 @@ from planner.memory import (
 )
 
 __all__ = [
+    "DISK_MARGIN_BYTES",
     "ClusterPlan",
     "Decision",
     "DecisionInputs",
@@ -33,6 +35,7 @@ __all__ = [
     "PlanError",
     "RuleCheck",
     "StageAssignment",
+    "TransferSizes",
     "allocate_layers",
     "can_shard",
     "capability_checks",

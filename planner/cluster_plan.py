@@ -16,6 +16,7 @@ from planner.decision import (
     capability_checks,
     decide,
 )
+from planner.disk import DiskNeed, TransferSizes, disk_check
 from planner.errors import PlanError
 from planner.memory import (
     DEFAULT_CONTEXT_TOKENS,
@@ -42,6 +43,12 @@ class NodeResources:
     address: str
     memory_bytes: int
     backends: tuple[str, ...]  # collective backends it can join, e.g. ("jaccl", "ring")
+    # For weight transfers (planner/disk.py): free bytes of its model cache (None: not
+    # reported, not checked), whether it holds a verified whole copy of this model, and the
+    # [start, stop) layer ranges of the pipeline shares of it that it holds.
+    disk_free_bytes: int | None = None
+    holds_model: bool = False
+    held_stages: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,17 +302,90 @@ def plan_cluster(
     headroom: float = DEFAULT_HEADROOM,
     max_batch: int = 1,
     prefix_cache_bytes: int | None = 0,
+    transfer: TransferSizes | None = None,
 ) -> ClusterPlan:
     """Decide the strategy for these nodes (rank order) and check it fits every node's memory.
 
     Every node must hold its weights plus the KV cache of a full batch: `max_batch`
     sequences of `context_tokens` each, plus its share of the prefix cache. The prefix
     cache is `prefix_cache_bytes` of whole-model KV, or with None, PREFIX_CACHE_SHARE of
-    the memory the tightest node has left. A plan that does not fit comes back with
-    `refusal` set; PlanError means invalid input.
+    the memory the tightest node has left. With `transfer` (weights are sent to nodes
+    that lack them), a node that lacks its part must also have the disk to receive it:
+    auto leaves such a node out and plans the rest, an explicit choice is refused. A plan
+    that does not fit comes back with `refusal` set; PlanError means invalid input.
     """
+    plan = _plan_memory(
+        choice, shape, nodes, collective, context_tokens, headroom, max_batch, prefix_cache_bytes
+    )
+    if transfer is None or plan.refusal is not None or plan.decision.chosen is Parallelism.SINGLE:
+        return plan
+    check = disk_check(f"{plan.decision.chosen.value} disk", _disk_needs(plan, nodes, transfer))
+    plan = replace(plan, checks=(*plan.checks, check))
+    if check.passed:
+        return plan
+    short = {need.node_id for need in _disk_needs(plan, nodes, transfer) if not need.fits}
+    if Parallelism(choice) is not Parallelism.AUTO or nodes[0].node_id in short:
+        return replace(plan, refusal=f"{check.name}: {check.detail}")
+    rest = plan_cluster(
+        choice,
+        shape,
+        [node for node in nodes if node.node_id not in short],
+        collective,
+        context_tokens,
+        headroom,
+        max_batch,
+        prefix_cache_bytes,
+        transfer,
+    )
+    left_out = f"auto without {', '.join(sorted(short))} (too little disk to receive the model)"
+    refusal = None if rest.refusal is None else f"{rest.refusal}; and {check.name}: {check.detail}"
+    return replace(
+        rest,
+        decision=replace(rest.decision, reason=f"{left_out}; {rest.decision.reason}"),
+        checks=(*rest.checks, check),
+        refusal=refusal,
+    )
+
+
+def _disk_needs(
+    plan: ClusterPlan, nodes: Sequence[NodeResources], transfer: TransferSizes
+) -> list[DiskNeed]:
+    """What each node of a tp or pp plan receives: tp ranks the whole model (mlx-lm shards
+    after loading), pp stages their share, unless they hold it already."""
+    by_id = {node.node_id: node for node in nodes}
+    if not plan.stages:
+        return [
+            DiskNeed(
+                node_id,
+                "the model",
+                0 if by_id[node_id].holds_model else transfer.model_bytes,
+                by_id[node_id].disk_free_bytes,
+            )
+            for node_id in plan.ranks
+        ]
+    needs = []
+    last = len(plan.stages) - 1
+    for index, stage in enumerate(plan.stages):
+        node, layers = by_id[stage.node_id], stage.layers
+        what = f"layers {layers.start}-{layers.stop - 1}" + (" + head" if index == last else "")
+        held = node.holds_model or (layers.start, layers.stop) in node.held_stages
+        size = 0 if held else transfer.stage_bytes(layers, index == 0, index == last)
+        needs.append(DiskNeed(node.node_id, what, size, node.disk_free_bytes))
+    return needs
+
+
+def _plan_memory(
+    choice: Parallelism,
+    shape: ModelShape,
+    nodes: Sequence[NodeResources],
+    collective: str | None,
+    context_tokens: int,
+    headroom: float,
+    max_batch: int,
+    prefix_cache_bytes: int | None,
+) -> ClusterPlan:
     if prefix_cache_bytes is None:
-        plan = plan_cluster(
+        plan = _plan_memory(
             choice, shape, nodes, collective, context_tokens, headroom, max_batch, 0
         )
         prefix_cache_bytes = _spare_prefix_cache_bytes(plan, shape) if plan.refusal is None else 0

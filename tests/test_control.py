@@ -17,7 +17,10 @@ from discovery.control import (
     ControlConnection,
     Failed,
     Heartbeat,
+    HeldModel,
     Hello,
+    ModelCache,
+    Progress,
     Ready,
     Release,
     accept_control,
@@ -68,6 +71,15 @@ MESSAGES = [
     ),
     Release(assignment_id="as-1", reason="re-plan"),
     Release(reason="coordinator shutting down"),
+    Progress(assignment_id="as-1", done_bytes=10, total_bytes=40),
+    HELLO.model_copy(
+        update={
+            "model_cache": ModelCache(
+                free_bytes=2**30,
+                models=[HeldModel(content_hash="b" * 64, share_of="a" * 64, layers=[2, 4])],
+            )
+        }
+    ),
 ]
 
 

@@ -151,7 +151,7 @@ def test_an_agent_without_the_model_fetches_it_from_the_coordinator(
     servers = []
     try:
         monkeypatch.setenv("HF_HOME", str(agent_home))
-        pool.start(
+        agent = pool.start(
             "empty",
             memory_limit="200M",
             real_roles=True,
@@ -171,6 +171,12 @@ def test_an_agent_without_the_model_fetches_it_from_the_coordinator(
         assert 0 < sum(weights["sent_bytes"].values()) < weights["total_bytes"]
         copy = cached_model(agent_cache / "models", share)
         assert copy is not None
+        # The plan checked the agent's disk; its progress reached /v1/cluster.
+        disk = next(c for c in cluster["plan"]["checks"] if c["name"] == "pp disk")
+        assert disk["passed"] and f"{agent.node_id} receives layers" in disk["detail"]
+        [member] = [m for m in cluster["members"] if m["node_id"] == agent.node_id]
+        assert member["disk_free_bytes"] > 0
+        assert member["transfer"]["done_bytes"] == member["transfer"]["total_bytes"] > 0
         client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
         texts = [
             client.completions.create(model=REPO_ID, prompt=p, max_tokens=48, temperature=0)
@@ -189,6 +195,8 @@ def test_an_agent_without_the_model_fetches_it_from_the_coordinator(
         weights = cluster["weights"]
         assert sum(weights["sent_bytes"].values()) == weights["total_bytes"]
         assert cached_model(agent_cache / "models", weights["content_hash"]) is not None
+        disk = next(c for c in cluster["plan"]["checks"] if c["name"] == "tp disk")
+        assert disk["passed"] and f"{agent.node_id} receives the model" in disk["detail"]
         client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
         texts = [
             client.completions.create(model=REPO_ID, prompt=p, max_tokens=48, temperature=0)

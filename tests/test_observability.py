@@ -284,6 +284,7 @@ def test_members_show_role_memory_tier_and_heartbeat() -> None:
                 "memory_tier": "tight",
                 "last_heartbeat_age_s": 0.4,
                 "worker_state": "ready",
+                "transfer": {"done_bytes": 2**30, "total_bytes": 4 * 2**30, "age_s": 0.5},
             }
         ],
     }
@@ -291,6 +292,8 @@ def test_members_show_role_memory_tier_and_heartbeat() -> None:
     assert "pp stage 0: layers 0–1" in html and "pp stage 1: layers 2–3" in html
     assert "3.00 GiB of 4.00 GiB" in html and "width:75.0%" in html
     assert "tight" in html and "0.4 s ago" in html
+    assert "model transfer" in html and "25% · 1.00 GiB of 4.00 GiB" in html
+    assert html.count("model transfer") == 1  # only the agent that receives the model
 
 
 def test_member_and_prefix_cache_metrics(runner: Any) -> None:

@@ -85,7 +85,7 @@ def render_members(status: dict[str, Any]) -> str:
         cards.append(
             f'<div class="member" data-node="{escape(node_id)}">'
             f"<h3>{escape(node_id)}</h3><dl>{rows}</dl>"
-            f"{_memory_bar(need, available, tier)}</div>"
+            f"{_memory_bar(need, available, tier)}{_transfer_bar(node.get('transfer'))}</div>"
         )
     return f'<div class="members">{"".join(cards)}</div>'
 
@@ -193,6 +193,20 @@ def _memory_bar(need: int | None, available: int, tier: Any) -> str:
         f'<div class="memory"><div class="label">memory{tier_text}<span>{label}</span></div>'
         f'<div class="track"><div class="fill {level}" style="width:{100 * share:.1f}%"></div>'
         "</div></div>"
+    )
+
+
+def _transfer_bar(transfer: Any) -> str:
+    """The model arriving on an agent (bytes received of its copy), while or after it came."""
+    if not isinstance(transfer, dict) or not transfer.get("total_bytes"):
+        return ""
+    done, total = int(transfer.get("done_bytes") or 0), int(transfer["total_bytes"])
+    share = min(done / total, 1.0)
+    label = f"{100 * share:.0f}% · {_gib(done)} of {_gib(total)}"
+    return (
+        f'<div class="memory transfer"><div class="label">model transfer<span>{label}</span>'
+        f'</div><div class="track"><div class="fill ok" style="width:{100 * share:.1f}%">'
+        "</div></div></div>"
     )
 
 

@@ -24,7 +24,7 @@ from planner.errors import ConfigError, EngineError, ModelError
 
 from .. import blas
 from ..grammar import GrammarCompiler
-from ..weights.fetch import model_for_assignment
+from ..weights.fetch import model_for_assignment, progress_events
 from .stage_model import StageModel
 from .stage_server import EncryptedPipelineServer
 
@@ -172,7 +172,9 @@ def run(channel_class: Any = SecureChannel) -> int:
         return 2
     log.info("BLAS: %s", blas.set_threads(spec.blas_threads).describe())
     try:
-        model_path = model_for_assignment(spec.model_path, spec.weights, spec.cluster_key)
+        model_path = model_for_assignment(
+            spec.model_path, spec.weights, spec.cluster_key, progress_events(output)
+        )
         stage = StageModel.load(model_path, spec.layers, spec.is_last, spec.upcast_float32)
         grammars = grammar_compiler(model_path, stage) if spec.is_last else None
         server = EncryptedPipelineServer(spec, stage, channel_class, grammars)

@@ -151,7 +151,9 @@ def join_group(spec: WorkerSpec) -> mx.distributed.Group:
         return mx.distributed.init(backend=spec.backend, strict=True)
 
 
-def load_shard(spec: WorkerSpec) -> tuple[Any, int | None, mx.distributed.Group, RankGrammars]:
+def load_shard(
+    spec: WorkerSpec, output: ProtocolOutput | None = None
+) -> tuple[Any, int | None, mx.distributed.Group, RankGrammars]:
     """Join the group and load this rank's shard with mlx-lm's own `Model.shard`; the
     grammars load the tokenizer from the same directory when a sequence first needs it.
 
@@ -161,11 +163,13 @@ def load_shard(spec: WorkerSpec) -> tuple[Any, int | None, mx.distributed.Group,
     """
     from discovery.cluster_key import parse_key
 
-    from ..weights.fetch import model_for_assignment
+    from ..weights.fetch import model_for_assignment, progress_events
 
     # A directory, repo@commit in this machine's HF cache, or the coordinator's copy.
     key = parse_key(spec.cluster_key) if spec.cluster_key else None
-    model_path = model_for_assignment(spec.model_path, spec.weights, key)
+    model_path = model_for_assignment(
+        spec.model_path, spec.weights, key, progress_events(output) if output else None
+    )
     check_shardable(model_path, spec.world_size)
     group = join_group(spec)
     if group.size() != spec.world_size or group.rank() != spec.rank:
@@ -409,7 +413,7 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
         threading.Thread(target=exit_when_stdin_closes, name="stdin-watch", daemon=True).start()
     started = time.monotonic()
     try:
-        model, vocab_size, group, grammars = load_shard(spec)
+        model, vocab_size, group, grammars = load_shard(spec, output)
         lockstep = Lockstep(group)
         peaks, active = gather_memory(lockstep)
     except Exception as error:  # every load failure becomes one "failed" line

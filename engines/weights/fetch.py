@@ -10,9 +10,11 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
+from planner import DISK_MARGIN_BYTES
 from planner.errors import ChannelError, ModelError
 
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, hash_prefix
@@ -20,10 +22,13 @@ from .server import HANDSHAKE_TIMEOUT_S, MAX_FRAME_BYTES, PURPOSE
 
 log = logging.getLogger(__name__)
 
-DISK_MARGIN_BYTES = 256 * 1024 * 1024  # left free after the transfer
 READ_TIMEOUT_S = 30.0
 ATTEMPTS = 5  # connections per fetch; each resumes where the last one stopped
 PROGRESS_EVERY_S = 2.0
+REPORT_EVERY_S = 1.0  # progress events to the coordinator: each one extends its wait
+
+# (bytes of the copy present so far, its total bytes), at most every REPORT_EVERY_S
+ProgressCallback = Callable[[int, int], None]
 
 
 def cached_model(cache_root: Path, content_hash: str) -> Path | None:
@@ -51,17 +56,21 @@ def fetch_model(
     *,
     attempts: int = ATTEMPTS,
     disk_free: Callable[[Path], int] | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> Path:
     """The local directory holding `content_hash`, fetched from the weight server if needed.
 
     Files land as NAME.partial and are renamed once their SHA-256 matches the manifest; a
     broken connection is retried, resuming at each .partial file's end. The manifest file is
-    written last, so a directory with one is complete. Raises ModelError (disk too small,
+    written last, so a directory with one is complete. `on_progress` hears the bytes
+    present so far while files arrive. Raises ModelError (disk too small,
     checksum mismatch, server unreachable after `attempts`).
     """
     found = cached_model(cache_root, content_hash)
     if found is not None:
         log.info("model %s already cached at %s: no transfer", content_hash[:12], found)
+        if on_progress is not None:
+            on_progress(0, 0)  # nothing to receive
         return found
     target = Path(cache_root) / content_hash
     target.mkdir(parents=True, exist_ok=True)
@@ -71,8 +80,10 @@ def fetch_model(
             with _open(host, port, cluster_key) as channel:
                 manifest = _manifest(channel, content_hash)
                 _check_disk(target, manifest, disk_free or _free_bytes)
+                report = _Reporter(target, manifest, on_progress)
                 for entry in manifest.files:
-                    _fetch_file(channel, target, entry, content_hash)
+                    _fetch_file(channel, target, entry, content_hash, report)
+                report(0, force=True)
             (target / MANIFEST_NAME).write_text(manifest.to_json())
             log.info("model %s fetched into %s", content_hash[:12], target)
             return target
@@ -127,7 +138,39 @@ def _check_disk(target: Path, manifest: Manifest, disk_free: Callable[[Path], in
         )
 
 
-def _fetch_file(channel: SecureChannel, target: Path, entry: FileEntry, content_hash: str) -> None:
+class _Reporter:
+    """Calls on_progress with the bytes of the copy present, at most every REPORT_EVERY_S."""
+
+    def __init__(self, target: Path, manifest: Manifest, on_progress: ProgressCallback | None):
+        self.total = manifest.total_bytes
+        self.done = sum(_present(target, entry) for entry in manifest.files)
+        self.on_progress = on_progress
+        self.sent_at = float("-inf")
+
+    def __call__(self, received: int, force: bool = False) -> None:
+        self.done += received
+        if self.on_progress is None:
+            return
+        if force or time.monotonic() - self.sent_at >= REPORT_EVERY_S:
+            self.sent_at = time.monotonic()
+            self.on_progress(min(self.done, self.total), self.total)
+
+
+def _present(target: Path, entry: FileEntry) -> int:
+    """Bytes of `entry` already here: all of it when verified, else its .partial file's."""
+    done, partial = target / entry.name, _partial(target, entry.name)
+    if done.is_file() and done.stat().st_size == entry.size:
+        return entry.size
+    return min(partial.stat().st_size, entry.size) if partial.is_file() else 0
+
+
+def _fetch_file(
+    channel: SecureChannel,
+    target: Path,
+    entry: FileEntry,
+    content_hash: str,
+    report: Callable[[int], None] = lambda received: None,
+) -> None:
     done = target / entry.name
     if done.is_file() and done.stat().st_size == entry.size:
         return  # verified when it was renamed into place
@@ -155,6 +198,7 @@ def _fetch_file(channel: SecureChannel, target: Path, entry: FileEntry, content_
             digest.update(block)
             remaining -= len(block)
             received += len(block)
+            report(len(block))
             if time.monotonic() - shown >= PROGRESS_EVERY_S:
                 shown = time.monotonic()
                 log.info(
@@ -180,8 +224,20 @@ def _free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
+def progress_events(output: Any) -> ProgressCallback:
+    """A worker's progress line for the agent to relay (discovery/agent.py: Progress)."""
+
+    def emit(done: int, total: int) -> None:
+        output.write({"event": "progress", "done_bytes": done, "total_bytes": total})
+
+    return emit
+
+
 def model_for_assignment(
-    reference: str | Path, weights: dict | None, cluster_key: bytes | None
+    reference: str | Path,
+    weights: dict | None,
+    cluster_key: bytes | None,
+    on_progress: ProgressCallback | None = None,
 ) -> Path:
     """Where a worker finds its model: the reference resolved here (a directory, or repo@commit
     in this machine's Hugging Face cache), else the coordinator's copy fetched into the
@@ -189,15 +245,29 @@ def model_for_assignment(
     from ..model_reference import local_model_path
 
     try:
-        return local_model_path(reference)
+        found = local_model_path(reference)
     except ModelError as error:
         if not weights or cluster_key is None or "cache_dir" not in weights:
             raise
         log.info("model %s is not on this machine (%s): fetching it", reference, error)
+    else:
+        if weights and on_progress is not None:  # the coordinator waits to hear it
+            on_progress(0, 0)  # found here: nothing to receive
+        return found
+    root, limit = Path(str(weights["cache_dir"])), weights.get("disk_limit")
     return fetch_model(
         str(weights["host"]),
         int(weights["port"]),
         cluster_key,
         str(weights["content_hash"]),
-        Path(str(weights["cache_dir"])),
+        root,
+        on_progress=on_progress,
+        disk_free=None if limit is None else _within(root, int(limit)),
     )
+
+
+def _within(root: Path, limit: int) -> Callable[[Path], int]:
+    """Free disk as the agent's --disk-limit leaves it for everything under `root`."""
+    from discovery.model_cache import used_bytes
+
+    return lambda path: min(_free_bytes(path), max(limit - used_bytes(root), 0))

@@ -12,6 +12,7 @@ from typing import Any
 from planner.errors import ModelError
 
 from ..model_info import WEIGHT_GLOB, inspect_model
+from ..model_reference import DOWNLOAD_PATTERNS
 from .manifest import FileEntry, Manifest, build_manifest
 from .server import CHUNK_BYTES, Offer, WeightServer, directory_offer
 from .subset import SUBSET_FILE, StageShare, stage_file
@@ -57,6 +58,21 @@ class WeightSource:
     def status(self) -> dict[str, Any]:
         server = self._server
         return server.status() if server is not None else {}
+
+    def content_hash(self) -> str:
+        """The whole model's content hash (hashes every file once; cached by size and mtime)."""
+        with self._lock:
+            if self._server is not None:
+                return self._server.manifest.content_hash
+            return self._cached("model", lambda: build_manifest(self.model_path)).content_hash
+
+    def model_bytes(self) -> int:
+        """Bytes of every file a whole copy holds (no hashing)."""
+        return sum(
+            file.stat().st_size
+            for file in {f for p in DOWNLOAD_PATTERNS for f in self.model_path.glob(p)}
+            if file.is_file()
+        )
 
     def close(self) -> None:
         with self._lock:
