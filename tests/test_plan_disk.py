@@ -8,32 +8,19 @@ import pytest
 
 from planner import (
     DISK_MARGIN_BYTES,
-    ModelShape,
     NodeResources,
     Parallelism,
     TransferSizes,
     plan_cluster,
 )
+from tests.test_cluster_plan import SHAPE
 
 AUTO, TP, PP, SINGLE = Parallelism.AUTO, Parallelism.TP, Parallelism.PP, Parallelism.SINGLE
 MB = 1024**2
 CONTEXT = 512
 
-# 32 layers of 1 MB plus a tied 2 MB embedding; 1 MB of config and tokenizer on disk.
-SHAPE = ModelShape(
-    num_layers=32,
-    hidden_size=512,
-    attention_heads=16,
-    kv_heads=8,
-    head_dim=64,
-    vocab_size=1024,
-    weight_bytes=34 * MB,
-    embedding_bytes=2 * MB,
-    head_bytes=2 * MB,
-    tied_embeddings=True,
-    dtype_bytes=2,
-    has_tp_variant=True,
-)
+# The planner tests' shape (32 layers of 1 MB, tied 2 MB embedding); 1 MB of config and
+# tokenizer on disk.
 TRANSFER = TransferSizes(SHAPE, 35 * MB)
 MARGIN_MB = DISK_MARGIN_BYTES // MB  # 256
 
