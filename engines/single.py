@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from planner.errors import EngineError
 
 from .base import Engine, EngineInfo, GenerationRequest, StepOutput
+from .cached_prefill import first_token_from_cache
 from .grammar import GrammarCompiler
 from .load_progress import evaluate_by_layer
 from .precision import upcast_on_cpu
@@ -59,6 +60,7 @@ class SingleEngine(Engine):
         self._to_generator: dict[int, int] = {}  # our uid -> the generator's uid
         self._from_generator: dict[int, int] = {}
         self._logprobs: dict[int, int] = {}  # uid -> top k, for sequences that asked
+        self._first_tokens: list[StepOutput] = []  # sampled at insert, reported by the next step
         self._grammars: GrammarCompiler | None = None
 
     def load(self) -> None:
@@ -90,15 +92,24 @@ class SingleEngine(Engine):
         processors = make_request_processors(
             request.repetition_penalty, request.presence_penalty, request.frequency_penalty
         )
-        hit = self.prefix_index.lookup(request.prompt_tokens)
-        caches, prefix = None, []
-        if hit is not None:
-            caches, prefix = self._prefix_store.take_prefix(hit.entry_id, hit.tokens)
         if request.grammar is not None:  # last: penalties must not lift the grammar's mask
             processors.append(self._grammars.processor(request.grammar))
+        prompt = list(request.prompt_tokens)
+        hit = self.prefix_index.lookup(prompt)
+        caches, prefix, max_tokens = None, [], request.max_tokens
+        if hit is not None:
+            caches, prefix = self._prefix_store.take_prefix(hit.entry_id, hit.tokens)
+            if len(prompt) - hit.tokens <= self.prefill_chunk:
+                # the rest and the first token in one forward pass (engines/cached_prefill.py)
+                with mx.stream(self._generator.stream):
+                    token, logprobs = first_token_from_cache(
+                        self.model, caches, prompt[hit.tokens :], prompt, sampler, processors
+                    )
+                self._first_tokens.append(self._output(uid, token, logprobs, request.logprobs))
+                prompt, prefix, max_tokens = prompt + [token], prompt, max(max_tokens - 1, 1)
         (generator_uid,) = self._generator.insert(
-            [list(request.prompt_tokens[len(prefix) :])],
-            max_tokens=[request.max_tokens],
+            [prompt[len(prefix) :]],
+            max_tokens=[max_tokens],
             caches=[caches],
             all_tokens=[prefix],
             samplers=[sampler],
@@ -108,9 +119,10 @@ class SingleEngine(Engine):
         self._from_generator[generator_uid] = uid
         if request.logprobs is not None:
             self._logprobs[uid] = request.logprobs
-        return len(prefix)
+        return hit.tokens if hit is not None else 0
 
     def remove(self, uids: Sequence[int]) -> None:
+        self._first_tokens = [output for output in self._first_tokens if output.uid not in uids]
         gone = [self._to_generator.pop(uid) for uid in uids if uid in self._to_generator]
         for generator_uid in gone:
             self._logprobs.pop(self._from_generator[generator_uid], None)
@@ -136,24 +148,30 @@ class SingleEngine(Engine):
     def step(self) -> list[StepOutput]:
         if self._generator is None:
             raise EngineError("single engine used before load()")
-        _, responses = self._generator.next()
+        if self._first_tokens:  # sampled at insert: report them before advancing the batch
+            outputs, self._first_tokens = self._first_tokens, []
+            return outputs
         outputs = []
+        _, responses = self._generator.next()
         for response in responses:
             uid = self._from_generator.get(response.uid)
             if uid is None:
                 continue
             top = self._logprobs.get(uid)
-            if top is None:
-                outputs.append(StepOutput(uid, response.token))
-            else:
-                chosen, best = token_logprobs(response.logprobs, response.token, top)
-                outputs.append(StepOutput(uid, response.token, None, chosen, best))
+            outputs.append(self._output(uid, response.token, response.logprobs, top))
             if response.finish_reason is not None:  # the generator already dropped it
                 del self._from_generator[response.uid]
                 del self._to_generator[uid]
                 self._logprobs.pop(uid, None)
                 self._keep_prefix(uid, response.prompt_cache, response.all_tokens)
         return outputs
+
+    @staticmethod
+    def _output(uid: int, token: int, logprobs: mx.array, top: int | None) -> StepOutput:
+        if top is None:
+            return StepOutput(uid, token)
+        chosen, best = token_logprobs(logprobs, token, top)
+        return StepOutput(uid, token, None, chosen, best)
 
     def info(self) -> EngineInfo:
         detail = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import Engine, GenerationRequest
@@ -22,6 +22,7 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[float | None] = field(default_factory=list)  # per token, when asked
 
 
 async def collect(
@@ -30,11 +31,13 @@ async def collect(
     """Submit `request` and read its events to the end (cancelling after N tokens if asked)."""
     submission = runner.submit(request)
     tokens: list[int] = []
+    logprobs: list[float | None] = []
     text, events = "", 0
     async for event in submission.events():
         events += 1
         if event.token is not None:
             tokens.append(event.token)
+            logprobs.append(event.logprob)
             if len(tokens) == cancel_after:
                 submission.cancel()
         text += event.text
@@ -48,6 +51,7 @@ async def collect(
                 event.prompt_tokens,
                 event.completion_tokens,
                 event.cached_tokens,
+                logprobs,
             )
     raise AssertionError("the event stream ended without a final event")
 

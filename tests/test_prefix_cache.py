@@ -170,6 +170,33 @@ def test_single_branches_hit_in_one_batch_and_stay_exact(cached_runner, cold_run
     assert [o.tokens for o in hot] == [o.tokens for o in cold]
 
 
+def test_single_a_hit_samples_its_first_token_like_a_cold_engine(cached_runner, cold_runner):
+    """A hit computes its rest and first token in one pass (engines/cached_prefill.py): every
+    per-request option must act on that token as the batch generator would."""
+    tokenizer = cached_runner.engine.tokenizer
+    shared = tuple(tokenizer.encode(SYSTEM + " Options follow."))
+    run_one(cached_runner, GenerationRequest("options-root", shared, 2))
+
+    def ask(tail: str, max_tokens: int, **options) -> GenerationRequest:
+        prompt = shared + tuple(tokenizer.encode(tail))
+        return GenerationRequest(f"opt-{tail}", prompt, max_tokens, **options)
+
+    requests = [
+        ask(" seeded", 8, temperature=0.9, top_p=0.8, seed=7),
+        ask(" penalised", 8, repetition_penalty=1.5, presence_penalty=0.5),
+        ask(" scored", 6, logprobs=3),
+        ask(" as json", 12, grammar=GRAMMAR),
+        ask(" one token", 1),
+    ]
+    hot = [run_one(cached_runner, request) for request in requests]
+    cold = [run_one(cold_runner, request) for request in requests]
+    assert all(outcome.cached_tokens >= len(shared) - 1 for outcome in hot)
+    assert [o.tokens for o in hot] == [o.tokens for o in cold]
+    assert hot[3].text.startswith("{") and len(hot[4].tokens) == 1
+    assert all(value is not None for value in hot[2].logprobs)
+    assert hot[2].logprobs == pytest.approx(cold[2].logprobs, abs=1e-3)
+
+
 def test_single_eviction_empties_the_store_and_the_next_turn_recomputes(demo_model_dir):
     engine = SingleEngine(demo_model_dir, prefix_cache_bytes=BUDGET)
     runner = EngineRunner(engine, max_batch=4)
@@ -203,14 +230,17 @@ def test_tp_over_the_ring_reuses_the_first_turn_on_every_rank(demo_model_dir, co
             GenerationRequest("new", unrelated, 16),
             # a grammar starts from the cached prefix too: it masks from the prompt's end
             GenerationRequest("t2-json", second, 16, grammar=GRAMMAR),
+            # sampled from the hit's single pass on every rank: same draw, same logprobs
+            GenerationRequest("t2-seeded", second, 8, temperature=0.9, seed=3, logprobs=2),
         ]
         turns = run_all(runner, requests)
         cold = run_all(cold_runner, requests)
         assert turns[0].cached_tokens >= len(first) and turns[1].cached_tokens == 0
         assert turns[2].cached_tokens >= len(first) and turns[2].text.startswith("{")
         assert [t.tokens for t in turns] == [c.tokens for c in cold]
+        assert turns[3].logprobs == pytest.approx(cold[3].logprobs, abs=1e-3)
         snapshot = engine.info().detail["prefix_cache"]
-        assert snapshot["hits"] == 2 and snapshot["entries"] >= 1
+        assert snapshot["hits"] == 3 and snapshot["entries"] >= 1
         assert engine.evict_prefix_cache(0.0) > 0  # sent to every rank while idle
         assert run_one(runner, GenerationRequest("t3", second, 4)).cached_tokens == 0
     finally:

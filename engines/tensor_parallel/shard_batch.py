@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from planner.errors import EngineError
 
+from ..cached_prefill import first_token_from_cache
 from ..prefix_store import PrefixStore, reusable
 from ..sampling import make_request_processors, make_request_sampler, token_logprobs
 from .lockstep import Command, update_checksum
@@ -42,6 +44,8 @@ class ShardBatch:
         grammars: RankGrammars | None = None,
     ):
         self._grammars = grammars
+        self._model = model
+        self._prefill_chunk = prefill_chunk
         self._generator = BatchGenerator(
             model,
             completion_batch_size=max_batch,
@@ -72,6 +76,7 @@ class ShardBatch:
                 self._keep(self._from_generator[generator_uid], caches, tokens)
         for generator_uid in gone:
             del self._from_generator[generator_uid]
+        first_tokens: list[tuple[Any, ...]] = []  # sampled at insert
         for insert in command.inserts:
             sampler = make_request_sampler(insert.temperature, insert.top_p, insert.seed)
             processors = make_request_processors(
@@ -81,12 +86,21 @@ class ShardBatch:
                 if self._grammars is None:
                     raise EngineError("a sequence with a grammar reached a batch without grammars")
                 processors.append(self._grammars.processor(insert.grammar))
-            caches, prefix = None, []
+            caches, prefix, prompt, max_tokens = None, [], list(insert.prompt), insert.max_tokens
             if insert.entry >= 0:
                 caches, prefix = self.prefixes.take_prefix(insert.entry, insert.cached)
+                if len(prompt) <= self._prefill_chunk:
+                    # the rest and the first token in one pass, on every rank alike
+                    with mx.stream(self._generator.stream):
+                        token, logprobs = first_token_from_cache(
+                            self._model, caches, prompt, prefix + prompt, sampler, processors
+                        )
+                    first_tokens.append(self._sampled(insert.uid, token, logprobs, insert.logprobs))
+                    prompt, prefix = [token], prefix + prompt
+                    max_tokens = max(max_tokens - 1, 1)
             (generator_uid,) = self._generator.insert(
-                [list(insert.prompt)],
-                max_tokens=[insert.max_tokens],
+                [prompt],
+                max_tokens=[max_tokens],
                 caches=[caches],
                 all_tokens=[prefix],
                 samplers=[sampler],
@@ -97,6 +111,8 @@ class ShardBatch:
             if insert.logprobs >= 0:
                 self._logprobs[insert.uid] = insert.logprobs
         self.prefixes.drop(command.evicts)  # after the inserts: one may start from an evictee
+        if first_tokens:  # reported before the batch advances, as the single engine does
+            return first_tokens
         if not command.advance or not self._to_generator:
             return []
         _, responses = self._generator.next()
@@ -106,18 +122,21 @@ class ShardBatch:
             if uid is None:
                 continue
             top = self._logprobs.get(uid)
-            if top is None:
-                tokens.append((uid, response.token))
-            else:
-                chosen, best = token_logprobs(response.logprobs, response.token, top)
-                tokens.append((uid, response.token, chosen, [list(pair) for pair in best]))
-            self.checksum = update_checksum(update_checksum(self.checksum, uid), response.token)
+            tokens.append(self._sampled(uid, response.token, response.logprobs, top))
             if response.finish_reason is not None:  # the generator dropped it (max_tokens)
                 del self._from_generator[response.uid]
                 del self._to_generator[uid]
                 self._logprobs.pop(uid, None)
                 self._keep(uid, response.prompt_cache, response.all_tokens)
         return tokens
+
+    def _sampled(self, uid: int, token: int, logprobs: Any, top: int | None) -> tuple[Any, ...]:
+        """(uid, token), then (logprob, [[id, logprob], ...]) when the sequence asked."""
+        self.checksum = update_checksum(update_checksum(self.checksum, uid), token)
+        if top is None or top < 0:
+            return (uid, token)
+        chosen, best = token_logprobs(logprobs, token, top)
+        return (uid, token, chosen, [list(pair) for pair in best])
 
     def drain_kept(self) -> list[list[int]]:
         """[uid, tokens held, bytes on this rank] of each entry kept since the last call."""
