@@ -113,9 +113,12 @@ def open_membership(
 
 
 def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan, list[Any]]:
-    """`tandem plan` without --world-size: discover, verify, plan; nothing is started."""
-    from engines.supervisor import PlanSettings
-    from planner import plan_cluster
+    """`tandem plan` without --world-size: discover, verify, and plan as `serve` would (same
+    planning function and choices, weights sent to agents that lack them); nothing starts."""
+    from engines.supervisor import PlanSettings, plan_nodes
+    from engines.weights.source import WeightSource
+
+    from .options import prefix_cache_bytes_from
 
     key, _ = resolve_cluster_key(
         args.cluster_key, args.cluster_key_file, args.state_dir, create=False
@@ -126,29 +129,36 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
         membership = open_membership(key, args.interface, args.discovery_timeout, args.hostfile)
         try:
             members = membership.members()
-            # An agent busy with the running `serve` is still verified: plan as if it were free.
-            nodes += [
-                NodeResources(m.node_id, m.address, m.memory_available, tuple(m.hello.backends))
-                for m in members
-                if m.verified and m.hello is not None
-            ]
         finally:
             membership.close()
+    # An agent busy with the running `serve` is still verified: plan as if it were free.
+    verified = [m for m in members if m.verified and m.hello is not None]
+    nodes += [
+        NodeResources(
+            m.node_id,
+            m.address,
+            m.memory_available,
+            tuple(m.hello.backends),
+            disk_free_bytes=m.model_cache.free_bytes if m.model_cache else None,
+        )
+        for m in verified
+    ]
     settings = PlanSettings(
-        Parallelism(args.parallelism), args.collective, args.context_tokens, 1, args.max_batch
+        Parallelism(args.parallelism),
+        args.collective,
+        args.context_tokens,
+        1,
+        args.max_batch,
+        cpu_float32=args.cpu_float32 == "auto",
+        prefix_cache_bytes=prefix_cache_bytes_from(args.prefix_cache_bytes),
     )
     for member in members:
-        verified = "verified" if member.verified else f"unverified: {member.reason}"
-        print(f"peer {member.node_id} {member.address}:{member.port} {verified}")
-    plan = plan_cluster(
-        settings.choice,
-        facts.to_shape(),
-        nodes,
-        collective=settings.collective,
-        context_tokens=settings.context_tokens,
-        max_batch=settings.max_batch,
-    )
-    return plan, members
+        status = "verified" if member.verified else f"unverified: {member.reason}"
+        print(f"peer {member.node_id} {member.address}:{member.port} {status}")
+    weights = None
+    if key is not None and verified:  # only hashed when some agent holds a copy
+        weights = WeightSource(facts.path, key, "127.0.0.1", args.cache_dir)
+    return plan_nodes(facts, settings, nodes, verified, weights), members
 
 
 def open_request_log(config: ServeConfig, service: Any) -> Any:

@@ -81,3 +81,37 @@ def apply_blas_flags(args: argparse.Namespace) -> None:
     os.environ["TANDEM_BLAS"] = args.blas
     if args.blas_threads > 0:
         os.environ["TANDEM_BLAS_THREADS"] = str(args.blas_threads)
+
+
+def add_planning_flags(parser: argparse.ArgumentParser) -> None:
+    """Planning choices `serve` acts on and `tandem plan` must plan alike."""
+    add_flag(
+        parser,
+        "--prefix-cache-bytes",
+        default="auto",
+        help="KV kept for prompt reuse, whole model (e.g. 2G; 0 turns it off; auto: half "
+        "of the memory the tightest node has left after weights and the batch's KV)",
+    )
+    add_flag(
+        parser,
+        "--cpu-float32",
+        default="auto",
+        choices=["auto", "off"],
+        help="on the CPU, compute half-precision models in float32 where the memory allows",
+    )
+
+
+def prefix_cache_bytes_from(value: str) -> int | None:
+    """--prefix-cache-bytes: bytes, 0 (off), or None for auto (the planner derives it)."""
+    from discovery.capabilities import parse_memory_size
+    from planner.errors import ConfigError
+
+    value = str(value).strip()
+    if value in ("0", "off"):
+        return 0
+    if value == "auto":
+        return None
+    try:
+        return parse_memory_size(value)
+    except ConfigError as error:
+        raise ConfigError(f"--prefix-cache-bytes: {error}, 0 or auto") from None

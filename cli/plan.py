@@ -7,7 +7,7 @@ from pathlib import Path
 
 from planner import DecisionInputs, Parallelism, capability_checks, decide
 
-from .options import add_flag, add_interface_flag, add_key_flags
+from .options import add_flag, add_interface_flag, add_key_flags, add_planning_flags
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
     add_flag(parser, "--max-batch", default=16, cast=int, help="sequences decoded together")
+    add_planning_flags(parser)
     add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
     add_flag(
         parser,

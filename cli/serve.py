@@ -17,7 +17,9 @@ from .options import (
     add_interface_flag,
     add_key_flags,
     add_memory_budget_flag,
+    add_planning_flags,
     apply_blas_flags,
+    prefix_cache_bytes_from,
 )
 
 log = logging.getLogger(__name__)
@@ -85,13 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cast=int,
         help="sequences decoded together (continuous batching)",
     )
-    add_flag(
-        parser,
-        "--prefix-cache-bytes",
-        default="auto",
-        help="KV kept for prompt reuse, whole model (e.g. 2G; 0 turns it off; auto: half "
-        "of the memory the tightest node has left after weights and the batch's KV)",
-    )
+    add_planning_flags(parser)
     add_flag(
         parser,
         "--queue-size",
@@ -146,13 +142,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_blas_flags(parser)
     add_flag(
         parser,
-        "--cpu-float32",
-        default="auto",
-        choices=["auto", "off"],
-        help="on the CPU, compute half-precision models in float32 where the memory allows",
-    )
-    add_flag(
-        parser,
         "--cache-dir",
         default=Path.home() / ".cache" / "tandem",
         cast=Path,
@@ -191,14 +180,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ConfigError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
-    prefix_cache_bytes = None  # auto
-    if str(args.prefix_cache_bytes).strip() in ("0", "off"):
-        prefix_cache_bytes = 0
-    elif str(args.prefix_cache_bytes) != "auto":
-        try:
-            prefix_cache_bytes = parse_memory_size(str(args.prefix_cache_bytes))
-        except ConfigError as error:
-            raise ConfigError(f"--prefix-cache-bytes: {error}, 0 or auto") from None
+    prefix_cache_bytes = prefix_cache_bytes_from(args.prefix_cache_bytes)
     return ServeConfig(
         model=args.model,
         model_id=args.model_id,

@@ -45,6 +45,46 @@ class PlanSettings:
     prefix_cache_bytes: int | None = 0  # None: the planner derives it from the memory left
 
 
+def plan_nodes(
+    facts: ModelFacts,
+    settings: PlanSettings,
+    nodes: list[NodeResources],
+    members: list[Any],
+    weights: Any | None = None,
+) -> ClusterPlan:
+    """The plan `serve` runs (and `tandem plan` prints) for `nodes`, the coordinator first.
+
+    With `weights` (a WeightSource: agents may receive the model), what each member holds
+    and the disk it needs to receive its part join the plan. On the CPU, half-precision
+    weights are upcast to float32 when that plan fits; otherwise the model's own precision.
+    """
+    transfer = None
+    if weights is not None and members:
+        from .weights.holdings import with_holdings
+
+        nodes = with_holdings(nodes, members, weights.content_hash)
+        transfer = TransferSizes(facts.to_shape(), weights.model_bytes())
+
+    def plan(float32: bool) -> ClusterPlan:
+        return plan_cluster(
+            settings.choice,
+            facts.to_shape(float32=float32),
+            nodes,
+            collective=settings.collective,
+            context_tokens=settings.context_tokens,
+            max_batch=settings.max_batch,
+            prefix_cache_bytes=settings.prefix_cache_bytes,
+            transfer=transfer,
+        )
+
+    if settings.cpu_float32 and facts.can_upcast and on_cpu():
+        upcast = plan(float32=True)
+        if upcast.refusal is None:
+            return replace(upcast, compute_dtype="float32")
+        log.info("float32 does not fit: computing in the model's own half precision")
+    return plan(float32=False)
+
+
 class ClusterSupervisor:
     """Owns the current plan and engine; swaps them into the Service after every (re-)plan.
 
@@ -88,36 +128,13 @@ class ClusterSupervisor:
     def make_plan(self) -> ClusterPlan:
         """Plan over the coordinator plus every verified, connected, not excluded member."""
         nodes = [self.coordinator()]
+        members: list[Any] = []
         if self.membership is not None:
             excluded = self.exclusions.excluded_now()
             nodes += [n for n in self.membership.to_resources() if n.node_id not in excluded]
-        transfer = None
+            members = self.membership.members()
         weights = self.launch_settings.weights if self.launch_settings is not None else None
-        if weights is not None and self.membership is not None:  # agents may receive the model
-            from .weights.holdings import with_holdings
-
-            nodes = with_holdings(nodes, self.membership.members(), weights.content_hash)
-            transfer = TransferSizes(self.facts.to_shape(), weights.model_bytes())
-        if self.plan_settings.cpu_float32 and self.facts.can_upcast and on_cpu():
-            plan = self._plan_nodes(nodes, float32=True, transfer=transfer)
-            if plan.refusal is None:
-                return replace(plan, compute_dtype="float32")
-            log.info("float32 does not fit: computing in the model's own half precision")
-        return self._plan_nodes(nodes, float32=False, transfer=transfer)
-
-    def _plan_nodes(
-        self, nodes: list[NodeResources], float32: bool, transfer: TransferSizes | None = None
-    ) -> ClusterPlan:
-        return plan_cluster(
-            self.plan_settings.choice,
-            self.facts.to_shape(float32=float32),
-            nodes,
-            collective=self.plan_settings.collective,
-            context_tokens=self.plan_settings.context_tokens,
-            max_batch=self.plan_settings.max_batch,
-            prefix_cache_bytes=self.plan_settings.prefix_cache_bytes,
-            transfer=transfer,
-        )
+        return plan_nodes(self.facts, self.plan_settings, nodes, members, weights)
 
     def start(self) -> ClusterPlan:
         """First plan and engine; raises PlanError (refusal) or EngineError (launch failed)."""

@@ -4,7 +4,10 @@ real `tandem join` processes on 127.0.0.1 (a fake role worker stands in for the 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +24,7 @@ from tests.helpers_cluster import LOOPBACK, AgentPool
 
 pytestmark = pytest.mark.cluster
 
+ROOT = Path(__file__).resolve().parents[1]
 WHOLE = "a" * 64
 SHARE = "b" * 64
 
@@ -137,3 +141,43 @@ def test_serve_refuses_or_plans_around_an_agent_short_on_disk(
         assert not next(c for c in cluster["plan"]["checks"] if c["name"] == "pp disk")["passed"]
     finally:
         server.stop()
+
+
+def run_plan(pool: AgentPool, model: Path, tmp_path: Path, *extra: str):
+    command = [
+        sys.executable, "-m", "cli.main", "plan", "--model", str(model),
+        "--cluster-key", pool.cluster_key, "--interface", LOOPBACK, "--discovery-timeout", "3",
+        "--state-dir", str(tmp_path / "plan-state"), "--cache-dir", str(tmp_path / "plan-cache"),
+        "--memory-limit", "8G", *extra,
+    ]  # fmt: skip
+    return subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+
+
+def test_tandem_plan_plans_the_live_cluster_as_serve_would(
+    pool: AgentPool, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """Prefix cache, precision and the disk rule: the same planning function as `serve`."""
+    pool.start("roomy", memory_limit="8G", extra_args=["--cache-dir", str(tmp_path / "c1")])
+    result = run_plan(pool, demo_model_dir, tmp_path, "--parallelism", "pp")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(
+        r"PASS pp disk: \S+ holds layers 0-1; \S+ receives layers 2-3 \+ head: needs", result.stdout
+    )
+    assert "prefix cache: off" not in result.stdout  # auto, as serve plans it
+    off = run_plan(
+        pool, demo_model_dir, tmp_path, "--parallelism", "pp", "--prefix-cache-bytes", "0"
+    )
+    assert "prefix cache: off" in off.stdout
+
+    pool.stop_all()
+    pool.start(
+        "cramped",
+        memory_limit="8G",
+        extra_args=["--cache-dir", str(tmp_path / "c2"), "--disk-limit", "1K"],
+    )
+    refused = run_plan(pool, demo_model_dir, tmp_path, "--parallelism", "pp")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "FAIL pp disk:" in refused.stdout and "lacks" in refused.stdout
