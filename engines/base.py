@@ -94,6 +94,12 @@ class Engine(abc.ABC):
     def load(self) -> None:
         """Load weights (and start any worker processes); called on the scheduler thread."""
 
+    def refusal(self, request: GenerationRequest) -> str | None:
+        """Why this engine would refuse `request` on its own (a limit of its wire, say), or
+        None. The API asks before queueing, so such a request is a 400, not a failed insert;
+        it must be cheap and safe to call from any thread."""
+        return None
+
     @abc.abstractmethod
     def insert(self, uid: int, request: GenerationRequest) -> int:
         """Add a sequence to the batch; its prefill runs during the next steps.

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from llguidance import LLMatcher
 
@@ -17,7 +18,7 @@ from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
 from engines.base import GenerationRequest
 from engines.pipeline import wire
 from planner import allocate_layers
-from tests.helpers_api import chat_body, make_service, open_client
+from tests.helpers_api import assert_error, chat_body, make_service, open_client
 from tests.test_api_fields import CLOCK, WEATHER, completes_to_object
 from tests.test_pipeline import (
     PROMPTS,
@@ -146,7 +147,7 @@ def test_a_grammar_the_last_stage_refuses_ends_that_sequence_alone(
     """Should a grammar reach the last stage and not compile there, that stage refuses the
     sequence in its TOKEN answer; the others in the micro-batch go on, the session too."""
     engine = grammar_pipeline.engine
-    monkeypatch.setattr(engine, "_check_begin", lambda request, sampling: None)
+    monkeypatch.setattr(engine, "_check_grammar", lambda request: None)
     good = [json_request(grammar_pipeline, prompt, JSON_OBJECT) for prompt in PROMPTS[:2]]
     plain = make_request(grammar_pipeline.runner, PROMPTS[3], 24)
     bad = json_request(grammar_pipeline, PROMPTS[2], UNKNOWN_TOKEN)
@@ -227,3 +228,25 @@ def test_begin_documents_carry_the_grammar() -> None:
     sampling = wire.Sampling(0.0, 1.0, 3, "x", logprobs=1, grammar=JSON_OBJECT)
     assert wire.Sampling.of(sampling.document()) == sampling
     assert "grammar" not in wire.Sampling(0.0, 1.0, 3).document()
+
+
+def test_a_schema_too_large_for_the_wire_is_a_400_before_queueing(
+    grammar_pipeline: Pipeline,
+) -> None:
+    """The engine's own limit (Engine.refusal), asked by the API: nothing reaches the queue."""
+    schema = {"enum": [f"{n:05d}" * 40 for n in range(400)]}
+    body = chat_body(
+        response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
+        max_tokens=8,
+    )
+    runner = grammar_pipeline.runner
+    steps = runner.steps
+
+    async def post() -> httpx.Response:
+        async with open_client(make_service(runner)) as client:
+            return await client.post("/v1/chat/completions", json=body)
+
+    response = asyncio.run(asyncio.wait_for(post(), 60))
+    error = assert_error(response, 400, param="response_format", code="invalid_value")
+    assert "does not fit in a pipeline BEGIN frame" in error["message"]
+    assert runner.steps == steps and runner.queued == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,6 +11,7 @@ from mlx.utils import tree_flatten
 from engines.model_info import inspect_model
 from engines.runner import EngineRunner
 from engines.single import SingleEngine
+from engines.supervisor import plan_nodes
 from tests.helpers_engine import make_request, run_one
 from tests.test_supervisor import Members, ScriptedEngine, make_supervisor
 
@@ -49,7 +51,8 @@ def test_the_plan_counts_float32_weights_and_falls_back_when_they_do_not_fit(dem
     assert plan.compute_dtype == "float32"
     assert "compute precision on every node: float32" in plan.describe()
     # A node that fits the model as stored but not upcast: the plan keeps half precision.
-    need_native = supervisor._plan_nodes([supervisor.coordinator()], float32=False).fits[0]
+    as_stored = replace(supervisor.plan_settings, cpu_float32=False)
+    need_native = plan_nodes(facts, as_stored, [supervisor.coordinator()], []).fits[0]
     small = type(supervisor.coordinator())(
         "coordinator", "127.0.0.1", int(need_native.need_bytes * 1.2), ("ring",)
     )

@@ -67,8 +67,9 @@ def build_request(
     grammar: str | None = None,
 ) -> GenerationRequest:
     """The engine-agnostic request; prompt + max_tokens must fit the context the KV cache was
-    planned for (an absent max_tokens shrinks to what is left)."""
-    return GenerationRequest(
+    planned for (an absent max_tokens shrinks to what is left); a request the running engine
+    would refuse on its own (Engine.refusal) is a 400 here, before it queues."""
+    request = GenerationRequest(
         request_id=request_id,
         prompt_tokens=prompt_tokens,
         max_tokens=resolve_max_tokens(body, service.limits, context_tokens - len(prompt_tokens)),
@@ -83,6 +84,14 @@ def build_request(
         logprobs=top_logprobs(body),
         grammar=grammar,
     )
+    runner = service.runner
+    refusal = runner.engine.refusal(request) if runner is not None else None
+    if refusal is not None:
+        param = None
+        if grammar is not None:
+            param = "response_format" if getattr(body, "response_format", None) else "tool_choice"
+        raise APIError(400, refusal, param=param, code="invalid_value")
+    return request
 
 
 def resolve_max_tokens(body: SamplingFields, limits: ServiceLimits, room: int) -> int:

@@ -290,19 +290,11 @@ class EncryptedPipelineEngine(Engine):
             raise EngineError("pipeline engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
-        sampling = wire.Sampling(
-            request.temperature,
-            request.top_p,
-            request_seed(request),
-            request.request_id,
-            request.repetition_penalty,
-            request.presence_penalty,
-            request.frequency_penalty,
-            request.prompt_tokens[-wire.PENALTY_CONTEXT :],
-            request.logprobs,
-            request.grammar,
-        )
-        self._check_begin(request, sampling)
+        sampling = _sampling_of(request)
+        refusal = self.refusal(request, sampling)
+        if refusal is not None:
+            raise EngineError(refusal)
+        self._check_grammar(request)
         with self._io_lock:  # the index is shared with evict_prefix_cache()
             hit = self.prefix_index.lookup(request.prompt_tokens)
             cached = hit.tokens if hit is not None else 0
@@ -312,22 +304,29 @@ class EncryptedPipelineEngine(Engine):
         self._sampling[uid] = sampling
         return cached
 
-    def _check_begin(self, request: GenerationRequest, sampling: wire.Sampling) -> None:
-        """Refuse here, for this request alone, what the last stage would refuse."""
+    def refusal(
+        self, request: GenerationRequest, sampling: wire.Sampling | None = None
+    ) -> str | None:
+        """What the wire cannot carry: a grammar too large for a BEGIN frame, or sampling
+        values the last stage would refuse (wire.Sampling.of)."""
+        sampling = sampling or _sampling_of(request)
         if request.grammar is not None:
             begin = {**sampling.document(), "prefix_entry": wire.MAX_UID}  # its largest BEGIN
             try:
                 wire.document_frame(Kind.BEGIN, 0, begin)
             except wire.WireError as error:
-                raise EngineError(
-                    f"request {request.request_id}: its output grammar of "
-                    f"{len(request.grammar)} characters does not fit in a pipeline BEGIN frame "
-                    f"({error})"
-                ) from None
+                return (
+                    f"the output grammar of {len(request.grammar)} characters does not fit in "
+                    f"a pipeline BEGIN frame ({error}); use a smaller schema"
+                )
         try:
             wire.Sampling.of(sampling.document())
         except wire.WireError as error:
-            raise EngineError(f"request {request.request_id}: {error}") from None
+            return f"request {request.request_id}: {error}"
+        return None
+
+    def _check_grammar(self, request: GenerationRequest) -> None:
+        """Refuse here, for this request alone, a grammar the last stage could not compile."""
         if request.grammar is None:
             return
         if self._grammars is None:
@@ -614,3 +613,19 @@ def _output(uid: int, token: int, score: wire.Score) -> StepOutput:
     if isinstance(score, str):
         return StepOutput(uid, error=f"the last pipeline stage refused the sequence: {score}")
     return StepOutput(uid, token, None, *score)
+
+
+def _sampling_of(request: GenerationRequest) -> wire.Sampling:
+    """What the last stage needs to sample this request's tokens."""
+    return wire.Sampling(
+        request.temperature,
+        request.top_p,
+        request_seed(request),
+        request.request_id,
+        request.repetition_penalty,
+        request.presence_penalty,
+        request.frequency_penalty,
+        request.prompt_tokens[-wire.PENALTY_CONTEXT :],
+        request.logprobs,
+        request.grammar,
+    )
