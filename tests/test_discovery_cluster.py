@@ -159,12 +159,18 @@ def test_agent_of_another_cluster_is_unverified_and_never_assigned(pool: AgentPo
         with pytest.raises(PeerError, match="cannot assign"):
             membership.assign(theirs.node_id, "tp_rank", {"mode": "ready"})
     # Dialled directly (as from a hostfile), the other cluster fails the handshake itself.
-    with membership_for(pool) as membership:
-        members = membership.discover(addresses=[(LOOPBACK, theirs.port), (LOOPBACK, ours.port)])
-        states = {member.node_id: member for member in members}
-        stranger = states[f"{LOOPBACK}:{theirs.port}"]
-        assert stranger.state == UNVERIFIED and "handshake failed" in stranger.reason
-        assert states[ours.node_id].state == CONNECTED
+    # Ours may still be ending the first session (busy) for a moment: dial again until free.
+    deadline = time.monotonic() + 5
+    while True:
+        with membership_for(pool) as membership:
+            addresses = [(LOOPBACK, theirs.port), (LOOPBACK, ours.port)]
+            states = {member.node_id: member for member in membership.discover(addresses=addresses)}
+            stranger = states[f"{LOOPBACK}:{theirs.port}"]
+            assert stranger.state == UNVERIFIED and "handshake failed" in stranger.reason
+            if states[ours.node_id].state == CONNECTED:
+                break
+            assert states[ours.node_id].state == BUSY and time.monotonic() < deadline
+        time.sleep(0.2)
 
 
 def test_stopped_and_frozen_agents_are_declared_lost(pool: AgentPool) -> None:
