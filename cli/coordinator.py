@@ -156,7 +156,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
         status = "verified" if member.verified else f"unverified: {member.reason}"
         print(f"peer {member.node_id} {member.address}:{member.port} {status}")
     weights = None
-    if key is not None and verified:  # only hashed when some agent holds a copy
+    if key is not None and verified:  # never serves here: it only sizes (and maybe hashes)
         weights = WeightSource(facts.path, key, "127.0.0.1", args.cache_dir)
     return plan_nodes(facts, settings, nodes, verified, weights), members
 

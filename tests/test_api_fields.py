@@ -28,6 +28,7 @@ from tests.helpers_api import (  # noqa: F401
     parse_sse,
     runner,
 )
+from tests.helpers_grammar import REPLY_SCHEMA, completes_to_object
 
 pytestmark = pytest.mark.anyio
 
@@ -145,20 +146,6 @@ async def test_penalties_reduce_repetition(client: httpx.AsyncClient, penalty: d
 # -- response_format ---------------------------------------------------------------------------
 
 
-# Endings that close a JSON object cut short inside a key, a value or after a comma.
-CLOSINGS = ("", "}", '"}', '":0}', "0}", '":""}', 'n":0}', '\\n"}', '"]}', "]}", '0"}')
-
-
-def completes_to_object(text: str) -> bool:
-    """True when `text` is a JSON object, or one cut short that a few characters close."""
-    for ending in CLOSINGS:
-        try:
-            return isinstance(json.loads(text + ending), dict)
-        except ValueError:
-            continue
-    return False
-
-
 async def test_json_object_mode_gives_json_objects(client: httpx.AsyncClient) -> None:
     # The demo model's random weights write long keys; most answers end by max_tokens.
     for seed in range(4):
@@ -178,17 +165,8 @@ async def test_json_object_mode_gives_json_objects(client: httpx.AsyncClient) ->
 
 
 async def test_json_schema_is_followed(client: httpx.AsyncClient) -> None:
-    schema = {
-        "type": "object",
-        "properties": {
-            "answer": {"type": "boolean"},
-            "mood": {"enum": ["calm", "wild"]},
-            "count": {"type": "integer", "minimum": 0, "maximum": 9},
-        },
-        "required": ["answer", "mood", "count"],
-        "additionalProperties": False,
-    }
-    response_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+    json_schema = {"name": "reply", "schema": REPLY_SCHEMA}
+    response_format = {"type": "json_schema", "json_schema": json_schema}
     for stream in (False, True):
         body = chat_body(response_format=response_format, max_tokens=64, stream=stream)
         response = await client.post(CHAT, json=body)

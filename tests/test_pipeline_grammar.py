@@ -19,7 +19,8 @@ from engines.base import GenerationRequest
 from engines.pipeline import wire
 from planner import allocate_layers
 from tests.helpers_api import assert_error, chat_body, make_service, open_client
-from tests.test_api_fields import CLOCK, WEATHER, completes_to_object
+from tests.helpers_grammar import REPLY_SCHEMA, completes_to_object
+from tests.test_api_fields import CLOCK, WEATHER
 from tests.test_pipeline import (
     PROMPTS,
     Outcome,
@@ -34,19 +35,11 @@ from tests.test_pipeline import (
 pytestmark = pytest.mark.cluster
 
 JSON_OBJECT = LLMatcher.grammar_from_json_schema(ANY_OBJECT, overrides=JSON_OPTIONS)
-REPLY_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "answer": {"type": "boolean"},
-        "mood": {"enum": ["calm", "wild"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["answer", "mood", "count"],
-    "additionalProperties": False,
-}
 REPLY = LLMatcher.grammar_from_json_schema(REPLY_SCHEMA, overrides=JSON_OPTIONS)
 # Valid without a tokenizer (what the API checks), but token 999999 is not in the vocabulary.
 UNKNOWN_TOKEN = LLMatcher.grammar_from_lark('start: "a" <[999999]>')
+# Over the 64 KiB a pipeline BEGIN frame carries once compiled.
+TOO_LARGE_SCHEMA = {"enum": [f"{n:05d}" * 40 for n in range(400)]}
 NOT_A_GRAMMAR = LLMatcher.grammar_from_lark("start: nope")
 
 
@@ -121,7 +114,7 @@ def test_a_batch_mixes_grammars_and_free_text(grammar_pipeline: Pipeline) -> Non
         (UNKNOWN_TOKEN, "the output grammar is invalid"),
         (NOT_A_GRAMMAR, "the output grammar is invalid"),
         (
-            LLMatcher.grammar_from_json_schema({"enum": [f"{n:05d}" * 40 for n in range(400)]}),
+            LLMatcher.grammar_from_json_schema(TOO_LARGE_SCHEMA),
             "does not fit in a pipeline BEGIN frame",
         ),
     ],
@@ -234,11 +227,11 @@ def test_a_schema_too_large_for_the_wire_is_a_400_before_queueing(
     grammar_pipeline: Pipeline,
 ) -> None:
     """The engine's own limit (Engine.refusal), asked by the API: nothing reaches the queue."""
-    schema = {"enum": [f"{n:05d}" * 40 for n in range(400)]}
-    body = chat_body(
-        response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
-        max_tokens=8,
-    )
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "big", "schema": TOO_LARGE_SCHEMA},
+    }
+    body = chat_body(response_format=response_format, max_tokens=8)
     runner = grammar_pipeline.runner
     steps = runner.steps
 

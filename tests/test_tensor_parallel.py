@@ -57,6 +57,7 @@ from tests.helpers_engine import (
     start_batch,
     step_until_error,
 )
+from tests.helpers_grammar import REPLY_SCHEMA, completes_to_object
 from tests.helpers_timing import check_request_shares, flow
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -240,40 +241,18 @@ def test_penalties_and_logprobs_equal_single(tp_runner, single_runner):
     assert all(value is not None for value in logprobs)
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "answer": {"type": "boolean"},
-        "mood": {"enum": ["calm", "wild"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["answer", "mood", "count"],
-    "additionalProperties": False,
-}
 # A forced tool call's shape (engines/api/constraints.py): text markers around a JSON call.
-CALL = {**SCHEMA, "x-guidance": JSON_OPTIONS}
+CALL = {**REPLY_SCHEMA, "x-guidance": JSON_OPTIONS}
 TOOL_CALL = (
     f'start: "<tool_call>" "\\n" call "\\n" "</tool_call>"\ncall: %json {json.dumps(CALL)}\n'
 )
-# Endings that close a JSON object cut short inside a key, a value or after a comma.
-CLOSINGS = ("", "}", '"}', '":0}', "0}", '":""}', 'n":0}', '\\n"}', '"]}', "]}", '0"}')
-
-
-def completes_to_object(text: str) -> bool:
-    """True when `text` is a JSON object, or one cut short that a few characters close."""
-    for ending in CLOSINGS:
-        try:
-            return isinstance(json.loads(text + ending), dict)
-        except ValueError:
-            continue
-    return False
 
 
 def test_grammars_give_the_tokens_single_gives(tp_runner, single_runner):
     """JSON mode, a JSON schema and a forced tool call's grammar cross the lockstep: every rank
     masks the same tokens, so the output equals the single engine's, token for token."""
     assert "grammar" in tp_runner.engine.features
-    schema = LLMatcher.grammar_from_json_schema(SCHEMA, overrides=JSON_OPTIONS)
+    schema = LLMatcher.grammar_from_json_schema(REPLY_SCHEMA, overrides=JSON_OPTIONS)
     tool_call = LLMatcher.grammar_from_lark(TOOL_CALL)
     cases = [
         (PROMPTS[0], 24, {"grammar": GRAMMAR}),

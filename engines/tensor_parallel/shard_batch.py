@@ -95,7 +95,8 @@ class ShardBatch:
                         token, logprobs = first_token_from_cache(
                             self._model, caches, prompt, prefix + prompt, sampler, processors
                         )
-                    first_tokens.append(self._sampled(insert.uid, token, logprobs, insert.logprobs))
+                    top = insert.logprobs if insert.logprobs >= 0 else None
+                    first_tokens.append(self._sampled(insert.uid, token, logprobs, top))
                     prompt, prefix = [token], prefix + prompt
                     max_tokens = max(max_tokens - 1, 1)
             (generator_uid,) = self._generator.insert(
@@ -133,7 +134,7 @@ class ShardBatch:
     def _sampled(self, uid: int, token: int, logprobs: Any, top: int | None) -> tuple[Any, ...]:
         """(uid, token), then (logprob, [[id, logprob], ...]) when the sequence asked."""
         self.checksum = update_checksum(update_checksum(self.checksum, uid), token)
-        if top is None or top < 0:
+        if top is None:
             return (uid, token)
         chosen, best = token_logprobs(logprobs, token, top)
         return (uid, token, chosen, [list(pair) for pair in best])
