@@ -22,9 +22,9 @@ from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
 from ..grammar import GrammarCompiler
 from ..prefix_index import PrefixHit, PrefixIndex
 from ..prefix_store import NOT_REUSABLE
-from ..sampling import request_seed
 from ..step_timing import StepTimes
 from . import wire
+from .admission import sampling_of, wire_refusal
 from .batches import StageBatches
 from .chain import Chain, open_chain
 from .frame_clock import FrameClock
@@ -290,7 +290,7 @@ class EncryptedPipelineEngine(Engine):
             raise EngineError("pipeline engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
-        sampling = _sampling_of(request)
+        sampling = sampling_of(request)
         refusal = self.refusal(request, sampling)
         if refusal is not None:
             raise EngineError(refusal)
@@ -307,23 +307,7 @@ class EncryptedPipelineEngine(Engine):
     def refusal(
         self, request: GenerationRequest, sampling: wire.Sampling | None = None
     ) -> str | None:
-        """What the wire cannot carry: a grammar too large for a BEGIN frame, or sampling
-        values the last stage would refuse (wire.Sampling.of)."""
-        sampling = sampling or _sampling_of(request)
-        if request.grammar is not None:
-            begin = {**sampling.document(), "prefix_entry": wire.MAX_UID}  # its largest BEGIN
-            try:
-                wire.document_frame(Kind.BEGIN, 0, begin)
-            except wire.WireError as error:
-                return (
-                    f"the output grammar of {len(request.grammar)} characters does not fit in "
-                    f"a pipeline BEGIN frame ({error}); use a smaller schema"
-                )
-        try:
-            wire.Sampling.of(sampling.document())
-        except wire.WireError as error:
-            return f"request {request.request_id}: {error}"
-        return None
+        return wire_refusal(request, sampling or sampling_of(request))
 
     def _check_grammar(self, request: GenerationRequest) -> None:
         """Refuse here, for this request alone, a grammar the last stage could not compile."""
@@ -613,19 +597,3 @@ def _output(uid: int, token: int, score: wire.Score) -> StepOutput:
     if isinstance(score, str):
         return StepOutput(uid, error=f"the last pipeline stage refused the sequence: {score}")
     return StepOutput(uid, token, None, *score)
-
-
-def _sampling_of(request: GenerationRequest) -> wire.Sampling:
-    """What the last stage needs to sample this request's tokens."""
-    return wire.Sampling(
-        request.temperature,
-        request.top_p,
-        request_seed(request),
-        request.request_id,
-        request.repetition_penalty,
-        request.presence_penalty,
-        request.frequency_penalty,
-        request.prompt_tokens[-wire.PENALTY_CONTEXT :],
-        request.logprobs,
-        request.grammar,
-    )
