@@ -115,7 +115,7 @@ def open_membership(
 def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan, list[Any]]:
     """`tandem plan` without --world-size: discover, verify, and plan as `serve` would (same
     planning function and choices, weights sent to agents that lack them); nothing starts."""
-    from engines.supervisor import PlanSettings, plan_nodes
+    from engines.cluster.supervisor import PlanSettings, plan_nodes
     from engines.weights.source import WeightSource
 
     from .options import prefix_cache_bytes_from
@@ -163,7 +163,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
 
 def open_request_log(config: ServeConfig, service: Any) -> Any:
     """The JSON-lines request log the flags ask for, listening to `service`; None when off."""
-    from engines.request_log import RequestLog, RequestLogSettings
+    from engines.observability.request_log import RequestLog, RequestLogSettings
 
     observability = config.observability
     settings = RequestLogSettings(
@@ -183,12 +183,12 @@ def open_request_log(config: ServeConfig, service: Any) -> Any:
 
 def serve(config: ServeConfig) -> int:
     """Plan, launch, and serve until interrupted; exit status 2 when nothing fits."""
-    from engines import blas
     from engines.api.app import create_app
-    from engines.launch import LaunchSettings
-    from engines.pressure import watch_memory
-    from engines.service import Service, ServiceLimits
-    from engines.supervisor import ClusterSupervisor, PlanSettings
+    from engines.cluster.launch import LaunchSettings
+    from engines.cluster.pressure import watch_memory
+    from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
+    from engines.core import blas
+    from engines.core.service import Service, ServiceLimits
 
     from .http_server import run_http_server
     from .model_source import resolve_model

@@ -12,9 +12,9 @@ log = logging.getLogger(__name__)
 def resolve_model(model: str | Path | None, cache_dir: Path):
     """Inspect `model` (a directory, or ORG/NAME[@REV] fetched into or found in the Hugging
     Face cache), or generate the demo model once into `cache_dir` and inspect that."""
-    from engines.demo_model import DEMO_BUILD_STEPS, DemoSpec, ensure_demo_model
-    from engines.model_info import inspect_model
-    from engines.model_reference import resolve_reference
+    from engines.model.demo import DEMO_BUILD_STEPS, DemoSpec, ensure_demo_model
+    from engines.model.info import inspect_model
+    from engines.model.reference import resolve_reference
 
     from .progress import steps
 

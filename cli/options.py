@@ -76,7 +76,7 @@ def add_blas_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_blas_flags(args: argparse.Namespace) -> None:
-    """Hand the choice to engines/blas.py through its environment variables, which every
+    """Hand the choice to engines/core/blas.py through its environment variables, which every
     worker process inherits; must run before the first import of anything under engines/."""
     os.environ["TANDEM_BLAS"] = args.blas
     if args.blas_threads > 0:

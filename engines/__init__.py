@@ -1,5 +1,5 @@
 """What runs the model: the Engine interface, single / tp / pp engines, and the HTTP API."""
 
-from . import blas
+from engines.core import blas
 
 blas.activate()  # before any module below can import mlx: mlx must bind to the optimized BLAS

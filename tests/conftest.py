@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engines.demo_model import DemoSpec, ensure_demo_model
+from engines.model.demo import DemoSpec, ensure_demo_model
 from tests.helpers_cluster import AgentPool
 from tests.helpers_serve import ServeProcess
 

@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from engines.api import create_app
-from engines.runner import EngineRunner
-from engines.service import Service, ServiceLimits
-from engines.single import SingleEngine
+from engines.core.runner import EngineRunner
+from engines.core.service import Service, ServiceLimits
+from engines.single.engine import SingleEngine
 
 MODEL_ID = "tandem-demo"
 CLUSTER = {"strategy": "single", "members": ["127.0.0.1"], "reason": "world size 1"}

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from discovery.cluster_key import generate_key
-from engines.demo_model import DemoSpec, ensure_demo_model
-from engines.model_info import ModelFacts, inspect_model
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
+from engines.core.runner import EngineRunner
+from engines.model.demo import DemoSpec, ensure_demo_model
+from engines.model.info import ModelFacts, inspect_model
+from engines.single.engine import SingleEngine
 from planner import DecisionInputs, Parallelism, capability_checks, decide
 from tests.helpers_engine import make_request, run_one
 

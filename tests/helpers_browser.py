@@ -15,7 +15,7 @@ from typing import Any
 
 import websocket
 
-from engines.launch import free_port
+from engines.cluster.launch import free_port
 from tests.helpers_cluster import LOOPBACK
 
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome")

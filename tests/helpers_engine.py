@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import Engine, GenerationRequest
-from engines.runner import EngineRunner
+from engines.core.engine import Engine, GenerationRequest
+from engines.core.runner import EngineRunner
 from planner.errors import EngineError
 
 

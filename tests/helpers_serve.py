@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.launch import free_port
+from engines.cluster.launch import free_port
 from tests.helpers_cluster import LOOPBACK, REPO_ROOT, child_env
 
 READY_TIMEOUT_S = 90.0

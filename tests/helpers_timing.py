@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.request_timing import RequestRecord
-from engines.runner import EngineRunner
+from engines.core.runner import EngineRunner
+from engines.observability.request_timing import RequestRecord
 from tests.helpers_api import MODEL_ID, make_service, open_client
 
 PROMPTS = ("Hello there", "Once upon a time, in a land far away, there lived")

@@ -13,9 +13,9 @@ from pathlib import Path
 import uvicorn
 
 from engines.api import create_app  # first: engines loads the fast BLAS before mlx
-from engines.runner import EngineRunner
-from engines.service import Service, ServiceLimits
-from engines.single import SingleEngine
+from engines.core.runner import EngineRunner
+from engines.core.service import Service, ServiceLimits
+from engines.single.engine import SingleEngine
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from engines.runner import EngineRunner
+from engines.core.runner import EngineRunner
 from tests.helpers_api import (  # noqa: F401
     HELLO,
     MODEL_ID,

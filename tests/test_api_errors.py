@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engines.api import create_app
-from engines.runner import EngineRunner
+from engines.core.runner import EngineRunner
 from tests.helpers_api import (  # noqa: F401
     CLUSTER,
     HELLO,

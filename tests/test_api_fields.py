@@ -15,7 +15,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from engines.api.errors import APIError
 from engines.api.fields import check_fields
 from engines.api.schemas import ChatCompletionRequest, CompletionRequest
-from engines.runner import EngineRunner
+from engines.core.runner import EngineRunner
 from tests.helpers_api import (  # noqa: F401
     anyio_backend,
     assert_error,

@@ -19,7 +19,7 @@ import pytest
 
 from engines.api.prompts import longest_token_chars
 from engines.api.schemas import MAX_MESSAGES
-from engines.runner import EngineRunner
+from engines.core.runner import EngineRunner
 from tests.helpers_api import (  # noqa: F401
     anyio_backend,
     assert_error,

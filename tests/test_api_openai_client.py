@@ -15,9 +15,9 @@ import pytest
 import uvicorn
 
 from engines.api import create_app
-from engines.runner import EngineRunner
-from engines.service import Service, ServiceLimits
-from engines.single import SingleEngine
+from engines.core.runner import EngineRunner
+from engines.core.service import Service, ServiceLimits
+from engines.single.engine import SingleEngine
 
 MODEL_ID = "tandem-demo"
 API_KEY = "test-key"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engines import blas
+from engines.core import blas
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 REPORT = """

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from cli.http_server import SHUTDOWN_GRACE_S
-from engines.request_timing import SEGMENTS
+from engines.observability.request_timing import SEGMENTS
 from tests.helpers_browser import Browser, find_browser
 from tests.helpers_cluster import AgentPool, run_cli
 from tests.helpers_serve import ServeProcess, start_serve

@@ -15,8 +15,8 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-import engines.demo_model as demo_model
-from engines.demo_model import (
+import engines.model.demo as demo_model
+from engines.model.demo import (
     EOS_TOKEN,
     SPECIAL_TOKENS,
     DemoSpec,
@@ -115,7 +115,7 @@ def test_same_spec_gives_byte_identical_files_and_seed_changes_weights(tmp_path:
 
 
 def test_tokenizer_training_is_identical_in_a_fresh_process(demo_model_dir: Path) -> None:
-    script = "import sys; from engines.demo_model import _train_tokenizer as t; print(t(1024))"
+    script = "import sys; from engines.model.demo import _train_tokenizer as t; print(t(1024))"
     env = {**os.environ, "PYTHONHASHSEED": "123", "RAYON_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-c", script],

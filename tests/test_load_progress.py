@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from cli import progress
-from engines.load_progress import listening, report
-from engines.single import SingleEngine
+from engines.model.load_progress import listening, report
+from engines.single.engine import SingleEngine
 from tests.helpers_engine import make_request, run_one
 
 
@@ -24,7 +24,7 @@ def test_the_single_engine_reports_every_layer_as_it_loads(demo_model_dir: Path)
 
 
 def test_a_lazily_loaded_engine_still_generates(demo_model_dir: Path) -> None:
-    from engines.runner import EngineRunner
+    from engines.core.runner import EngineRunner
 
     runner = EngineRunner(SingleEngine(demo_model_dir))
     runner.start(60)

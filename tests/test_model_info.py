@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from mlx_lm.models import llama
 
-from engines.model_info import ModelFacts, inspect_model
+from engines.model.info import ModelFacts, inspect_model
 from planner.errors import ModelError
 
 SMALL = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}

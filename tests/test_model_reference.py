@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.model_reference import parse_repo_id, resolve_reference
+from engines.model.reference import parse_repo_id, resolve_reference
 from planner.errors import ModelError
 from tests.helpers_cluster import REPO_ROOT, child_env
 from tests.helpers_hf_cache import COMMIT, cache_repo

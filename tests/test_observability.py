@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engines.api.dashboard_view import render_members
 from engines.api.metrics import _prefix_cache
-from engines.replan_history import ReplanHistory, reason_kind
-from engines.request_log import RequestLog, RequestLogSettings
-from engines.request_timing import SEGMENTS, RequestRecord
+from engines.cluster.replan_history import ReplanHistory, reason_kind
+from engines.observability.request_log import RequestLog, RequestLogSettings
+from engines.observability.request_timing import SEGMENTS, RequestRecord
 from tests.helpers_api import (
     HELLO,
     LONG,

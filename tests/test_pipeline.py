@@ -20,15 +20,15 @@ import pytest
 from cli.status import engine_steps, parse_metrics
 from discovery.cluster_key import format_key, generate_key
 from engines.api.dashboard_view import render_requests
-from engines.base import GenerationRequest
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
 from engines.pipeline import wire
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.schedule import MicroBatchSchedule, Planned
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_worker import StageProcess, StageSpec
 from engines.pipeline.wire import PREFILL_GROUP, Row
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
+from engines.single.engine import SingleEngine
 from planner import allocate_layers
 from planner.errors import ConfigError, EngineError
 from tests.helpers_timing import check_request_shares, flow

@@ -15,7 +15,7 @@ from llguidance import LLMatcher
 
 from discovery.cluster_key import generate_key
 from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
-from engines.base import GenerationRequest
+from engines.core.engine import GenerationRequest
 from engines.pipeline import wire
 from planner import allocate_layers
 from tests.helpers_api import assert_error, chat_body, make_service, open_client

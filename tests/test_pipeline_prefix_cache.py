@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from discovery.cluster_key import generate_key
-from engines.base import GenerationRequest
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.schedule import MicroBatchSchedule
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
+from engines.single.engine import SingleEngine
 from planner import allocate_layers
 from tests.test_pipeline import make_engine, start_workers, status, stop_workers
 

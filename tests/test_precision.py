@@ -8,10 +8,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engines.model_info import inspect_model
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
-from engines.supervisor import plan_nodes
+from engines.cluster.supervisor import plan_nodes
+from engines.core.runner import EngineRunner
+from engines.model.info import inspect_model
+from engines.single.engine import SingleEngine
 from tests.helpers_engine import make_request, run_one
 from tests.test_supervisor import Members, ScriptedEngine, make_supervisor
 

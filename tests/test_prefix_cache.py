@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from engines.base import GenerationRequest
-from engines.prefix_index import PrefixHit, PrefixIndex
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.prefix_cache.index import PrefixHit, PrefixIndex
+from engines.single.engine import SingleEngine
 from engines.tensor_parallel.engine import TensorParallelEngine
 from engines.tensor_parallel.group import loopback_ring_specs
 from planner import Parallelism
@@ -171,8 +171,8 @@ def test_single_branches_hit_in_one_batch_and_stay_exact(cached_runner, cold_run
 
 
 def test_single_a_hit_samples_its_first_token_like_a_cold_engine(cached_runner, cold_runner):
-    """A hit computes its rest and first token in one pass (engines/cached_prefill.py): every
-    per-request option must act on that token as the batch generator would."""
+    """A hit computes its rest and first token in one pass (prefix_cache/cached_prefill.py):
+    every per-request option must act on that token as the batch generator would."""
     tokenizer = cached_runner.engine.tokenizer
     shared = tuple(tokenizer.encode(SYSTEM + " Options follow."))
     run_one(cached_runner, GenerationRequest("options-root", shared, 2))

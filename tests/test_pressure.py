@@ -15,11 +15,11 @@ import pytest
 from discovery.control import MemoryReport
 from discovery.members import CONNECTED, LOST
 from discovery.memory_tiers import CRITICAL, OK, WARN
-from engines.base import Engine, EngineInfo, GenerationRequest, StepOutput
-from engines.pressure import PressureController, PressureSettings, plan_tiers
-from engines.runner import EngineRunner
-from engines.service import Service
-from engines.single import SingleEngine
+from engines.cluster.pressure import PressureController, PressureSettings, plan_tiers
+from engines.core.engine import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.core.runner import EngineRunner
+from engines.core.service import Service
+from engines.single.engine import SingleEngine
 from planner.errors import OverloadedError
 from tests.helpers_api import (  # noqa: F401
     anyio_backend,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from openai import APIError, OpenAI
 
-from engines.base import GenerationRequest
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.single.engine import SingleEngine
 from tests.conftest import make_demo_model
 from tests.helpers_cluster import AgentPool
 from tests.helpers_serve import ServeProcess, start_serve

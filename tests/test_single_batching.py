@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.base import GenerationRequest
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.single.engine import SingleEngine
 from tests.helpers_engine import make_request, run_all, run_one
 
 PROMPTS = ("The quick brown fox", "Once upon a time, in a city by the sea,", "def main():")

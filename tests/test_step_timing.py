@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from engines.observability.step_timing import STEP_BUCKETS, StepTimes
 from engines.pipeline.frame_clock import FrameClock, StageMeter
-from engines.step_timing import STEP_BUCKETS, StepTimes
 from engines.tensor_parallel.step_clock import step_segments
 
 

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from engines import supervisor as supervisor_module
-from engines.base import Engine, EngineInfo, GenerationRequest, StepOutput
-from engines.exclusions import FIRST_EXCLUSION_S, MemberExclusions
-from engines.launch import LaunchSettings
-from engines.model_info import inspect_model
-from engines.runner import EngineRunner
-from engines.service import Service
-from engines.supervisor import ClusterSupervisor, PlanSettings
+from engines.cluster import supervisor as supervisor_module
+from engines.cluster.exclusions import FIRST_EXCLUSION_S, MemberExclusions
+from engines.cluster.launch import LaunchSettings
+from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
+from engines.core.engine import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.core.runner import EngineRunner
+from engines.core.service import Service
+from engines.model.info import inspect_model
 from planner import NodeResources, Parallelism
 from planner.errors import EngineError
 

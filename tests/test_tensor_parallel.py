@@ -21,9 +21,9 @@ from llguidance import LLMatcher
 
 from cli.status import engine_steps, parse_metrics
 from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
-from engines.base import GenerationRequest
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.single.engine import SingleEngine
 from engines.tensor_parallel import (
     TensorParallelEngine,
     WorkerSpec,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from discovery.cluster_key import generate_key
-from engines.model_info import inspect_model
+from engines.model.info import inspect_model
 from engines.weights.fetch import cached_model, fetch_model
 from engines.weights.manifest import MANIFEST_NAME, build_manifest, sha256_of
 from engines.weights.server import WeightServer
@@ -186,7 +186,7 @@ def test_a_stage_receives_only_its_share_and_runs_it(
     computes exactly what the same stage computes from the whole model."""
     import mlx.core as mx
 
-    from engines.model_info import read_tensor_table
+    from engines.model.info import read_tensor_table
     from engines.pipeline.stage_model import StageModel
     from engines.weights.source import WeightSource
 

@@ -10,21 +10,21 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from ..service import Service
-from . import chat, completions, dashboard
-from .auth import PROTECTED_PREFIX, BearerKeyMiddleware
-from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
-from .errors import (
+from engines.api import chat, completions, dashboard
+from engines.api.auth import PROTECTED_PREFIX, BearerKeyMiddleware
+from engines.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from engines.api.errors import (
     SERVER_FAILURE,
     UNAUTHORIZED,
     documented,
     install_error_handlers,
     model_not_found,
 )
-from .metrics import Metrics, MetricsMiddleware
-from .openapi import install_openapi
-from .prompts import DEFAULT_MAX_PROMPT_TOKENS
-from .schemas import ModelCard, ModelList
+from engines.api.metrics import Metrics, MetricsMiddleware
+from engines.api.openapi import install_openapi
+from engines.api.prompts import DEFAULT_MAX_PROMPT_TOKENS
+from engines.api.schemas import ModelCard, ModelList
+from engines.core.service import Service
 
 METRICS_PATH = "/metrics"
 DASHBOARD_PATHS = ("/", "/dashboard")

@@ -8,7 +8,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import APIError
+from engines.api.errors import APIError
 
 PROTECTED_PREFIX = "/v1"
 

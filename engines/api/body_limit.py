@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import APIError
+from engines.api.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 

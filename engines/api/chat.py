@@ -10,14 +10,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..service import Service
-from .constraints import output_grammar
-from .errors import ERROR_RESPONSES, STREAMED
-from .generation import build_request, check_supported, collect, wait_budget_s
-from .logprobs import TokenScore, chat_logprobs
-from .metrics import mark_submitted, received_at
-from .prompts import chat_prompt_tokens
-from .schemas import (
+from engines.api.constraints import output_grammar
+from engines.api.errors import ERROR_RESPONSES, STREAMED
+from engines.api.generation import build_request, check_supported, collect, wait_budget_s
+from engines.api.logprobs import TokenScore, chat_logprobs
+from engines.api.metrics import mark_submitted, received_at
+from engines.api.prompts import chat_prompt_tokens
+from engines.api.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -29,8 +28,8 @@ from .schemas import (
     ToolCallDelta,
     Usage,
 )
-from .streaming import EventStreamResponse, stream_generation
-from .tools import (
+from engines.api.streaming import EventStreamResponse, stream_generation
+from engines.api.tools import (
     ToolCallStream,
     ToolFormat,
     forces_call,
@@ -38,6 +37,7 @@ from .tools import (
     template_tools,
     tool_format_for,
 )
+from engines.core.service import Service
 
 
 class ChatChunks:

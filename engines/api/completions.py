@@ -10,14 +10,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..service import Service
-from .errors import ERROR_RESPONSES, STREAMED
-from .generation import build_request, check_supported, collect, wait_budget_s
-from .logprobs import TokenScore, completion_logprobs
-from .metrics import mark_submitted, received_at
-from .prompts import completion_prompt_tokens
-from .schemas import Completion, CompletionChoice, CompletionRequest, Usage
-from .streaming import EventStreamResponse, stream_generation
+from engines.api.errors import ERROR_RESPONSES, STREAMED
+from engines.api.generation import build_request, check_supported, collect, wait_budget_s
+from engines.api.logprobs import TokenScore, completion_logprobs
+from engines.api.metrics import mark_submitted, received_at
+from engines.api.prompts import completion_prompt_tokens
+from engines.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
+from engines.api.streaming import EventStreamResponse, stream_generation
+from engines.core.service import Service
 
 
 class CompletionChunks:

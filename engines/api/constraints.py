@@ -8,9 +8,9 @@ from typing import Any
 
 from llguidance import LLMatcher
 
-from .errors import APIError
-from .schemas import ChatCompletionRequest
-from .tools import ToolFormat, forces_call
+from engines.api.errors import APIError
+from engines.api.schemas import ChatCompletionRequest
+from engines.api.tools import ToolFormat, forces_call
 
 # Compact JSON: a model that may emit whitespace forever (a small or random one) cannot stall
 # inside the object; the result is the same JSON.

@@ -16,10 +16,10 @@ from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse, Response
 from starlette.responses import StreamingResponse
 
-from ..request_timing import RequestRecord
-from ..service import Service
-from . import dashboard_view as view
-from .errors import APIError
+from engines.api import dashboard_view as view
+from engines.api.errors import APIError
+from engines.core.service import Service
+from engines.observability.request_timing import RequestRecord
 
 UPDATE_INTERVAL_S = 1.0
 SAMPLE_INTERVAL_S = 0.9  # every viewer shares one sample per second

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from ..request_timing import SEGMENTS, RequestRecord
+from engines.observability.request_timing import SEGMENTS, RequestRecord
 
 CHART_WIDTH = 240
 CHART_HEIGHT = 48

@@ -11,9 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engines.api.schemas import ErrorResponse
 from planner.errors import EngineError, OverloadedError, QueueFullError
-
-from .schemas import ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +153,7 @@ async def handle_api_error(_: Request, error: APIError) -> JSONResponse:
 
 
 async def handle_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-    from .fields import refusal_of  # fields builds on this module
+    from engines.api.fields import refusal_of  # fields builds on this module
 
     message, param = describe_validation(error.errors())
     refusal = refusal_of(param)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import APIError
-from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from engines.api.errors import APIError
+from engines.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 UNSUPPORTED = "unsupported_parameter"
 

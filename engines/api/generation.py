@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from ..base import GenerationRequest, TokenEvent
-from ..runner import Submission
-from ..service import Service, ServiceLimits
-from .errors import APIError, engine_unavailable, generation_timeout, model_not_found
-from .fields import check_fields, top_logprobs
-from .logprobs import TokenScore
-from .schemas import SamplingFields
+from engines.api.errors import APIError, engine_unavailable, generation_timeout, model_not_found
+from engines.api.fields import check_fields, top_logprobs
+from engines.api.logprobs import TokenScore
+from engines.api.schemas import SamplingFields
+from engines.core.engine import GenerationRequest, TokenEvent
+from engines.core.runner import Submission
+from engines.core.service import Service, ServiceLimits
 
 log = logging.getLogger(__name__)
 

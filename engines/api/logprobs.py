@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..base import TokenEvent, TopLogprobs
-from .schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from engines.api.schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from engines.core.engine import TokenEvent, TopLogprobs
 
 # JSON has no -Infinity; OpenAI reports a token that cannot be sampled as -9999.0.
 FLOOR = -9999.0

@@ -17,8 +17,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..request_timing import REJECTED, SEGMENTS, RequestRecord, rejected_record
-from ..service import Service
+from engines.core.service import Service
+from engines.observability.request_timing import REJECTED, SEGMENTS, RequestRecord, rejected_record
 
 RECEIVED_AT = "tandem.received_at"  # key in the ASGI scope state: monotonic arrival time
 SUBMITTED = "tandem.submitted"  # set in the scope state once the request reached the queue
@@ -192,7 +192,7 @@ def _prefix_cache(cache: dict[str, Any]) -> Iterator[Metric]:
 
 
 def _step_timing(timing: dict[str, Any]) -> Iterator[Metric]:
-    """The engine's step histograms (engines/step_timing.py StepTimes.snapshot)."""
+    """The engine's step histograms (engines/observability/step_timing.py StepTimes.snapshot)."""
     steps = CounterMetricFamily("tandem_engine_steps", "Engine steps timed (tp steps, pp frames)")
     steps.add_metric([], timing.get("steps") or 0)
     yield steps

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from ..service import Service
+from engines.core.service import Service
 
 # FastAPI documents its own validation error; this app answers those with a 400 instead.
 _FASTAPI_VALIDATION = ("HTTPValidationError", "ValidationError")

@@ -8,8 +8,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from .errors import APIError
-from .schemas import ChatMessage
+from engines.api.errors import APIError
+from engines.api.schemas import ChatMessage
 
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 

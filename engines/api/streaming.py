@@ -12,11 +12,11 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from ..runner import Submission
-from .errors import SERVER_ERROR, APIError, error_body, generation_timeout
-from .generation import GenerationTimeout, failure_of, watch_events
-from .logprobs import TokenScore
-from .schemas import Usage
+from engines.api.errors import SERVER_ERROR, APIError, error_body, generation_timeout
+from engines.api.generation import GenerationTimeout, failure_of, watch_events
+from engines.api.logprobs import TokenScore
+from engines.api.schemas import Usage
+from engines.core.runner import Submission
 
 log = logging.getLogger(__name__)
 

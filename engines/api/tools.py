@@ -9,8 +9,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import APIError
-from .schemas import AssistantToolCall, CalledFunction, ChatCompletionRequest
+from engines.api.errors import APIError
+from engines.api.schemas import AssistantToolCall, CalledFunction, ChatCompletionRequest
 
 log = logging.getLogger(__name__)
 

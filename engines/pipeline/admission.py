@@ -3,10 +3,10 @@ the request queues (Engine.refusal) so that the API answers a 400 instead of a f
 
 from __future__ import annotations
 
-from ..base import GenerationRequest
-from ..sampling import request_seed
-from . import wire
-from .wire import Kind
+from engines.core.engine import GenerationRequest
+from engines.decoding.sampling import request_seed
+from engines.pipeline import wire
+from engines.pipeline.wire import Kind
 
 
 def sampling_of(request: GenerationRequest) -> wire.Sampling:

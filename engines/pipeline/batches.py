@@ -9,11 +9,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from engines.pipeline.stage_model import StageModel
+from engines.pipeline.wire import PREFILL_GROUP, Row, WireError
+from engines.prefix_cache.store import PrefixStore
 from planner.errors import EngineError
-
-from ..prefix_store import PrefixStore
-from .stage_model import StageModel
-from .wire import PREFILL_GROUP, Row, WireError
 
 MAX_GROUPS = 256  # decode micro-batches a stage accepts (the coordinator uses one per stage)
 

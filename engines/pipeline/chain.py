@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from discovery.framing import connect
+from engines.pipeline import wire
+from engines.pipeline.wire import PURPOSE, Kind
 from planner.errors import ChannelError, EngineError
-
-from . import wire
-from .wire import PURPOSE, Kind
 
 log = logging.getLogger(__name__)
 

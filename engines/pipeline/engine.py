@@ -16,21 +16,20 @@ import mlx.core as mx
 from mlx_lm.utils import load_config, load_tokenizer
 
 from discovery.secure_channel import SecureChannel
+from engines.core.engine import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.decoding.grammar import GrammarCompiler
+from engines.observability.step_timing import StepTimes
+from engines.pipeline import wire
+from engines.pipeline.admission import sampling_of, wire_refusal
+from engines.pipeline.batches import StageBatches
+from engines.pipeline.chain import Chain, open_chain
+from engines.pipeline.frame_clock import FrameClock
+from engines.pipeline.schedule import MicroBatchSchedule, Planned
+from engines.pipeline.stage_model import StageModel
+from engines.pipeline.wire import Kind, Row
+from engines.prefix_cache.index import PrefixHit, PrefixIndex
+from engines.prefix_cache.store import NOT_REUSABLE
 from planner.errors import ChannelError, EngineError
-
-from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
-from ..grammar import GrammarCompiler
-from ..prefix_index import PrefixHit, PrefixIndex
-from ..prefix_store import NOT_REUSABLE
-from ..step_timing import StepTimes
-from . import wire
-from .admission import sampling_of, wire_refusal
-from .batches import StageBatches
-from .chain import Chain, open_chain
-from .frame_clock import FrameClock
-from .schedule import MicroBatchSchedule, Planned
-from .stage_model import StageModel
-from .wire import Kind, Row
 
 log = logging.getLogger(__name__)
 

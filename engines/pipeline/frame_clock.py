@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-# The segments of one answered frame (engines/step_timing.py), as the request log and
+# The segments of one answered frame (engines/observability/step_timing.py), as the request log and
 # /metrics name them:
 # stage0      the coordinator's own layers (embedding, its layers, evaluation);
 # stage1..N   each remote stage's layers (the last one's include the head and sampling);

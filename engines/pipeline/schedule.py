@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .wire import PREFILL_GROUP, Row
+from engines.pipeline.wire import PREFILL_GROUP, Row
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,23 +13,22 @@ import mlx.core as mx
 
 from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
-from engines.grammar import GrammarCompiler, LogitsProcessor
-from engines.sampling import (
+from engines.decoding.grammar import GrammarCompiler, LogitsProcessor
+from engines.decoding.sampling import (
     Sampler,
     make_request_processors,
     make_request_sampler,
     token_logprobs,
 )
+from engines.pipeline import wire
+from engines.pipeline.batches import StageBatches
+from engines.pipeline.frame_clock import StageMeter
+from engines.pipeline.stage_model import StageModel
+from engines.pipeline.wire import PURPOSE, Kind, WireError
 from planner.errors import ChannelError, EngineError
 
-from . import wire
-from .batches import StageBatches
-from .frame_clock import StageMeter
-from .stage_model import StageModel
-from .wire import PURPOSE, Kind, WireError
-
 if TYPE_CHECKING:  # only for annotations: stage_worker imports this module
-    from .stage_worker import StageSpec
+    from engines.pipeline.stage_worker import StageSpec
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,12 @@ from mlx_lm.utils import load_config, load_tokenizer
 from discovery.cluster_key import KEY_BYTES, KEY_PREFIX, parse_key
 from discovery.json_child import ChildNotReady, JsonChild, open_protocol_output
 from discovery.secure_channel import SecureChannel
+from engines.core import blas
+from engines.decoding.grammar import GrammarCompiler
+from engines.pipeline.stage_model import StageModel
+from engines.pipeline.stage_server import EncryptedPipelineServer
+from engines.weights.fetch import model_for_assignment, progress_events
 from planner.errors import ConfigError, EngineError, ModelError
-
-from .. import blas
-from ..grammar import GrammarCompiler
-from ..weights.fetch import model_for_assignment, progress_events
-from .stage_model import StageModel
-from .stage_server import EncryptedPipelineServer
 
 log = logging.getLogger(__name__)
 

@@ -430,7 +430,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     context: tuple[int, ...] = ()
     logprobs: int | None = None  # None: off; k: the token's logprob and the top k
-    grammar: str | None = None  # an llguidance grammar the output must match (engines/grammar.py)
+    grammar: str | None = None  # an llguidance grammar the output must match (decoding/grammar.py)
 
     def document(self) -> dict[str, Any]:
         document: dict[str, Any] = {

@@ -14,14 +14,13 @@ from typing import Any
 from mlx_lm.utils import load_config, load_tokenizer
 
 from discovery.json_child import ChildNotReady, JsonChild
+from engines.core.engine import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.decoding.sampling import request_seed
+from engines.observability.step_timing import StepTimes
+from engines.prefix_cache.index import PrefixIndex
+from engines.tensor_parallel.group import WorkerSpec
+from engines.tensor_parallel.step_clock import step_segments
 from planner.errors import EngineError
-
-from ..base import Engine, EngineInfo, GenerationRequest, StepOutput
-from ..prefix_index import PrefixIndex
-from ..sampling import request_seed
-from ..step_timing import StepTimes
-from .group import WorkerSpec
-from .step_clock import step_segments
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,8 @@ from typing import Any
 
 from mlx_lm.utils import load_tokenizer
 
+from engines.decoding.grammar import GrammarCompiler, LogitsProcessor
 from planner.errors import EngineError
-
-from ..grammar import GrammarCompiler, LogitsProcessor
 
 log = logging.getLogger(__name__)
 

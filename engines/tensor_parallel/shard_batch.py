@@ -8,13 +8,12 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.decoding.sampling import make_request_processors, make_request_sampler, token_logprobs
+from engines.prefix_cache.cached_prefill import first_token_from_cache
+from engines.prefix_cache.store import PrefixStore, reusable
+from engines.tensor_parallel.lockstep import Command, update_checksum
+from engines.tensor_parallel.rank_grammar import RankGrammars
 from planner.errors import EngineError
-
-from ..cached_prefill import first_token_from_cache
-from ..prefix_store import PrefixStore, reusable
-from ..sampling import make_request_processors, make_request_sampler, token_logprobs
-from .lockstep import Command, update_checksum
-from .rank_grammar import RankGrammars
 
 DEFAULT_PREFILL_CHUNK = 256
 

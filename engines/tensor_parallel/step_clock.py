@@ -8,9 +8,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .lockstep import Lockstep
+from engines.tensor_parallel.lockstep import Lockstep
 
-# The segments of a tp step (engines/step_timing.py), as the request log and /metrics name them:
+# The segments of a tp step (observability/step_timing.py), as the request log and /metrics name
+# them:
 # all_sum   rank 0's lockstep collectives (the command broadcasts and the checksum sync),
 #           waiting for the slowest rank included;
 # compute   the rest of rank 0's step: finishing the forward pass mlx-lm queued one step

@@ -31,13 +31,10 @@ import mlx.core as mx
 from mlx_lm.utils import load_model
 
 from discovery.json_child import ProtocolOutput, open_protocol_output
-from planner.decision import tp_split_problems
-from planner.errors import EngineError
-
-from .. import blas
-from ..precision import upcast_on_cpu
-from .group import WorkerSpec, group_environment
-from .lockstep import (
+from engines.core import blas
+from engines.model.precision import upcast_on_cpu
+from engines.tensor_parallel.group import WorkerSpec, group_environment
+from engines.tensor_parallel.lockstep import (
     COMMAND_NAMES,
     PING,
     SHUTDOWN,
@@ -47,9 +44,11 @@ from .lockstep import (
     Lockstep,
     idle_wait_s,
 )
-from .rank_grammar import RankGrammars
-from .shard_batch import ShardBatch
-from .step_clock import StepClock
+from engines.tensor_parallel.rank_grammar import RankGrammars
+from engines.tensor_parallel.shard_batch import ShardBatch
+from engines.tensor_parallel.step_clock import StepClock
+from planner.decision import tp_split_problems
+from planner.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +161,7 @@ def load_shard(
     parameter at once, as `sharded_load` does, briefly holds the full tensors).
     """
     from discovery.cluster_key import parse_key
-
-    from ..weights.fetch import model_for_assignment, progress_events
+    from engines.weights.fetch import model_for_assignment, progress_events
 
     # A directory, repo@commit in this machine's HF cache, or the coordinator's copy.
     key = parse_key(spec.cluster_key) if spec.cluster_key else None

@@ -14,11 +14,10 @@ from typing import Any
 
 from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
+from engines.weights.manifest import MANIFEST_NAME, FileEntry, Manifest, hash_prefix
+from engines.weights.server import HANDSHAKE_TIMEOUT_S, MAX_FRAME_BYTES, PURPOSE
 from planner import DISK_MARGIN_BYTES
 from planner.errors import ChannelError, ModelError
-
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, hash_prefix
-from .server import HANDSHAKE_TIMEOUT_S, MAX_FRAME_BYTES, PURPOSE
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +241,7 @@ def model_for_assignment(
     """Where a worker finds its model: the reference resolved here (a directory, or repo@commit
     in this machine's Hugging Face cache), else the coordinator's copy fetched into the
     agent's cache (`weights`: host, port, content_hash, cache_dir)."""
-    from ..model_reference import local_model_path
+    from engines.model.reference import local_model_path
 
     try:
         found = local_model_path(reference)

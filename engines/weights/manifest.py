@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engines.model.reference import DOWNLOAD_PATTERNS
 from planner.errors import ModelError
-
-from ..model_reference import DOWNLOAD_PATTERNS
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ from typing import Any
 
 from discovery.framing import ChannelTimeout
 from discovery.secure_channel import SecureChannel
+from engines.weights.manifest import Manifest
 from planner.errors import ChannelError, ModelError
-
-from .manifest import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from engines.model.info import WEIGHT_GLOB, inspect_model
+from engines.model.reference import DOWNLOAD_PATTERNS
+from engines.weights.manifest import FileEntry, Manifest, build_manifest
+from engines.weights.server import CHUNK_BYTES, Offer, WeightServer, directory_offer
+from engines.weights.subset import SUBSET_FILE, StageShare, stage_file
 from planner.errors import ModelError
-
-from ..model_info import WEIGHT_GLOB, inspect_model
-from ..model_reference import DOWNLOAD_PATTERNS
-from .manifest import FileEntry, Manifest, build_manifest
-from .server import CHUNK_BYTES, Offer, WeightServer, directory_offer
-from .subset import SUBSET_FILE, StageShare, stage_file
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from engines.model.info import EMBEDDING_NAMES, HEAD_NAMES, WEIGHT_GLOB, _read_header
 from planner.errors import ModelError
-
-from ..model_info import EMBEDDING_NAMES, HEAD_NAMES, WEIGHT_GLOB, _read_header
 
 LAYER_PATTERN = re.compile(r"\.layers\.(\d+)\.")
 SUBSET_FILE = "model.safetensors"

@@ -28,9 +28,9 @@ from typing import Any
 
 import httpx
 
-from engines.base import GenerationRequest
-from engines.demo_model import ensure_demo_model
-from engines.runner import EngineRunner
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.model.demo import ensure_demo_model
 
 from .bench_single import MODEL, MODEL_CACHE, ServerProcess, mlx_server_command, tandem_command
 from .common import free_port, markdown_table, write_section
@@ -356,7 +356,7 @@ def main() -> None:
 
 def stall_note(model_path: Path) -> str:
     """How long a 2,000-token newcomer stalls 4 running streams (chunked prefill)."""
-    from engines.single import DEFAULT_PREFILL_CHUNK, SingleEngine
+    from engines.single.engine import DEFAULT_PREFILL_CHUNK, SingleEngine
 
     runner = EngineRunner(SingleEngine(model_path), queue_size=8)
     runner.start(300)

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from engines.demo_model import DemoSpec, ensure_demo_model
+from engines.model.demo import DemoSpec, ensure_demo_model
 
 from .bench_single import MODEL_CACHE, ServerProcess, mlx_server_command, tandem_command
 from .common import free_port, markdown_table, write_section

@@ -16,10 +16,10 @@ from pathlib import Path
 from llguidance import LLMatcher
 
 from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
-from engines.base import GenerationRequest
-from engines.demo_model import ensure_demo_model
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.model.demo import ensure_demo_model
+from engines.single.engine import SingleEngine
 from engines.tensor_parallel.rank_grammar import RankGrammars
 from tests.helpers_engine import run_one
 

@@ -23,13 +23,13 @@ from pathlib import Path
 from discovery.cluster_key import generate_key
 from discovery.framing import connect, recv_frame, send_frame
 from discovery.sealing import derive_session_keys
-from engines.base import GenerationRequest
-from engines.demo_model import DemoSpec, write_demo_model
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.model.demo import DemoSpec, write_demo_model
 from engines.pipeline import wire
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.stage_worker import StageProcess
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
+from engines.single.engine import SingleEngine
 from planner import allocate_layers
 from tests.bench.common import BENCHMARKS_DOC, markdown_table, write_section
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 
-from engines.base import GenerationRequest
-from engines.demo_model import ensure_demo_model
-from engines.runner import EngineRunner
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.model.demo import ensure_demo_model
 
 from .bench_single import MODEL, MODEL_CACHE, ServerProcess, tandem_command
 from .common import free_port, markdown_table, write_section

@@ -23,10 +23,10 @@ from typing import Any
 
 import httpx
 
-from engines.base import GenerationRequest
-from engines.demo_model import DemoSpec, ensure_demo_model
-from engines.runner import EngineRunner
-from engines.single import SingleEngine
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.model.demo import DemoSpec, ensure_demo_model
+from engines.single.engine import SingleEngine
 
 from .common import (
     Sample,

@@ -2,9 +2,10 @@
 
 Run from the project root: `python -m tests.bench.bench_step_timing` (about a minute). A
 two-rank ring and a two-stage sealed pipeline over 127.0.0.1 decode greedy streams of the
-benchmark demo model; the table is each engine's own step timing (engines/step_timing.py,
-what /metrics exports as tandem_engine_step_seconds), the mean per step in milliseconds. It
-prints a markdown section and writes it to docs/benchmarks.md under "## Engine step timing".
+benchmark demo model; the table is each engine's own step timing
+(engines/observability/step_timing.py, what /metrics exports as tandem_engine_step_seconds),
+the mean per step in milliseconds. It prints a markdown section and writes it to
+docs/benchmarks.md under "## Engine step timing".
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from engines.base import GenerationRequest
-from engines.demo_model import DemoSpec, write_demo_model
-from engines.runner import EngineRunner
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.model.demo import DemoSpec, write_demo_model
 from tests.bench.common import BENCHMARKS_DOC, markdown_table, write_section
 from tests.bench.pipeline_cluster import open_pipeline_runner
 from tests.bench.tp_cluster import open_tensor_parallel_runner

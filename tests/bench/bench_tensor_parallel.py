@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engines.base import GenerationRequest
-from engines.demo_model import DemoSpec, ensure_demo_model
-from engines.single import SingleEngine
+from engines.core.engine import GenerationRequest
+from engines.model.demo import DemoSpec, ensure_demo_model
+from engines.single.engine import SingleEngine
 from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
 
 from .common import (

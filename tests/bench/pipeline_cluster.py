@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from discovery.cluster_key import generate_key
-from engines.model_info import inspect_model
+from engines.core.runner import EngineRunner
+from engines.model.info import inspect_model
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.stage_worker import StageProcess
-from engines.runner import EngineRunner
 from planner import allocate_layers
 
 HOST = "127.0.0.1"

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from engines.runner import EngineRunner
+from engines.core.runner import EngineRunner
 from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
 
 from .common import PROJECT_ROOT

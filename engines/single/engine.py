@@ -11,16 +11,20 @@ from mlx_lm import load as load_model_and_tokenizer
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.core.engine import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.decoding.grammar import GrammarCompiler
+from engines.decoding.sampling import (
+    make_request_processors,
+    make_request_sampler,
+    request_seed,
+    token_logprobs,
+)
+from engines.model.load_progress import evaluate_by_layer
+from engines.model.precision import upcast_on_cpu
+from engines.prefix_cache.cached_prefill import first_token_from_cache
+from engines.prefix_cache.index import PrefixIndex
+from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
 from planner.errors import EngineError
-
-from .base import Engine, EngineInfo, GenerationRequest, StepOutput
-from .cached_prefill import first_token_from_cache
-from .grammar import GrammarCompiler
-from .load_progress import evaluate_by_layer
-from .precision import upcast_on_cpu
-from .prefix_index import PrefixIndex
-from .prefix_store import NOT_REUSABLE, PrefixStore, reusable
-from .sampling import make_request_processors, make_request_sampler, request_seed, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +104,7 @@ class SingleEngine(Engine):
         if hit is not None:
             caches, prefix = self._prefix_store.take_prefix(hit.entry_id, hit.tokens)
             if len(prompt) - hit.tokens <= self.prefill_chunk:
-                # the rest and the first token in one forward pass (engines/cached_prefill.py)
+                # the rest and the first token in one forward pass (prefix_cache/cached_prefill.py)
                 with mx.stream(self._generator.stream):
                     token, logprobs = first_token_from_cache(
                         self.model, caches, prompt[hit.tokens :], prompt, sampler, processors

@@ -1,6 +1,6 @@
 """PrefixStore: one node's share of every prefix-cache entry (its layers, or its tp shard).
 
-The index (engines/prefix_index.py) decides; the store only keeps, hands out and drops.
+The index (engines/prefix_cache/index.py) decides; the store only keeps, hands out and drops.
 Handing out never changes the stored entry: a plain KV cache is re-wrapped around a slice of
 the stored arrays (mlx arrays are values, so the new sequence's writes cannot reach them);
 any other cache is deep-copied and trimmed. Two conversations branching from one system

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from discovery.framing import free_port
+from engines.core import blas
+from engines.core.engine import Engine
 from planner import ClusterPlan, Parallelism
 from planner.errors import EngineError, PeerError
-
-from . import blas
-from .base import Engine
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +74,7 @@ def build_engine(
     share = _share_cores(plan, addresses, settings.coordinator_address)
     blas.set_threads(share)
     if chosen == Parallelism.SINGLE:
-        from .single import SingleEngine
+        from engines.single.engine import SingleEngine
 
         return SingleEngine(
             settings.model_path,
@@ -96,8 +95,8 @@ def _build_tensor_parallel(
     membership: MembershipLike,
     addresses: dict[str, str],
 ) -> Engine:
-    from .tensor_parallel.engine import TensorParallelEngine
-    from .tensor_parallel.group import ring_specs
+    from engines.tensor_parallel.engine import TensorParallelEngine
+    from engines.tensor_parallel.group import ring_specs
 
     rank_addresses = [addresses[node_id] for node_id in plan.ranks]
     ports = [_ring_port(address, rank, settings) for rank, address in enumerate(rank_addresses)]
@@ -149,7 +148,7 @@ def _build_pipeline(
     membership: MembershipLike,
     addresses: dict[str, str],
 ) -> Engine:
-    from .pipeline.engine import EncryptedPipelineEngine
+    from engines.pipeline.engine import EncryptedPipelineEngine
 
     share = _share_cores(plan, addresses, settings.coordinator_address)
     # Bound now and handed to the engine: no other process can take the port meanwhile.

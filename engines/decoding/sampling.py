@@ -8,7 +8,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 
-from .base import GenerationRequest, TopLogprobs
+from engines.core.engine import GenerationRequest, TopLogprobs
 
 Sampler = Callable[[mx.array], mx.array]
 SEED_BITS = 31

@@ -15,10 +15,9 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
+from engines.core.engine import Engine, GenerationRequest, TokenEvent
+from engines.core.sequence import ActiveSequence
 from planner.errors import EngineError, QueueFullError
-
-from .base import Engine, GenerationRequest, TokenEvent
-from .sequence import ActiveSequence
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class Submission:
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.cancelled = threading.Event()
         self.done = False
-        # Monotonic timestamps of the latency breakdown (engines/request_timing.py).
+        # Monotonic timestamps of the latency breakdown (engines/observability/request_timing.py).
         self.submitted_at = time.monotonic()
         self.received_at = self.submitted_at if received_at is None else received_at
         self.admitted_at: float | None = None

@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .base import TokenEvent
+from engines.core.engine import TokenEvent
 
 if TYPE_CHECKING:
-    from .runner import Submission
+    from engines.core.runner import Submission
 
 # The latency segments of a request, in order; they add up to its duration. The metrics
 # (tandem_request_segment_seconds{segment=...}) and the request log use the same names.
@@ -42,7 +42,7 @@ class RequestRecord:
     time_to_first_token_s: float | None  # None when no token came
     prompt_token_ids: tuple[int, ...] = ()  # only ever logged when the operator asks for it
     http_status: int | None = None  # set for a request the API refused before the engine saw it
-    # The engine's own step segments (engines/step_timing.py: tp all_sum, pp hops and
+    # The engine's own step segments (engines/observability/step_timing.py: tp all_sum, pp hops and
     # sealing) summed over the steps that carried this request. Steps are shared by the
     # batch, so these overlap the other requests' and lie inside prefill + decode.
     engine_s: tuple[tuple[str, float], ...] = ()

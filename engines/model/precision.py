@@ -3,7 +3,7 @@
 mlx's CPU matmul has a BLAS path for float32 only: a bfloat16 model computes ~20x slower than
 the same model in float32 (see docs/operations.md). On the CPU device, when the plan allows it,
 the floating parameters of a non-quantized model are cast to float32 after loading; the planner
-counts the doubled weights (engines/model_info.ModelFacts.to_shape).
+counts the doubled weights (engines/model/info.py.ModelFacts.to_shape).
 """
 
 from __future__ import annotations

@@ -19,9 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
+from engines.model.demo_architectures import (
+    ARCHITECTURE_NAMES,
+    CONFIG_EXTRAS,
+    TIED_BY_DEFAULT,
+    make_weights,
+)
 from planner.errors import ConfigError
-
-from .demo_architectures import ARCHITECTURE_NAMES, CONFIG_EXTRAS, TIED_BY_DEFAULT, make_weights
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.core.engine import GenerationRequest, TokenEvent
+from engines.core.runner import EngineRunner, Submission
+from engines.observability.request_timing import RequestRecord, record_of
 from planner.errors import EngineError
-
-from .base import GenerationRequest, TokenEvent
-from .request_timing import RequestRecord, record_of
-from .runner import EngineRunner, Submission
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ class Service:
     state: str = "starting"
     state_reason: str = ""
     cluster_status: Callable[[], dict[str, Any]] = dict
-    pressure: Any = None  # engines/pressure.PressureController: memory tiers, 503 at critical
+    pressure: Any = None  # cluster.pressure.PressureController: memory tiers, 503 at critical
     # Called on the scheduler thread with every finished request (metrics, request log).
     request_listeners: list[Callable[[RequestRecord], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)

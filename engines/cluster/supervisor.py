@@ -9,17 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engines.cluster.exclusions import MemberExclusions
+from engines.cluster.launch import LaunchSettings, build_engine
+from engines.cluster.replan_history import ReplanHistory
+from engines.core.engine import Engine
+from engines.core.runner import EngineRunner
+from engines.core.service import Service
+from engines.model.info import ModelFacts
+from engines.model.precision import on_cpu
 from planner import ClusterPlan, NodeResources, Parallelism, TransferSizes, plan_cluster
 from planner.errors import PlanError, TandemError
-
-from .base import Engine
-from .exclusions import MemberExclusions
-from .launch import LaunchSettings, build_engine
-from .model_info import ModelFacts
-from .precision import on_cpu
-from .replan_history import ReplanHistory
-from .runner import EngineRunner
-from .service import Service
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ def plan_nodes(
     """
     transfer = None
     if weights is not None and members:
-        from .weights.holdings import with_holdings
+        from engines.weights.holdings import with_holdings
 
         nodes = with_holdings(nodes, members, weights.content_hash)
         transfer = TransferSizes(facts.to_shape(), weights.model_bytes())
@@ -312,7 +311,7 @@ class ClusterSupervisor:
             "model": self.facts.to_dict(),
         }
         pressure = self.service.pressure
-        if pressure is not None:  # memory tiers (engines/pressure.py)
+        if pressure is not None:  # memory tiers (engines/cluster/pressure.py)
             body["coordinator"] |= pressure.coordinator_memory()
             body["memory_pressure"] = pressure.describe()
         return body

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .base import StepOutput, TokenEvent
-from .stop_text import StopTextFilter
+from engines.core.engine import StepOutput, TokenEvent
+from engines.decoding.stop_text import StopTextFilter
 
 if TYPE_CHECKING:
-    from .runner import Submission
+    from engines.core.runner import Submission
 
 
 class ActiveSequence:

@@ -12,10 +12,9 @@ from typing import Any
 from discovery.members import CONNECTED
 from discovery.memory_monitor import MemoryMonitor
 from discovery.memory_tiers import CRITICAL, OK, WARN, severity, worst_tier
+from engines.core.service import Service
 from planner import ClusterPlan
 from planner.errors import OverloadedError
-
-from .service import Service
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .request_timing import RequestRecord
+from engines.observability.request_timing import RequestRecord
 
 LOGGER_NAME = "tandem.requests"
 RECORD_ATTRIBUTE = "tandem_request"  # the LogRecord attribute carrying the RequestRecord

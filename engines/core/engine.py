@@ -72,7 +72,7 @@ class EngineInfo:
 
 
 class Engine(abc.ABC):
-    """A batch of sequences, advanced together; the scheduler (engines/runner.py) drives it.
+    """A batch of sequences, advanced together; the scheduler (engines/core/runner.py) drives it.
 
     Lifecycle: `load()` once on the scheduler's thread (mlx state is per-thread), then any
     interleaving of `insert()`, `remove()` and `step()` on that same thread, then `close()`.
@@ -131,9 +131,9 @@ class Engine(abc.ABC):
         return 0
 
     def step_times(self, uid: int) -> dict[str, float]:
-        """Scheduler thread: seconds of the engine's own step segments (engines/step_timing.py)
-        spent on steps that carried `uid`, for its request log line; engines that measure
-        none return {}."""
+        """Scheduler thread: seconds of the engine's own step segments
+        (observability/step_timing.py) spent on steps that carried `uid`, for its request log
+        line; engines that measure none return {}."""
         return {}
 
     def abort(self, reason: str) -> None:  # noqa: B027 (optional: single has nothing remote)

@@ -1,0 +1,1 @@
+"""Running a plan on the cluster: launch, supervision and re-planning, memory pressure."""

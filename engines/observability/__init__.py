@@ -1,0 +1,1 @@
+"""What happened: step timing, per-request records and the request log."""

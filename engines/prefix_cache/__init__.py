@@ -1,0 +1,1 @@
+"""The prefix cache: which prompts are cached, each node's share, a hit's prefill."""

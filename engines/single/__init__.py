@@ -1,0 +1,1 @@
+"""The single engine: the whole model on this machine, batched by mlx-lm."""
