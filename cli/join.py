@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         assert capabilities is not None
         available = format_memory_size(capabilities.memory_available)
         total = format_memory_size(capabilities.memory_total)
-        # Scripts (and tests/helpers_cluster.py) wait for this line.
+        # Scripts (and tests/helpers/cluster.py) wait for this line.
         print(
             f"tandem join: node {agent.node_id} ready on {agent.bind_host}:{agent.control_port} "
             f"(cluster {agent.cluster_id}, memory {available} of {total} available, "

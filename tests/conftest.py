@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from engines.model.demo import DemoSpec, ensure_demo_model
-from tests.helpers_cluster import AgentPool
-from tests.helpers_serve import ServeProcess
+from tests.helpers.cluster import AgentPool
+from tests.helpers.serve import ServeProcess
 
 # Three heads: a model that tensor parallelism over two ranks cannot split.
 ODD_HEADS = {"heads": 3, "kv_heads": 3}

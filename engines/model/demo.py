@@ -318,7 +318,7 @@ def _train_tokenizer(vocab_size: int) -> str:
     """Train a byte-level BPE tokenizer on the shipped corpus; returns tokenizer.json text.
 
     The tokenizers trainer is deterministic for a fixed input (verified across processes in
-    tests/test_demo_model.py), and it runs once per process per vocab size.
+    tests/model/test_demo_model.py), and it runs once per process per vocab size.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

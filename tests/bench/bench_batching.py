@@ -31,9 +31,14 @@ import httpx
 from engines.core.engine import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.demo import ensure_demo_model
-
-from .bench_single import MODEL, MODEL_CACHE, ServerProcess, mlx_server_command, tandem_command
-from .common import free_port, markdown_table, write_section
+from tests.bench.bench_single import (
+    MODEL,
+    MODEL_CACHE,
+    ServerProcess,
+    mlx_server_command,
+    tandem_command,
+)
+from tests.bench.common import free_port, markdown_table, write_section
 
 HOST = "127.0.0.1"
 CONCURRENCY = (1, 2, 4, 8, 16)
@@ -376,8 +381,8 @@ def build_contenders(
     model_path: Path, cleanup: contextlib.ExitStack, only: list[str] | None
 ) -> dict[str, Callable[[int], Awaitable[Burst]]]:
     """Start every server and engine; `cleanup` stops them all, whatever happens later."""
-    from .pipeline_cluster import open_pipeline_runner
-    from .tp_cluster import open_tensor_parallel_runner
+    from tests.bench.pipeline_cluster import open_pipeline_runner
+    from tests.bench.tp_cluster import open_tensor_parallel_runner
 
     wanted = (lambda name: any(part in name for part in only)) if only else (lambda name: True)
     scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="tandem-batch-")))

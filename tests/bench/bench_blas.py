@@ -24,9 +24,8 @@ from typing import Any
 import httpx
 
 from engines.model.demo import DemoSpec, ensure_demo_model
-
-from .bench_single import MODEL_CACHE, ServerProcess, mlx_server_command, tandem_command
-from .common import free_port, markdown_table, write_section
+from tests.bench.bench_single import MODEL_CACHE, ServerProcess, mlx_server_command, tandem_command
+from tests.bench.common import free_port, markdown_table, write_section
 
 HOST = "127.0.0.1"
 PROMPT_TOKENS = 1024

@@ -21,10 +21,9 @@ from engines.core.runner import EngineRunner
 from engines.model.demo import ensure_demo_model
 from engines.single.engine import SingleEngine
 from engines.tensor_parallel.rank_grammar import RankGrammars
-from tests.helpers_engine import run_one
-
-from .common import markdown_table
-from .tp_cluster import open_tensor_parallel_runner
+from tests.bench.common import markdown_table
+from tests.bench.tp_cluster import open_tensor_parallel_runner
+from tests.helpers.engine import run_one
 
 MODEL_CACHE = Path(tempfile.gettempdir()) / "tandem-bench"
 PROMPT = "The quick brown fox"

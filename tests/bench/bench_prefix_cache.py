@@ -32,9 +32,8 @@ import httpx
 from engines.core.engine import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.demo import ensure_demo_model
-
-from .bench_single import MODEL, MODEL_CACHE, ServerProcess, tandem_command
-from .common import free_port, markdown_table, write_section
+from tests.bench.bench_single import MODEL, MODEL_CACHE, ServerProcess, tandem_command
+from tests.bench.common import free_port, markdown_table, write_section
 
 HOST = "127.0.0.1"
 ROUNDS = 3
@@ -156,8 +155,8 @@ async def shared_system_prompt(ask: Ask, tag: str) -> tuple[float, int, int, flo
 
 
 def build(model_path: Path, cleanup: contextlib.ExitStack, only: list[str] | None):
-    from .pipeline_cluster import open_pipeline_runner
-    from .tp_cluster import open_tensor_parallel_runner
+    from tests.bench.pipeline_cluster import open_pipeline_runner
+    from tests.bench.tp_cluster import open_tensor_parallel_runner
 
     wanted = (lambda name: any(part in name for part in only)) if only else (lambda name: True)
     scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="tandem-prefix-")))

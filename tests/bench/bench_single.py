@@ -27,8 +27,7 @@ from engines.core.engine import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.demo import DemoSpec, ensure_demo_model
 from engines.single.engine import SingleEngine
-
-from .common import (
+from tests.bench.common import (
     Sample,
     cpu_ms_per_token,
     free_port,

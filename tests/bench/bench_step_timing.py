@@ -24,7 +24,7 @@ from engines.model.demo import DemoSpec, write_demo_model
 from tests.bench.common import BENCHMARKS_DOC, markdown_table, write_section
 from tests.bench.pipeline_cluster import open_pipeline_runner
 from tests.bench.tp_cluster import open_tensor_parallel_runner
-from tests.helpers_engine import run_all
+from tests.helpers.engine import run_all
 
 MODEL = DemoSpec(layers=8, hidden=512, heads=8, kv_heads=4, vocab=1024)
 PROMPT = "The step timing benchmark splits every step of the engine into its parts."

@@ -25,8 +25,7 @@ from engines.core.engine import GenerationRequest
 from engines.model.demo import DemoSpec, ensure_demo_model
 from engines.single.engine import SingleEngine
 from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
-
-from .common import (
+from tests.bench.common import (
     PROJECT_ROOT,
     Sample,
     markdown_table,

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from engines.core.runner import EngineRunner
 from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
-
-from .common import PROJECT_ROOT
+from tests.bench.common import PROJECT_ROOT
 
 WORKER = [sys.executable, "-m", "engines.tensor_parallel.worker"]
 LOAD_TIMEOUT_S = 180.0

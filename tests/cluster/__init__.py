@@ -1,0 +1,1 @@
+"""Tests of launching, supervising and re-planning a cluster."""

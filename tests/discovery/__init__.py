@@ -1,0 +1,1 @@
+"""Tests of discovery, the control channel and the secure channel."""

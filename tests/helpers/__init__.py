@@ -1,0 +1,1 @@
+"""What tests share: demo engines, API clients, real serve/join processes, fixtures."""

@@ -1,0 +1,1 @@
+"""Tests of model facts, references, precision and the demo models."""

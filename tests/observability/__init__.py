@@ -1,0 +1,1 @@
+"""Tests of metrics, step timing and the request log."""

@@ -1,0 +1,361 @@
+"""Metrics, the request record and log, and the dashboard stream, on a real SingleEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engines.api.dashboard_view import render_members
+from engines.api.metrics import _prefix_cache
+from engines.cluster.replan_history import ReplanHistory, reason_kind
+from engines.observability.request_log import RequestLog, RequestLogSettings
+from engines.observability.request_timing import SEGMENTS, RequestRecord
+from tests.helpers.api import (
+    HELLO,
+    LONG,
+    MODEL_ID,
+    anyio_backend,  # noqa: F401
+    client,  # noqa: F401
+    idle_runner,  # noqa: F401
+    make_service,
+    open_client,
+    runner,  # noqa: F401
+    wait_idle,
+)
+
+pytestmark = pytest.mark.anyio
+CHAT = "/v1/chat/completions"
+ROUNDING_S = 1e-5  # the log rounds every duration to the microsecond
+
+
+def scrape_text(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}"] = sample.value
+    return values
+
+
+async def scrape(client: Any) -> dict[str, float]:
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return scrape_text(response.text)
+
+
+def chat(max_tokens: int = 6, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL_ID, "messages": HELLO, "max_tokens": max_tokens, "stream": stream}
+    return body | extra
+
+
+async def test_metrics_move_as_requests_flow(runner: Any) -> None:
+    service = make_service(runner)
+    async with open_client(service) as client:
+        before = await scrape(client)
+        completion_tokens = 0
+        for max_tokens in (4, 7):
+            response = await client.post(CHAT, json=chat(max_tokens))
+            assert response.status_code == 200
+            completion_tokens += response.json()["usage"]["completion_tokens"]
+        streamed = await client.post(CHAT, json=chat(5, stream=True))
+        assert streamed.status_code == 200 and "[DONE]" in streamed.text
+        assert (await client.post(CHAT, json=chat(0))).status_code == 400
+        assert (await client.get("/no/such/page")).status_code == 404
+        after = await scrape(client)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    ok = "tandem_http_requests_total{method=POST,route=/v1/chat/completions,status=200}"
+    assert delta(ok) == 3
+    assert delta(ok.replace("200", "400")) == 1
+    assert delta("tandem_http_requests_total{method=GET,route=other,status=404}") == 1
+    assert delta("tandem_requests_finished_total{finish_reason=length}") == 3
+    assert delta("tandem_tokens_total{kind=completion}") == completion_tokens + 5
+    assert delta("tandem_tokens_total{kind=prompt}") > 0
+    assert delta("tandem_tokens_total{kind=cached}") == 0
+    assert delta("tandem_request_duration_seconds_count{}") == 3
+    assert delta("tandem_time_to_first_token_seconds_count{}") == 3
+    assert delta("tandem_inter_token_latency_seconds_count{}") == 3
+    for segment in SEGMENTS:
+        assert delta(f"tandem_request_segment_seconds_count{{segment={segment}}}") == 3
+    segments = sum(delta(f"tandem_request_segment_seconds_sum{{segment={s}}}") for s in SEGMENTS)
+    assert segments == pytest.approx(delta("tandem_request_duration_seconds_sum{}"), abs=1e-6)
+    assert delta("tandem_generated_tokens_total{}") >= completion_tokens + 5
+    assert after["tandem_batch_capacity{}"] == runner.max_batch
+    assert after["tandem_queue_capacity{}"] == runner.queue_size
+    assert after["tandem_serving{state=ok}"] == 1
+    assert after["tandem_engine_info{strategy=single,world_size=1}"] == 1
+
+
+async def test_active_sequences_and_queue_show_a_running_request(runner: Any) -> None:
+    service = make_service(runner)
+    async with open_client(service) as client:
+        task = asyncio.create_task(client.post(CHAT, json=chat(LONG)))
+        deadline = time.monotonic() + 10
+        while runner.active == 0:
+            assert time.monotonic() < deadline, "the long request never started"
+            await asyncio.sleep(0.02)
+        during = await scrape(client)
+        for submission in runner.running():
+            submission.cancel()
+        assert (await task).status_code == 503  # the generation ended "cancelled"
+    wait_idle(runner)
+    assert during["tandem_active_sequences{}"] == 1
+    assert during["tandem_queue_depth{}"] == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "metrics_status", "dashboard_status"),
+    [({}, 401, 401), ({"metrics_open": True, "dashboard_open": True}, 200, 200)],
+)
+async def test_metrics_and_dashboard_follow_the_api_key(
+    runner: Any, options: dict[str, bool], metrics_status: int, dashboard_status: int
+) -> None:
+    service = make_service(runner, api_key="sesame")
+    async with open_client(service, **options) as client:
+        assert (await client.get("/metrics")).status_code == metrics_status
+        page = await client.get("/")
+        assert page.status_code == dashboard_status
+        if dashboard_status == 401:  # a browser prompts for the key as a Basic password
+            assert page.headers["www-authenticate"].startswith("Basic")
+        bearer = {"Authorization": "Bearer sesame"}
+        assert (await client.get("/metrics", headers=bearer)).status_code == 200
+        basic = "Basic " + base64.b64encode(b"operator:sesame").decode()
+        assert (await client.get("/", headers={"Authorization": basic})).status_code == 200
+        wrong = "Basic " + base64.b64encode(b"operator:guess").decode()
+        status = (await client.get("/dashboard", headers={"Authorization": wrong})).status_code
+        assert status == dashboard_status
+        assert (await client.get("/v1/models")).status_code == 401  # the API itself stays shut
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_every_request_leaves_one_log_line_whose_segments_add_up(
+    runner: Any, tmp_path: Path
+) -> None:
+    service = make_service(runner)
+    records: list[RequestRecord] = []
+    service.request_listeners.append(records.append)
+    log_path = tmp_path / "requests.log"
+    request_log = RequestLog(RequestLogSettings(path=log_path), tokenizer=lambda: None)
+    service.request_listeners.append(request_log.write)
+    walls: dict[str, float] = {}
+    try:
+        async with open_client(service) as client:
+
+            async def timed(body: dict[str, Any]) -> None:
+                began = time.monotonic()
+                response = await client.post(CHAT, json=body)
+                assert response.status_code == 200
+                walls[response.json()["id"]] = time.monotonic() - began
+
+            await asyncio.gather(*(timed(chat(n)) for n in (3, 9, 17, 1)))
+    finally:
+        request_log.close()
+    lines = log_path.read_text().splitlines()
+    assert len(lines) == len(records) == 4
+    for line in lines:
+        entry = json.loads(line)
+        assert set(entry) >= {"id", "model", "strategy", "finish_reason", "error", "segments_s"}
+        assert "prompt" not in entry and "Hello" not in line
+        assert entry["model"] == MODEL_ID and entry["strategy"] == "single"
+        assert list(entry["segments_s"]) == list(SEGMENTS)
+        parts = sum(entry["segments_s"].values())
+        assert parts == pytest.approx(entry["duration_s"], abs=4 * ROUNDING_S)
+        # the server's duration lies inside what the client measured around it
+        assert entry["duration_s"] <= walls[entry["id"]] + ROUNDING_S
+        assert walls[entry["id"]] - entry["duration_s"] < 0.5
+        assert entry["time_to_first_token_s"] <= entry["duration_s"] + ROUNDING_S
+        assert entry["segments_s"]["prefill"] > 0 and entry["segments_s"]["parse"] > 0
+        assert entry["completion_tokens"] in (1, 3, 9, 17)
+
+
+async def test_a_request_refused_up_front_leaves_one_rejected_record(runner: Any) -> None:
+    service = make_service(runner, api_key="sesame")
+    records: list[RequestRecord] = []
+    service.request_listeners.append(records.append)
+    key = {"Authorization": "Bearer sesame"}
+    async with open_client(service) as client:
+        assert (await client.post(CHAT, json=chat(0), headers=key)).status_code == 400
+        assert (await client.post(CHAT, json=chat(2))).status_code == 401
+        assert (await client.post(CHAT, json=chat(2), headers=key)).status_code == 200
+        assert (await client.get("/v1/models")).status_code == 401  # not a generation
+        metrics = scrape_text((await client.get("/metrics", headers=key)).text)
+    invalid, unauthorized, served = records
+    assert (invalid.finish_reason, invalid.http_status) == ("rejected", 400)
+    assert "max_tokens" in (invalid.error or "") and invalid.request_id == ""
+    assert (unauthorized.http_status, unauthorized.error) == (401, unauthorized.error)
+    assert "Authorization" in (unauthorized.error or "")
+    assert served.finish_reason == "length" and served.http_status is None
+    for record in records:
+        assert record.duration_s == pytest.approx(sum(record.segments().values()))
+    assert invalid.to_dict()["id"] is None and invalid.to_dict()["http_status"] == 400
+    assert metrics["tandem_requests_finished_total{finish_reason=rejected}"] == 2
+    assert metrics["tandem_request_duration_seconds_count{}"] == 1  # rejections stay out
+    route = "tandem_http_requests_total{method=POST,route=/v1/chat/completions,status=401}"
+    assert metrics[route] == 1
+
+
+async def test_the_log_carries_the_prompt_only_when_asked(runner: Any, tmp_path: Path) -> None:
+    service = make_service(runner)
+    settings = RequestLogSettings(path=tmp_path / "with-prompts.log", include_prompt=True)
+    request_log = RequestLog(settings, tokenizer=lambda: service.tokenizer)
+    service.request_listeners.append(request_log.write)
+    try:
+        async with open_client(service) as client:
+            body = {"model": MODEL_ID, "prompt": "the quick brown fox", "max_tokens": 2}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+    finally:
+        request_log.close()
+    (entry,) = [json.loads(line) for line in settings.path.read_text().splitlines()]
+    assert "the quick brown fox" in entry["prompt"]
+    assert not logging.getLogger("tandem.requests").propagate
+
+
+async def test_a_cancelled_request_is_logged_with_its_queue_and_prefill_time(runner: Any) -> None:
+    service = make_service(runner)
+    records: list[RequestRecord] = []
+    service.request_listeners.append(records.append)
+    async with open_client(service) as client:
+        task = asyncio.create_task(client.post(CHAT, json=chat(LONG, stream=True)))
+        deadline = time.monotonic() + 10
+        while runner.active == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        for submission in runner.running():
+            submission.cancel()
+        await task
+    wait_idle(runner)
+    (record,) = records
+    assert record.finish_reason == "cancelled"
+    assert record.duration_s == pytest.approx(sum(record.segments().values()))
+    assert record.queue_s >= 0 and record.prefill_s > 0
+
+
+async def test_the_dashboard_stream_delivers_updates(runner: Any) -> None:
+    service = make_service(runner)
+    async with open_client(service, dashboard_interval_s=0.05) as client:
+        page = await client.get("/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert '<b id="strategy">' in page.text and "/dashboard/static/dashboard.js" in page.text
+        script = await client.get("/dashboard/static/dashboard.js")
+        assert script.status_code == 200 and "EventSource" in script.text
+        assert (await client.get("/dashboard/static/secret.py")).status_code == 404
+        done = await client.post(CHAT, json=chat(3))
+        events = await client.get("/dashboard/events", params={"updates": 3})
+    assert events.headers["content-type"].startswith("text/event-stream")
+    updates = [
+        json.loads(block.split("data: ", 1)[1])
+        for block in events.text.split("\n\n")
+        if block.startswith("event: update")
+    ]
+    assert [update["sequence"] for update in updates] == [1, 2, 3]
+    last = updates[-1]["fragments"]
+    assert set(last) == {"summary", "rules", "members", "charts", "requests", "replans"}
+    assert done.json()["id"][-8:] in last["requests"]
+    assert "tokens/s" in last["charts"]
+
+
+def test_members_show_role_memory_tier_and_heartbeat() -> None:
+    status = {
+        "strategy": "pp",
+        "plan": {
+            "stages": [
+                {"node_id": "coord", "layers": [0, 2]},
+                {"node_id": "m1", "layers": [2, 4]},
+            ],
+            "fits": [{"node_id": "m1", "need_bytes": 3 * 2**30, "available_bytes": 4 * 2**30}],
+        },
+        "coordinator": {"node_id": "coord", "memory_available": 2**33, "backends": ["ring"]},
+        "members": [
+            {
+                "node_id": "m1",
+                "state": "connected",
+                "memory_available": 4 * 2**30,
+                "memory_tier": "tight",
+                "last_heartbeat_age_s": 0.4,
+                "worker_state": "ready",
+                "transfer": {"done_bytes": 2**30, "total_bytes": 4 * 2**30, "age_s": 0.5},
+            }
+        ],
+    }
+    html = render_members(status)
+    assert "pp stage 0: layers 0–1" in html and "pp stage 1: layers 2–3" in html
+    assert "3.00 GiB of 4.00 GiB" in html and "width:75.0%" in html
+    assert "tight" in html and "0.4 s ago" in html
+    assert "model transfer" in html and "25% · 1.00 GiB of 4.00 GiB" in html
+    assert html.count("model transfer") == 1  # only the agent that receives the model
+
+
+def test_member_and_prefix_cache_metrics(runner: Any) -> None:
+    from engines.api.metrics import Metrics
+
+    status = {
+        "members": [
+            {
+                "node_id": "m1",
+                "state": "connected",
+                "memory_available": 1024,
+                "memory_tier": "roomy",
+                "last_heartbeat_age_s": 0.25,
+                "worker_state": "ready",
+            },
+            {"node_id": "m2", "state": "lost", "memory_available": 0, "worker_state": None},
+        ],
+        "replans_by_reason": {"member_lost": 2},
+    }
+    service = make_service(runner)
+    service.cluster_status = lambda: status
+    values = scrape_text(Metrics(service).render()[0].decode())
+    assert values["tandem_member_heartbeat_age_seconds{node=m1}"] == 0.25
+    assert values["tandem_member_memory_available_bytes{node=m1}"] == 1024
+    assert values["tandem_member_memory_tier{node=m1,tier=roomy}"] == 1
+    assert values["tandem_member_worker_up{node=m1}"] == 1
+    assert values["tandem_member_worker_up{node=m2}"] == 0
+    assert values["tandem_member_connected{node=m2}"] == 0
+    assert values["tandem_replans_total{reason=member_lost}"] == 2
+    cache = {"hits": 5, "misses": 2, "bytes": 4096, "entries": 3, "evictions": 1}
+    names = {family.name: family.samples[0].value for family in _prefix_cache(cache)}
+    assert names == {
+        "tandem_prefix_cache_hits": 5,
+        "tandem_prefix_cache_misses": 2,
+        "tandem_prefix_cache_evictions": 1,
+        "tandem_prefix_cache_bytes": 4096,
+        "tandem_prefix_cache_entries": 3,
+    }
+    assert list(_prefix_cache({"hits": "n/a"})) == []
+
+
+@pytest.mark.parametrize(
+    ("reason", "kind"),
+    [
+        ("member m2 lost: its worker failed: exit 1", "worker_failed"),
+        ("member m2 lost: no heartbeat for 5.0 s", "member_lost"),
+        ("pp engine became unhealthy", "engine_unhealthy"),
+        ("membership changed: 3 verified node(s) now", "membership_changed"),
+        ("the moon is full", "other"),
+    ],
+)
+def test_replan_reasons_fall_into_few_kinds(reason: str, kind: str) -> None:
+    assert reason_kind(reason) == kind
+
+
+def test_replan_history_counts_and_fills_in_the_new_strategy() -> None:
+    history = ReplanHistory(length=2)
+    history.record("member a lost: closed")
+    history.record("member b lost: its worker failed: boom")
+    history.served("single")
+    history.record("pp engine became unhealthy")
+    newest, older = history.describe()
+    assert newest["kind"] == "engine_unhealthy" and newest["strategy"] is None
+    assert older["strategy"] == "single" and older["outage_s"] >= 0
+    assert history.counts() == {"member_lost": 1, "worker_failed": 1, "engine_unhealthy": 1}

@@ -1,0 +1,1 @@
+"""Tests of the encrypted pipeline engine and its stages."""

@@ -1,0 +1,1 @@
+"""Table tests of the pure planner."""

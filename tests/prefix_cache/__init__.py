@@ -1,0 +1,1 @@
+"""Tests of the prefix cache on every engine."""

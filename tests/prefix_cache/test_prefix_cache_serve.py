@@ -1,0 +1,71 @@
+"""A multi-turn chat through the openai client hits the prefix cache of a real `tandem serve`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.helpers.cluster import AgentPool
+from tests.helpers.serve import ServeProcess, start_serve
+
+pytestmark = pytest.mark.cluster
+
+SYSTEM = "You are a careful assistant who answers in full sentences. " * 20
+MAX_TOKENS = 24
+
+
+def chat_two_turns(server: ServeProcess, model_id: str) -> tuple[list[str], list[int]]:
+    """Two turns of one conversation: the texts and each turn's cached prompt tokens."""
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "One?"}]
+    texts, cached = [], []
+    for follow_up in ("Two?", None):
+        reply = client.chat.completions.create(
+            model=model_id, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
+        texts.append(reply.choices[0].message.content)
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        if follow_up is not None:
+            messages += [
+                {"role": "assistant", "content": texts[-1]},
+                {"role": "user", "content": follow_up},
+            ]
+    return texts, cached
+
+
+@pytest.fixture(scope="module")
+def cold_texts(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """What one machine with the cache off answers: tp and pp answer the same (greedy)."""
+    tmp = tmp_path_factory.mktemp("cold")
+    args = ["--parallelism", "single", "--model-id", "demo", "--prefix-cache-bytes", "0"]
+    server = start_serve(tmp, demo_model_dir, "tandem-" + "A" * 43, args, name="cold")
+    try:
+        texts, cached = chat_two_turns(server, "demo")
+    finally:
+        server.stop()
+    assert cached == [0, 0]
+    return texts
+
+
+@pytest.mark.parametrize("strategy", ["single", "tp", "pp"])
+def test_the_second_turn_hits_the_cache_and_says_what_a_cold_server_says(
+    strategy: str, demo_model_dir: Path, pool: AgentPool, tmp_path: Path, cold_texts: list[str]
+) -> None:
+    args = ["--parallelism", strategy, "--model-id", "demo"]
+    if strategy != "single":
+        pool.start("peer", real_roles=True)
+        args += ["--collective", "ring"]
+    server = start_serve(tmp_path, demo_model_dir, pool.cluster_key, args, name="hot")
+    try:
+        cluster = server.cluster()
+        assert cluster["strategy"] == strategy
+        assert cluster["plan"]["prefix_cache_bytes"] > 0  # auto: derived from memory left
+        texts, cached = chat_two_turns(server, "demo")
+        snapshot = server.cluster()["engine"]["prefix_cache"]
+    finally:
+        server.stop()
+    assert cached[0] == 0 and cached[1] > len(SYSTEM) // 8  # most of turn one
+    assert texts == cold_texts
+    assert snapshot["hits"] == 1 and snapshot["entries"] >= 1

@@ -1,0 +1,1 @@
+"""Tests of the tensor-parallel engine and its ranks."""

@@ -1,0 +1,1 @@
+"""Tests of sending model weights to agents."""
