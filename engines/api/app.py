@@ -13,11 +13,11 @@ from fastapi.responses import JSONResponse, Response
 from engines.api import chat, completions, dashboard
 from engines.api.auth import PROTECTED_PREFIX, BearerKeyMiddleware
 from engines.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from engines.api.error_handlers import install_error_handlers
 from engines.api.errors import (
     SERVER_FAILURE,
     UNAUTHORIZED,
     documented,
-    install_error_handlers,
     model_not_found,
 )
 from engines.api.metrics import Metrics, MetricsMiddleware
