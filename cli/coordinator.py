@@ -53,15 +53,17 @@ def join_command(key: bytes, interface: str | None) -> str:
 
 def coordinator_resources(node_id: str, memory_limit: str | None) -> NodeResources:
     """This machine as a planner node: its available memory (capped) and collective backends."""
-    from discovery.capabilities import parse_memory_size, probe_capabilities
+    from discovery.capabilities import MACHINE_BOUND, parse_memory_size, probe_capabilities
 
     limit = parse_memory_size(memory_limit) if memory_limit else None
     capabilities = probe_capabilities(memory_limit=limit)
+    bound = capabilities.memory_bound
     return NodeResources(
         node_id=node_id,
         address="",
         memory_bytes=capabilities.memory_available,
         backends=capabilities.backends,
+        memory_bound="" if bound == MACHINE_BOUND else bound,
     )
 
 

@@ -405,6 +405,7 @@ class Agent:
             platform=capabilities.platform,
             memory_total=capabilities.memory_total,
             memory_available=capabilities.memory_available,
+            memory_bound=capabilities.memory_bound,
             backends=list(capabilities.backends),
             rdma_devices=[
                 WireRdmaDevice(name=device.name, port_state=device.port_state)

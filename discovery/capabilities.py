@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
+from discovery.cgroup_memory import read_cgroup_memory
 from planner.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,8 @@ JACCL_MIN_MACOS = (26, 2)
 BACKEND_RING = "ring"
 BACKEND_JACCL = "jaccl"
 PORT_ACTIVE = "PORT_ACTIVE"
+MACHINE_BOUND = "machine"
+OPERATOR_BOUND = "--memory-limit"
 MEMORY_UNITS = {
     "": 1,
     "K": 1024,
@@ -56,6 +59,7 @@ class Capabilities:
     backends: tuple[str, ...]
     rdma_devices: tuple[RdmaDevice, ...]
     jaccl_reason: str
+    memory_bound: str = MACHINE_BOUND  # what set memory_total: the machine, a cgroup, the operator
 
 
 def parse_memory_size(text: str) -> int:
@@ -164,6 +168,20 @@ def apply_memory_limit(total: int, available: int, limit: int | None) -> tuple[i
     return min(total, limit), min(available, limit)
 
 
+def read_bounded_memory(memory_limit: int | None) -> tuple[int, int, str]:
+    """(total, available, bound): the machine's memory, within this process's cgroup limit and
+    the operator's --memory-limit; `bound` names the smallest of the three."""
+    total, available = read_memory()
+    bound = MACHINE_BOUND
+    cgroup = read_cgroup_memory()
+    if cgroup is not None and cgroup.limit < total:
+        total, available, bound = cgroup.limit, min(available, cgroup.available), cgroup.describe()
+    if memory_limit is not None and memory_limit < total:
+        bound = OPERATOR_BOUND
+    total, available = apply_memory_limit(total, available, memory_limit)
+    return total, available, bound
+
+
 def read_tandem_version() -> str:
     """The installed tandem version, or the source tree's pyproject version, or 'unknown'."""
     try:
@@ -244,7 +262,7 @@ def check_jaccl(
 
 def probe_capabilities(memory_limit: int | None = None) -> Capabilities:
     """Probe memory, platform, RDMA and backends; every probe is bounded and never raises."""
-    total, available = apply_memory_limit(*read_memory(), memory_limit)
+    total, available, bound = read_bounded_memory(memory_limit)
     macos_version = read_macos_version()
     devices = probe_rdma_devices()
     rdma_status = run_probe(["rdma_ctl", "status"]) if macos_version else None
@@ -258,10 +276,13 @@ def probe_capabilities(memory_limit: int | None = None) -> Capabilities:
         backends=backends,
         rdma_devices=devices,
         jaccl_reason=jaccl_reason,
+        memory_bound=bound,
     )
 
 
 def refresh_memory(capabilities: Capabilities, memory_limit: int | None) -> Capabilities:
     """The same capabilities with memory read again (for heartbeats)."""
-    total, available = apply_memory_limit(*read_memory(), memory_limit)
-    return replace(capabilities, memory_total=total, memory_available=available)
+    total, available, bound = read_bounded_memory(memory_limit)
+    return replace(
+        capabilities, memory_total=total, memory_available=available, memory_bound=bound
+    )

@@ -55,6 +55,8 @@ class Hello(_Message):
     platform: str
     memory_total: int = Field(ge=0)
     memory_available: int = Field(ge=0)
+    # What caps memory_total: "machine", a cgroup limit, or the agent's --memory-limit.
+    memory_bound: str = Field(default="machine", max_length=64)
     backends: list[str]
     rdma_devices: list[RdmaDevice]
     control_port: int = Field(ge=0, le=65535)

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from discovery import cluster_key as cluster_keys
+from discovery.capabilities import MACHINE_BOUND
 from discovery.control import (
     AssignRole,
     ControlConnection,
@@ -360,6 +361,7 @@ class Membership:
                 memory_bytes=member.memory_available,
                 backends=tuple(member.hello.backends),
                 disk_free_bytes=member.model_cache.free_bytes if member.model_cache else None,
+                memory_bound=_bound_of(member.hello.memory_bound),
             )
             for member in self.members()
             if member.state == CONNECTED and member.hello is not None
@@ -522,3 +524,8 @@ class Membership:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _bound_of(memory_bound: str) -> str:
+    """The planner names a bound only where something caps the machine's memory."""
+    return "" if memory_bound == MACHINE_BOUND else memory_bound

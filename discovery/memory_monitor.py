@@ -10,6 +10,7 @@ from typing import Any
 import psutil
 
 from discovery.capabilities import format_memory_size
+from discovery.cgroup_memory import read_cgroup_memory
 from discovery.memory_tiers import OK, classify, severity, thresholds_for
 
 logger = logging.getLogger(__name__)
@@ -74,10 +75,14 @@ def apply_budget(
 def take_sample(
     process: psutil.Process, budget: int | None = None, previous_tier: str = OK
 ) -> MemorySample:
-    """Read the machine and tandem's own footprint now, and classify."""
+    """Read the machine (within its cgroup limit) and tandem's own footprint now, and classify."""
     machine = psutil.virtual_memory()
+    total, available = machine.total, machine.available
+    cgroup = read_cgroup_memory()
+    if cgroup is not None and cgroup.limit < total:  # a container: its limit is the machine
+        total, available = cgroup.limit, min(available, cgroup.available)
     tandem_bytes = read_tandem_bytes(process)
-    total, available = apply_budget(machine.total, machine.available, tandem_bytes, budget)
+    total, available = apply_budget(total, available, tandem_bytes, budget)
     return MemorySample(
         total=total,
         available=available,

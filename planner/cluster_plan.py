@@ -23,6 +23,7 @@ from planner.memory import (
     DEFAULT_HEADROOM,
     ModelShape,
     NodeFit,
+    bounded,
     format_bytes,
     format_pair,
     single_need,
@@ -49,6 +50,9 @@ class NodeResources:
     disk_free_bytes: int | None = None
     holds_model: bool = False
     held_stages: tuple[tuple[int, int], ...] = ()
+    # What caps memory_bytes below the machine's own memory ("cgroup v1 limit", "--memory-limit"),
+    # named in the plan's messages; "" for the machine itself.
+    memory_bound: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +242,11 @@ def _plan_pp(decision: Decision, checks: tuple[RuleCheck, ...], sizing: _Sizing)
         )
         for index, (node, layers) in enumerate(zip(nodes, ranges, strict=True))
     )
-    fits = tuple(NodeFit(s.node_id, s.need_bytes, s.available_bytes) for s in stages)
+    bounds = {node.node_id: node.memory_bound for node in sizing.nodes}
+    fits = tuple(
+        NodeFit(s.node_id, s.need_bytes, s.available_bytes, bounds.get(s.node_id, ""))
+        for s in stages
+    )
     fit_all = all(fit.fits for fit in fits)
     check = RuleCheck("pp memory", fit_all, f"layers split by memory: {_list_fits(fits)}")
     refusal = None if fit_all else f"pipeline stages do not fit: {_list_fits(fits)}"
@@ -254,11 +262,11 @@ def _plan_tp(
 ) -> ClusterPlan:
     nodes = sizing.nodes
     need = tp_need_per_rank(sizing.shape, len(nodes), sizing.context_tokens, sizing.headroom)
-    fits = tuple(NodeFit(node.node_id, need, node.memory_bytes) for node in nodes)
+    fits = tuple(NodeFit(n.node_id, need, n.memory_bytes, n.memory_bound) for n in nodes)
     smallest = min(nodes, key=lambda node: node.memory_bytes)
     need_text, has_text = format_pair(need, smallest.memory_bytes)
     shares = f"equal tp shards need {need_text} per node"
-    has = f"{smallest.node_id} has {has_text}"
+    has = f"{smallest.node_id} has {has_text}{bounded(smallest.memory_bound)}"
     if all(fit.fits for fit in fits):
         check = RuleCheck("tp memory", True, f"{shares}; smallest node {has}")
         return ClusterPlan(decision, (*checks, check), sizing.node_ids, (), fits, None, backend)
@@ -281,14 +289,15 @@ def _plan_tp(
 def _plan_single(decision: Decision, checks: tuple[RuleCheck, ...], sizing: _Sizing) -> ClusterPlan:
     coordinator = sizing.nodes[0]
     need = single_need(sizing.shape, sizing.context_tokens, sizing.headroom)
-    fit = NodeFit(coordinator.node_id, need, coordinator.memory_bytes)
+    fit = NodeFit(coordinator.node_id, need, coordinator.memory_bytes, coordinator.memory_bound)
     check = RuleCheck("single memory", fit.fits, fit.describe())
     refusal = None
     if not fit.fits:
         need_text, has_text = format_pair(need, coordinator.memory_bytes)
         short = format_bytes(need - coordinator.memory_bytes)
         refusal = (
-            f"model needs {need_text} but {coordinator.node_id} has {has_text} (short by {short})"
+            f"model needs {need_text} but {coordinator.node_id} has {has_text}"
+            f"{bounded(coordinator.memory_bound)} (short by {short})"
         )
     return ClusterPlan(decision, (*checks, check), (coordinator.node_id,), (), (fit,), refusal)
 

@@ -74,6 +74,7 @@ class NodeFit:
     node_id: str
     need_bytes: int
     available_bytes: int
+    bound: str = ""  # what caps available_bytes below the machine's memory ("" for none)
 
     @property
     def fits(self) -> bool:
@@ -81,7 +82,12 @@ class NodeFit:
 
     def describe(self) -> str:
         need, has = format_pair(self.need_bytes, self.available_bytes)
-        return f"{self.node_id}: needs {need}, has {has}"
+        return f"{self.node_id}: needs {need}, has {has}{bounded(self.bound)}"
+
+
+def bounded(bound: str) -> str:
+    """' (cgroup v1 limit)' after a node's memory when something caps it, else ''."""
+    return f" ({bound})" if bound else ""
 
 
 def byte_unit(n: int) -> str:

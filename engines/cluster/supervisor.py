@@ -327,6 +327,8 @@ class ClusterSupervisor:
                 "verified": m.verified,
                 "reason": m.reason,
                 "memory_available": m.memory_available,
+                "memory_total": m.hello.memory_total if m.hello else None,
+                "memory_bound": m.hello.memory_bound if m.hello else None,
                 "backends": list(m.hello.backends) if m.hello else [],
                 "last_heartbeat_age_s": m.last_heartbeat_age_s,
                 "worker_state": m.worker_state,
@@ -406,5 +408,6 @@ def _resources_dict(node: NodeResources) -> dict[str, Any]:
         "node_id": node.node_id,
         "address": node.address,
         "memory_available": node.memory_bytes,
+        "memory_bound": node.memory_bound or "machine",
         "backends": list(node.backends),
     }
