@@ -17,6 +17,8 @@ from engines.api.fields import check_fields
 from engines.api.schemas import ChatCompletionRequest, CompletionRequest
 from engines.core.runner import EngineRunner
 from tests.helpers.api import (  # noqa: F401
+    CLOCK,
+    WEATHER,
     anyio_backend,
     assert_error,
     chat_body,
@@ -34,26 +36,6 @@ pytestmark = pytest.mark.anyio
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "the weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
-    },
-}
 
 
 # -- logprobs ----------------------------------------------------------------------------------

@@ -4,13 +4,8 @@ burst of oversized requests against a served app on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -21,6 +16,7 @@ from engines.api.prompts import longest_token_chars
 from engines.api.schemas import MAX_MESSAGES
 from engines.core.runner import EngineRunner
 from tests.helpers.api import (  # noqa: F401
+    MB,
     anyio_backend,
     assert_error,
     chat_body,
@@ -30,14 +26,13 @@ from tests.helpers.api import (  # noqa: F401
     make_service,
     open_client,
     runner,
+    served_app,
 )
 
 pytestmark = pytest.mark.anyio
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-ROOT = Path(__file__).resolve().parents[2]
-MB = 2**20
 BURST = 8  # concurrent 40 MB requests
 RSS_BOUND = 64 * MB  # the served app may grow by at most this much over the whole burst
 
@@ -84,52 +79,6 @@ async def test_messages_are_bounded(client: httpx.AsyncClient) -> None:
 
 
 # -- a served app under a burst of 40 MB requests ------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextmanager
-def served_app(
-    model_dir: Path, max_body_bytes: int, max_prompt_tokens: int = 4096, engine: bool = False
-) -> Iterator[tuple[str, psutil.Process]]:
-    """tests/helpers/serve_api_only.py in a process of its own on a free port; stopped on exit."""
-    port = free_port()
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [
-        sys.executable,
-        "-m",
-        "tests.helpers.serve_api_only",
-        str(model_dir),
-        str(port),
-        str(max_body_bytes),
-        str(max_prompt_tokens),
-        *(["--engine"] if engine else []),
-    ]
-    process = subprocess.Popen(command, cwd=ROOT, env=environment)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, "the test server exited"
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the test server did not come up"
-            time.sleep(0.2)
-        yield url, psutil.Process(process.pid)
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.api.test_api_limits import MB, served_app
+from tests.helpers.api import MB, served_app
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "tests" / "data" / "schemathesis.toml"

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
+from discovery.framing import free_port
 from engines.api import create_app
 from engines.core.runner import EngineRunner
 from engines.core.service import Service, ServiceLimits
@@ -20,6 +26,8 @@ MODEL_ID = "tandem-demo"
 CLUSTER = {"strategy": "single", "members": ["127.0.0.1"], "reason": "world size 1"}
 HELLO = [{"role": "user", "content": "Hello there"}]
 LONG = 3000  # tokens: several seconds of generation on the demo model, to keep the runner busy
+MB = 2**20
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -111,3 +119,66 @@ def assert_error(response: httpx.Response, status: int, **expected: Any) -> dict
 
 
 # -- chat --------------------------------------------------------------------------------------
+
+
+# Two tools for tool-calling requests: one with a parameter, one without.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+@contextmanager
+def served_app(
+    model_dir: Path, max_body_bytes: int, max_prompt_tokens: int = 4096, engine: bool = False
+) -> Iterator[tuple[str, psutil.Process]]:
+    """tests/helpers/serve_api_only.py in a process of its own on a free port; stopped on exit."""
+    port = free_port()
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [
+        sys.executable,
+        "-m",
+        "tests.helpers.serve_api_only",
+        str(model_dir),
+        str(port),
+        str(max_body_bytes),
+        str(max_prompt_tokens),
+        *(["--engine"] if engine else []),
+    ]
+    process = subprocess.Popen(command, cwd=ROOT, env=environment)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, "the test server exited"
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the test server did not come up"
+            time.sleep(0.2)
+        yield url, psutil.Process(process.pid)
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

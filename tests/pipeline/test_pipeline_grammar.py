@@ -18,10 +18,9 @@ from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
 from engines.core.engine import GenerationRequest
 from engines.pipeline import wire
 from planner import allocate_layers
-from tests.api.test_api_fields import CLOCK, WEATHER
-from tests.helpers.api import assert_error, chat_body, make_service, open_client
+from tests.helpers.api import CLOCK, WEATHER, assert_error, chat_body, make_service, open_client
 from tests.helpers.grammar import REPLY_SCHEMA, completes_to_object
-from tests.pipeline.test_pipeline import (
+from tests.helpers.pipeline import (
     PROMPTS,
     Outcome,
     Pipeline,

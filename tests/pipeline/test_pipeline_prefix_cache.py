@@ -17,7 +17,7 @@ from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.schedule import MicroBatchSchedule
 from engines.single.engine import SingleEngine
 from planner import allocate_layers
-from tests.pipeline.test_pipeline import make_engine, start_workers, status, stop_workers
+from tests.helpers.pipeline import make_engine, start_workers, status, stop_workers
 
 pytestmark = pytest.mark.cluster
 

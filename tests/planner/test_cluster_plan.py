@@ -11,7 +11,6 @@ import pytest
 
 from planner import (
     ClusterPlan,
-    ModelShape,
     NodeFit,
     NodeResources,
     Parallelism,
@@ -22,26 +21,11 @@ from planner import (
     stage_need,
     tp_need_per_rank,
 )
+from tests.helpers.planning import MB, SHAPE
 
 AUTO, TP, PP, SINGLE = Parallelism.AUTO, Parallelism.TP, Parallelism.PP, Parallelism.SINGLE
-MB = 1024**2
-CONTEXT = 512  # with the shape below: exactly 1 MB of KV cache per layer
+CONTEXT = 512  # with SHAPE: exactly 1 MB of KV cache per layer
 
-# 32 layers of 1 MB plus a tied 2 MB embedding; KV: 2 * 8 heads * 64 dims * 2 bytes per token.
-SHAPE = ModelShape(
-    num_layers=32,
-    hidden_size=512,
-    attention_heads=16,
-    kv_heads=8,
-    head_dim=64,
-    vocab_size=1024,
-    weight_bytes=34 * MB,
-    embedding_bytes=2 * MB,
-    head_bytes=2 * MB,
-    tied_embeddings=True,
-    dtype_bytes=2,
-    has_tp_variant=True,
-)
 UNTIED = replace(SHAPE, weight_bytes=38 * MB, tied_embeddings=False, head_bytes=4 * MB)
 
 

@@ -13,7 +13,7 @@ from planner import (
     TransferSizes,
     plan_cluster,
 )
-from tests.planner.test_cluster_plan import SHAPE
+from tests.helpers.planning import SHAPE
 
 AUTO, TP, PP, SINGLE = Parallelism.AUTO, Parallelism.TP, Parallelism.PP, Parallelism.SINGLE
 MB = 1024**2

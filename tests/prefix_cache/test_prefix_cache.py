@@ -16,8 +16,8 @@ from engines.tensor_parallel.group import loopback_ring_specs
 from planner import Parallelism
 from planner.cluster_plan import PREFIX_CACHE_SHARE, NodeResources, plan_cluster
 from tests.helpers.engine import run_all, run_one
-from tests.planner.test_cluster_plan import SHAPE
-from tests.tensor_parallel.test_tensor_parallel import GRAMMAR, start_rank, stop_processes
+from tests.helpers.planning import SHAPE
+from tests.helpers.tensor_parallel import GRAMMAR, start_rank, stop_processes
 
 LOAD_TIMEOUT_S = 120
 BUDGET = 1 << 28

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ import pytest
 from llguidance import LLMatcher
 
 from cli.status import engine_steps, parse_metrics
-from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
+from engines.api.constraints import JSON_OPTIONS
 from engines.core.engine import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
@@ -58,44 +57,22 @@ from tests.helpers.engine import (
     step_until_error,
 )
 from tests.helpers.grammar import REPLY_SCHEMA, completes_to_object
+from tests.helpers.tensor_parallel import (
+    GRAMMAR,
+    PROJECT_ROOT,
+    WORKER,
+    start_rank,
+    stop_processes,
+)
 from tests.helpers.timing import check_request_shares, flow
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-WORKER = [sys.executable, "-m", "engines.tensor_parallel.worker"]
 PROMPTS = ("The quick brown fox", "Once upon a time, in a city by the sea,", "def main():")
-# JSON mode as the API compiles it (engines/api/constraints.py)
-GRAMMAR = LLMatcher.grammar_from_json_schema(ANY_OBJECT, overrides=JSON_OPTIONS)
 LOAD_TIMEOUT_S = 60.0
 
 pytestmark = pytest.mark.cluster
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def start_rank(spec: dict[str, Any]) -> subprocess.Popen[bytes]:
-    """Start one rank worker the way an agent does: the spec as the first stdin line."""
-    process = subprocess.Popen(
-        WORKER,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        cwd=PROJECT_ROOT,
-    )
-    assert process.stdin is not None
-    process.stdin.write((json.dumps(spec) + "\n").encode())
-    process.stdin.flush()  # stdin stays open: EOF would tell the worker its agent is gone
-    return process
-
-
-def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-        process.wait(10)
-        for pipe in (process.stdin, process.stdout):
-            if pipe is not None:
-                pipe.close()
 
 
 @dataclass

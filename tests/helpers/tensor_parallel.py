@@ -1,0 +1,43 @@
+"""Rank workers for tp tests: started the way an agent starts them, stopped for sure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from llguidance import LLMatcher
+
+from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+WORKER = [sys.executable, "-m", "engines.tensor_parallel.worker"]
+# JSON mode as the API compiles it (engines/api/constraints.py)
+GRAMMAR = LLMatcher.grammar_from_json_schema(ANY_OBJECT, overrides=JSON_OPTIONS)
+
+
+def start_rank(spec: dict[str, Any]) -> subprocess.Popen[bytes]:
+    """Start one rank worker the way an agent does: the spec as the first stdin line."""
+    process = subprocess.Popen(
+        WORKER,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=PROJECT_ROOT,
+    )
+    assert process.stdin is not None
+    process.stdin.write((json.dumps(spec) + "\n").encode())
+    process.stdin.flush()  # stdin stays open: EOF would tell the worker its agent is gone
+    return process
+
+
+def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                pipe.close()
