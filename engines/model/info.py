@@ -261,6 +261,6 @@ def _mlx_lm_variants(config: dict[str, Any], path: Path) -> tuple[bool, bool]:
 
 def _pipeline_problem(config: dict[str, Any]) -> str:
     """Why the pipeline engine cannot split this architecture ('' when it can)."""
-    from engines.pipeline.layout import pipeline_problem
+    from engines.model.layers import pipeline_problem
 
     return pipeline_problem(config)

@@ -13,9 +13,9 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_config, load_model
 
+from engines.model.layers import StageLayout, apply_softcap, describe, pipeline_problem
 from engines.model.precision import upcast_on_cpu
 from engines.model.reference import local_model_path
-from engines.pipeline.layout import StageLayout, apply_softcap, describe, pipeline_problem
 from engines.weights.manifest import is_partial_copy
 from planner.errors import EngineError, ModelError
 

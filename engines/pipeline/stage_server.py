@@ -7,7 +7,7 @@ import os
 import select
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
@@ -24,11 +24,9 @@ from engines.pipeline import wire
 from engines.pipeline.batches import StageBatches
 from engines.pipeline.frame_clock import StageMeter
 from engines.pipeline.stage_model import StageModel
+from engines.pipeline.stage_spec import StageSpec
 from engines.pipeline.wire import PURPOSE, Kind, WireError
 from planner.errors import ChannelError, EngineError
-
-if TYPE_CHECKING:  # only for annotations: stage_worker imports this module
-    from engines.pipeline.stage_worker import StageSpec
 
 log = logging.getLogger(__name__)
 

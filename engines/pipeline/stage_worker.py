@@ -1,4 +1,4 @@
-"""`python -m engines.pipeline.stage_worker`: the stage worker process, its spec and its launcher.
+"""`python -m engines.pipeline.stage_worker`: the stage worker process and its launcher.
 
 The first line of stdin is a JSON spec (see StageSpec); stdout carries JSON lines only
 ({"event": "ready", ...} or {"event": "failed", ...}); logs go to stderr. The process serves
@@ -7,23 +7,21 @@ sessions (stage_server.py) until its stdin closes (the agent went away).
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mlx_lm.utils import load_config, load_tokenizer
 
-from discovery.cluster_key import KEY_BYTES, KEY_PREFIX, parse_key
 from discovery.json_child import ChildNotReady, JsonChild, open_protocol_output
 from discovery.secure_channel import SecureChannel
 from engines.core import blas
 from engines.decoding.grammar import GrammarCompiler
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_server import EncryptedPipelineServer
+from engines.pipeline.stage_spec import StageSpec
 from engines.weights.fetch import model_for_assignment, progress_events
 from planner.errors import ConfigError, EngineError, ModelError
 
@@ -31,75 +29,6 @@ log = logging.getLogger(__name__)
 
 WORKER_MODULE = "engines.pipeline.stage_worker"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass(frozen=True, slots=True)
-class StageSpec:
-    """What the agent tells a stage worker; it arrives on stdin so the key never hits argv/env."""
-
-    model_path: Path
-    layers: range
-    is_last: bool
-    next_host: str
-    next_port: int
-    cluster_key: bytes = field(repr=False)
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 0
-    read_timeout_s: float = 10.0
-    blas_threads: int = 0  # this process's share of the cores; 0 keeps the default
-    upcast_float32: bool = False  # half-precision weights to float32 on the CPU
-    # Where to fetch the model when this machine lacks it (engines/weights/fetch.py).
-    weights: dict[str, Any] | None = None
-
-    @classmethod
-    def from_json(cls, line: str | bytes) -> StageSpec:
-        """Parse the spec line; ConfigError names the offending field (never the key)."""
-        try:
-            raw = json.loads(line)
-        except (UnicodeDecodeError, ValueError) as error:
-            raise ConfigError(f"the stage spec is not JSON: {error}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError("the stage spec must be a JSON object")
-        try:
-            start, stop = (int(bound) for bound in raw["layers"])
-            spec = cls(
-                model_path=Path(str(raw["model_path"])),
-                layers=range(start, stop),
-                is_last=bool(raw["is_last"]),
-                next_host=str(raw["next_host"]),
-                next_port=int(raw["next_port"]),
-                cluster_key=_parse_cluster_key(raw["cluster_key"]),
-                listen_host=str(raw.get("listen_host", "127.0.0.1")),
-                listen_port=int(raw.get("listen_port", 0)),
-                read_timeout_s=float(raw.get("read_timeout_s", 10.0)),
-                blas_threads=int(raw.get("blas_threads", 0)),
-                upcast_float32=bool(raw.get("upcast_float32", False)),
-                weights=dict(raw["weights"]) if raw.get("weights") else None,
-            )
-        except KeyError as error:
-            raise ConfigError(f"the stage spec lacks the field {error}") from None
-        except (TypeError, ValueError) as error:
-            raise ConfigError(f"the stage spec has an invalid field: {error}") from None
-        if not 0 <= start < stop:
-            raise ConfigError(f"the stage spec's layers [{start}, {stop}) are empty or negative")
-        if not (0 <= spec.listen_port < 65536 and 0 < spec.next_port < 65536):
-            raise ConfigError(f"invalid ports: listen {spec.listen_port}, next {spec.next_port}")
-        if spec.read_timeout_s <= 0:
-            raise ConfigError(f"read_timeout_s must be positive, got {spec.read_timeout_s}")
-        return spec
-
-
-def _parse_cluster_key(value: Any) -> bytes:
-    text = str(value).strip()
-    if text.startswith(KEY_PREFIX):
-        return parse_key(text)
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise ConfigError("cluster_key is neither a 'tandem-...' key nor hex") from None
-    if len(key) != KEY_BYTES:
-        raise ConfigError(f"cluster_key must be {KEY_BYTES} bytes, got {len(key)}")
-    return key
 
 
 class StageProcess:

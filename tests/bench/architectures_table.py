@@ -16,7 +16,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from engines.pipeline.layout import EMBEDDING_SCALES, UNSUPPORTED
+from engines.model.layers import EMBEDDING_SCALES, UNSUPPORTED
 from tests.helpers.architectures import (
     CASES,
     MAX_TOKENS,
@@ -114,7 +114,7 @@ than the 16-token sliding window); a cell says whether its tokens equal the sing
 
 ## What the pipeline handles, and what it refuses
 
-`engines/pipeline/layout.py` reads each model's own modules: the embedding, the layer list,
+`engines/model/layers.py` reads each model's own modules: the embedding, the layer list,
 the final norm, and the head (`lm_head`, or the embedding when tied). Each layer's mask comes
 from the cache the model class builds for it (a `RotatingKVCache` of size W means a sliding
 window of W). Embedding scales are a table (`EMBEDDING_SCALES`: {scaled}),

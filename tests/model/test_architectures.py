@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.pipeline.layout import pipeline_problem
+from engines.model.layers import pipeline_problem
 from planner import Parallelism, decide
 from tests.helpers.architectures import (
     CASES,

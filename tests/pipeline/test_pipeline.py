@@ -24,7 +24,8 @@ from engines.pipeline import wire
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.schedule import MicroBatchSchedule, Planned
 from engines.pipeline.stage_model import StageModel
-from engines.pipeline.stage_worker import StageProcess, StageSpec
+from engines.pipeline.stage_spec import StageSpec
+from engines.pipeline.stage_worker import StageProcess
 from engines.pipeline.wire import PREFILL_GROUP, Row
 from planner import allocate_layers
 from planner.errors import ConfigError, EngineError

@@ -1,4 +1,4 @@
-"""How an mlx-lm model splits into pipeline stages: its embedding, layers, norm, head, masks."""
+"""An mlx-lm model's parts for splitting it by layers: embedding, layers, norm, head, masks."""
 
 from __future__ import annotations
 
