@@ -8,6 +8,7 @@ import signal
 import threading
 from pathlib import Path
 
+from discovery.directories import default_cache_dir, default_state_dir
 from planner.errors import ConfigError
 
 from .options import (
@@ -24,7 +25,6 @@ DEFAULT_CONTROL_PORT = 52300
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from discovery.node_identity import default_state_dir
 
     parser = subparsers.add_parser("join", help="offer this machine to a cluster as an agent")
     add_key_flags(parser)
@@ -52,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(
         parser,
         "--cache-dir",
-        default=Path.home() / ".cache" / "tandem",
+        default=default_cache_dir(),
         cast=Path,
         help="where models fetched from the coordinator are kept (under models/CONTENT-HASH); "
         "its free disk and the copies in it are reported to the coordinator's planner",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from discovery.directories import default_cache_dir, default_state_dir
 from planner import DecisionInputs, Parallelism, capability_checks, decide
 
 from .options import add_flag, add_interface_flag, add_key_flags, add_planning_flags
@@ -57,14 +58,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(
         parser,
         "--cache-dir",
-        default=Path.home() / ".cache" / "tandem",
+        default=default_cache_dir(),
         cast=Path,
         help="demo model cache",
     )
     add_flag(
         parser,
         "--state-dir",
-        default=Path.home() / ".local" / "state" / "tandem",
+        default=default_state_dir(),
         cast=Path,
         help="node id and cluster key",
     )

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from discovery.directories import default_cache_dir, default_state_dir
 from planner import Parallelism
 from planner.errors import ConfigError
 
@@ -143,7 +144,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(
         parser,
         "--cache-dir",
-        default=Path.home() / ".cache" / "tandem",
+        default=default_cache_dir(),
         cast=Path,
         help="demo model cache, and manifests of models sent to agents",
     )
@@ -159,7 +160,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(
         parser,
         "--state-dir",
-        default=Path.home() / ".local" / "state" / "tandem",
+        default=default_state_dir(),
         cast=Path,
         help="node id and cluster key",
     )

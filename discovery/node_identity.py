@@ -22,11 +22,6 @@ NODE_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 HOSTNAME_PREFIX_CHARS = 40
 
 
-def default_state_dir() -> Path:
-    """~/.local/state/tandem, where an agent keeps its node id."""
-    return Path.home() / ".local" / "state" / "tandem"
-
-
 def new_node_id(hostname: str | None = None) -> str:
     """'<short hostname>-<8 hex>': readable in `tandem peers`, unique across clones."""
     host = (hostname or socket.gethostname()).split(".")[0].lower()

@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+DEFAULT_MAX_BATCH = 16  # sequences decoded together
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per step: bounds how long a newcomer stalls others
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:

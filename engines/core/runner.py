@@ -15,14 +15,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from engines.core.engine import Engine, GenerationRequest, TokenEvent
+from engines.core.engine import DEFAULT_MAX_BATCH, Engine, GenerationRequest, TokenEvent
 from engines.core.sequence import ActiveSequence
 from planner.errors import EngineError, QueueFullError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_SIZE = 8
-DEFAULT_MAX_BATCH = 16
 SHUTTING_DOWN = "server is shutting down"
 
 

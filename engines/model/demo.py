@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from discovery.directories import default_cache_dir
 from engines.model.demo_architectures import (
     ARCHITECTURE_NAMES,
     CONFIG_EXTRAS,
@@ -190,7 +191,7 @@ def default_demo_path(cache_dir: Path | None = None, spec: DemoSpec = DEFAULT_SP
 
     The CLI passes $XDG_CACHE_HOME/tandem when that is set; nothing here reads the environment.
     """
-    root = cache_dir if cache_dir is not None else Path.home() / ".cache" / "tandem"
+    root = cache_dir if cache_dir is not None else default_cache_dir()
     quantized = f"-q{spec.quantize}" if spec.quantize else ""
     return root / f"demo-{spec.arch}{quantized}-{spec.digest()}"
 

@@ -16,7 +16,13 @@ import mlx.core as mx
 from mlx_lm.utils import load_config, load_tokenizer
 
 from discovery.secure_channel import SecureChannel
-from engines.core.engine import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.core.engine import (
+    DEFAULT_PREFILL_CHUNK,
+    Engine,
+    EngineInfo,
+    GenerationRequest,
+    StepOutput,
+)
 from engines.decoding.grammar import GrammarCompiler
 from engines.observability.step_timing import StepTimes
 from engines.pipeline import wire
@@ -34,7 +40,6 @@ from planner.errors import ChannelError, EngineError
 log = logging.getLogger(__name__)
 
 DEFAULT_TOKEN_TIMEOUT_S = 10.0
-DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
 

@@ -11,7 +11,14 @@ from mlx_lm import load as load_model_and_tokenizer
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.core.engine import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.core.engine import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_PREFILL_CHUNK,
+    Engine,
+    EngineInfo,
+    GenerationRequest,
+    StepOutput,
+)
 from engines.decoding.grammar import GrammarCompiler
 from engines.decoding.sampling import (
     make_request_processors,
@@ -28,8 +35,6 @@ from planner.errors import EngineError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per step: bounds how long a newcomer stalls others
-DEFAULT_MAX_BATCH = 16
 
 
 class SingleEngine(Engine):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.framing import free_port
+from engines.core.engine import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 
 BACKENDS = ("ring", "jaccl")
 # The longest idle gap between the group's header broadcasts: the idle latency a new request
@@ -15,8 +16,6 @@ BACKENDS = ("ring", "jaccl")
 DEFAULT_HEARTBEAT_S = 0.1
 DEFAULT_SYNC_EVERY = 8
 DEFAULT_STALL_TIMEOUT_S = 30.0
-DEFAULT_MAX_BATCH = 16
-DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,14 +8,13 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from engines.core.engine import DEFAULT_PREFILL_CHUNK
 from engines.decoding.sampling import make_request_processors, make_request_sampler, token_logprobs
 from engines.prefix_cache.cached_prefill import first_token_from_cache
 from engines.prefix_cache.store import PrefixStore, reusable
 from engines.tensor_parallel.lockstep import Command, update_checksum
 from engines.tensor_parallel.rank_grammar import RankGrammars
 from planner.errors import EngineError
-
-DEFAULT_PREFILL_CHUNK = 256
 
 
 class ShardBatch:

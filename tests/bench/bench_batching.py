@@ -361,7 +361,8 @@ def main() -> None:
 
 def stall_note(model_path: Path) -> str:
     """How long a 2,000-token newcomer stalls 4 running streams (chunked prefill)."""
-    from engines.single.engine import DEFAULT_PREFILL_CHUNK, SingleEngine
+    from engines.core.engine import DEFAULT_PREFILL_CHUNK
+    from engines.single.engine import SingleEngine
 
     runner = EngineRunner(SingleEngine(model_path), queue_size=8)
     runner.start(300)
