@@ -289,7 +289,7 @@ def serve(config: ServeConfig) -> int:
             config.port,
         )
         log.info("dashboard: http://%s:%d/  metrics: /metrics", config.host, config.port)
-        run_http_server(app, config.host, config.port, stopping)
+        run_http_server(app, config.host, config.port, stopping, config.http)
     finally:
         service.pressure.close()
         supervisor.close()

@@ -11,6 +11,7 @@ from discovery.directories import default_cache_dir, default_state_dir
 from planner import Parallelism
 from planner.errors import ConfigError
 
+from .http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, HttpLimits
 from .observability import ObservabilityConfig, add_observability_flags, observability_from_args
 from .options import (
     add_blas_flags,
@@ -60,6 +61,7 @@ class ServeConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     send_weights: bool = True
     max_body_bytes: int = 4 * 1024 * 1024
+    http: HttpLimits = field(default_factory=HttpLimits)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -104,6 +106,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=4 * 1024 * 1024,
         cast=int,
         help="largest HTTP request body accepted; larger ones get 413 before they are read",
+    )
+    add_flag(
+        parser,
+        "--http-header-timeout",
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        cast=float,
+        help="seconds a client may take to send a request's headers; an idle or trickling "
+        "connection (slowloris) is closed after it",
+    )
+    add_flag(
+        parser,
+        "--max-connections",
+        default=DEFAULT_MAX_CONNECTIONS,
+        cast=int,
+        help="HTTP connections served at once; past it new requests get 503 at once",
     )
     add_flag(parser, "--api-key", help="require `Authorization: Bearer KEY` on /v1")
     add_interface_flag(parser)
@@ -179,6 +196,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ConfigError(f"--max-tokens-cap must be at least 1, got {args.max_tokens_cap}")
     if args.max_body_bytes < 1:
         raise ConfigError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
+    if args.http_header_timeout <= 0:
+        raise ConfigError(f"--http-header-timeout must be positive, got {args.http_header_timeout}")
+    if args.max_connections < 1:
+        raise ConfigError(f"--max-connections must be at least 1, got {args.max_connections}")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
     prefix_cache_bytes = prefix_cache_bytes_from(args.prefix_cache_bytes)
@@ -211,6 +232,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         observability=observability_from_args(args),
         send_weights=args.send_weights == "auto",
         max_body_bytes=args.max_body_bytes,
+        http=HttpLimits(args.http_header_timeout, args.max_connections),
     )
 
 

@@ -27,11 +27,12 @@ from discovery.control import (
     Progress,
     Ready,
     Release,
-    accept_control,
     control_listener,
+    prove_control,
 )
 from discovery.control import RdmaDevice as WireRdmaDevice
-from discovery.framing import ChannelTimeout, wait_readable
+from discovery.framing import ChannelTimeout
+from discovery.handshake_gate import DEFAULT_DEADLINE_S, HandshakeGate
 from discovery.memory_monitor import MemoryMonitor
 from discovery.model_cache import ModelCacheReader
 from discovery.node_identity import StateDirLock, load_or_create_node_id
@@ -52,7 +53,6 @@ DEFAULT_ROLE_MODULES: Mapping[str, str] = {
     "tp_rank": "engines.tensor_parallel.worker",
     "pp_stage": "engines.pipeline.stage_worker",
 }
-ACCEPT_POLL_S = 0.5
 STATE_IDLE = "idle"
 STATE_WORKING = "working"
 
@@ -70,7 +70,7 @@ class AgentConfig:
     heartbeat_interval_s: float = 1.0
     coordinator_timeout_s: float = 5.0
     worker_frozen_s: float = 3.0  # a ready worker whose process is stopped this long has failed
-    handshake_timeout_s: float = 5.0
+    handshake_timeout_s: float = DEFAULT_DEADLINE_S  # a coordinator proving the key
     duplicate_check_s: float = 1.5
     role_modules: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_MODULES))
     cache_dir: Path | None = None  # where models fetched from a coordinator are kept
@@ -302,7 +302,7 @@ class Agent:
         self._session: CoordinatorSession | None = None
         self._session_lock = threading.Lock()
         self._stopping = threading.Event()
-        self._accept_thread: threading.Thread | None = None
+        self._gate: HandshakeGate[ControlConnection] | None = None
         cache = config.cache_dir
         self.model_cache = (
             ModelCacheReader(cache / "models", config.disk_limit) if cache is not None else None
@@ -337,10 +337,15 @@ class Agent:
             raise ConfigError(f"{error}; choose another --port (0 picks a free one)") from None
         self.control_port = self._listener.getsockname()[1]
         self._advertisement = Advertisement(self._zeroconf, self.record())
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="agent-accept", daemon=True
-        )
-        self._accept_thread.start()
+        # Coordinators prove the key off the accepting thread: strangers cannot hold it.
+        key, deadline = self.config.cluster_key, self.config.handshake_timeout_s
+        self._gate = HandshakeGate(
+            self._listener,
+            lambda sock, timeout_s: prove_control(sock, key, timeout_s),
+            lambda connection, _address: self._admit(connection),
+            "control port",
+            deadline_s=deadline,
+        ).start()
         logger.info(
             "agent %s (cluster %s) listening on %s:%d, backends %s",
             node_id,
@@ -360,11 +365,8 @@ class Agent:
             session = self._session
         if session is not None:
             session.end("agent stopping")
-        if (
-            self._accept_thread is not None
-            and self._accept_thread is not threading.current_thread()
-        ):
-            self._accept_thread.join(timeout=5.0)
+        if self._gate is not None:
+            self._gate.stop()
         if self._zeroconf is not None:
             self._zeroconf.close()
             self._zeroconf = None
@@ -447,28 +449,6 @@ class Agent:
             self._require_capabilities(), self.config.memory_limit
         )
         return self.capabilities
-
-    def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            listener = self._listener
-            if listener is None:
-                return
-            try:
-                # Poll first, so the handshake itself gets the full handshake timeout.
-                if not wait_readable(listener, ACCEPT_POLL_S):
-                    continue
-                connection = accept_control(
-                    listener, self.config.cluster_key, self.config.handshake_timeout_s
-                )
-            except ChannelTimeout:
-                continue
-            except ChannelError as error:
-                if not self._stopping.is_set():
-                    logger.warning("rejected a control connection: %s", error)
-                continue
-            except OSError:  # the listener was closed by stop()
-                return
-            self._admit(connection)
 
     def _admit(self, connection: ControlConnection) -> None:
         """Serve a verified coordinator, or tell it this agent is busy with another one."""

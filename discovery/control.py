@@ -242,6 +242,11 @@ def accept_control(
     except OSError as error:
         raise ChannelError(f"accepting a control connection failed: {error}") from error
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return prove_control(sock, cluster_key, timeout_s)
+
+
+def prove_control(sock: socket.socket, cluster_key: bytes, timeout_s: float) -> ControlConnection:
+    """The server side of the control handshake on an accepted socket (ChannelError: refused)."""
     return ControlConnection(
         SecureChannel.server(sock, cluster_key, CONTROL_PURPOSE, timeout_s, CONTROL_MAX_BYTES)
     )

@@ -44,7 +44,12 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
 BODY_TIMEOUT_S = 10.0  # the longest a started frame may take to finish arriving
 
 
-def recv_frame(sock: socket.socket, timeout_s: float, max_size: int = MAX_FRAME_BYTES) -> bytes:
+def recv_frame(
+    sock: socket.socket,
+    timeout_s: float,
+    max_size: int = MAX_FRAME_BYTES,
+    body_grace_s: float = BODY_TIMEOUT_S,
+) -> bytes:
     """Read one frame within `timeout_s`; the length is checked against `max_size` first.
 
     Raises ChannelTimeout when nothing at all arrived in time (the caller may try again), and
@@ -63,7 +68,7 @@ def recv_frame(sock: socket.socket, timeout_s: float, max_size: int = MAX_FRAME_
     body = bytearray(length)
     # A frame whose header arrived gets its own deadline for the body, so a header landing
     # just before a short poll timeout is not mistaken for a stalled peer.
-    body_deadline = max(deadline, time.monotonic() + BODY_TIMEOUT_S)
+    body_deadline = max(deadline, time.monotonic() + body_grace_s)
     received, closed = _read_into(sock, memoryview(body), body_deadline, "frame body")
     if received < length:
         _raise_short(received, length, closed, timeout_s, "frame body")

@@ -242,7 +242,8 @@ def _handshake(
         return _server_handshake(sock, cluster_key, purpose, deadline)
     except ChannelError as error:
         _close_socket(sock)
-        logger.warning("%s handshake with %s (purpose %r) failed: %s", role, peer, purpose, error)
+        # The caller reports it (a listener's HandshakeGate once per source, not per connection).
+        logger.debug("%s handshake with %s (purpose %r) failed: %s", role, peer, purpose, error)
         raise ChannelError(
             f"secure {purpose.decode(errors='replace')} handshake with {peer} failed: {error}"
         ) from None
@@ -325,7 +326,8 @@ def _parse_hello(hello: bytes) -> tuple[bytes, bytes, bytes]:
 def _recv_handshake_frame(sock: socket.socket, deadline: float, what: str) -> bytes:
     remaining = deadline - time.monotonic()
     try:
-        return recv_frame(sock, max(remaining, 0.0), HANDSHAKE_FRAME_LIMIT)
+        # No grace for the body: a peer trickling its hello must finish within the deadline.
+        return recv_frame(sock, max(remaining, 0.0), HANDSHAKE_FRAME_LIMIT, body_grace_s=0.0)
     except ChannelTimeout:
         raise ChannelTimeout(f"timed out waiting for {what}") from None
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
-import select
+import queue
 import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from discovery.framing import connect
+from discovery.framing import connect, wait_readable
+from discovery.handshake_gate import HandshakeGate
 from engines.pipeline import wire
 from engines.pipeline.wire import PURPOSE, Kind
 from planner.errors import ChannelError, EngineError
@@ -78,25 +79,30 @@ def _accept_last_stage(
     deadline: float,
     channel_class: Any,
 ) -> Any:
-    """Accept the last stage's connection; unauthenticated callers are turned away."""
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            host, port = listener.getsockname()[:2]
-            raise ChannelError(f"the last stage did not connect back to {host}:{port} in time")
-        readable, _, _ = select.select([listener, outbound_sock], [], [], min(remaining, 1.0))
-        if outbound_sock in readable:
-            raise ChannelError("stage 1 closed the connection while the chain was forming")
-        if listener not in readable:
-            continue
-        sock, address = listener.accept()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            return channel_class.server(
-                sock, cluster_key, PURPOSE, max(deadline - time.monotonic(), 0.1)
-            )
-        except ChannelError as error:
-            log.warning("turned away a return connection from %s:%s: %s", *address[:2], error)
+    """The last stage's proven connection back; strangers are turned away off this thread."""
+    proven: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def prove(sock: socket.socket, deadline_s: float) -> Any:
+        return channel_class.server(sock, cluster_key, PURPOSE, deadline_s)
+
+    gate = HandshakeGate(listener, prove, lambda channel, _: proven.put(channel), "return hop")
+    gate.start()
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                host, port = listener.getsockname()[:2]
+                raise ChannelError(f"the last stage did not connect back to {host}:{port} in time")
+            if wait_readable(outbound_sock, 0):
+                raise ChannelError("stage 1 closed the connection while the chain was forming")
+            try:
+                return proven.get(timeout=min(remaining, 0.1))
+            except queue.Empty:
+                continue
+    finally:
+        gate.stop()
+        while not proven.empty():  # proven too late, or more than one: not ours to keep
+            proven.get_nowait().close()
 
 
 def check_reports(

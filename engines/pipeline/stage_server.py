@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import select
 import socket
 import time
@@ -12,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from discovery.framing import connect
+from discovery.handshake_gate import HandshakeGate
 from discovery.secure_channel import SecureChannel
 from engines.decoding.grammar import GrammarCompiler, LogitsProcessor
 from engines.decoding.sampling import (
@@ -132,6 +134,10 @@ class EncryptedPipelineServer:
         self.grammars = grammars
         self._channel_class = channel_class
         self._listener: socket.socket | None = None
+        # Proven inbound connections, handed over by the handshake gate's threads.
+        self._proven: queue.SimpleQueue[tuple[Any, socket.socket, Any]] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
         self._stopping = False
         self.served_requests = 0  # sequences ended, over every session
         self.sessions = 0
@@ -150,10 +156,13 @@ class EncryptedPipelineServer:
         """Serve sessions until `stop_fd` reaches end of file or stop() is called."""
         if self._listener is None:
             self.bind()
+        gate = HandshakeGate(
+            self._listener, self._prove, self._hand_over, f"stage {self.spec.layers.start}"
+        ).start()
         session: _Session | None = None
         try:
             while not self._stopping:
-                watched: list[Any] = [self._listener, *(session.sockets() if session else [])]
+                watched: list[Any] = [self._wake_read, *(session.sockets() if session else [])]
                 if stop_fd is not None:
                     watched.append(stop_fd)
                 readable, _, _ = select.select(watched, [], [], IDLE_POLL_S)
@@ -162,8 +171,8 @@ class EncryptedPipelineServer:
                     return
                 if session is not None and not readable:
                     self._check_silence(session)
-                if self._listener in readable:
-                    fresh = self._accept()
+                if self._wake_read in readable:
+                    fresh = self._open_proven()
                     if fresh is not None:
                         if session is not None:
                             log.info("a new session replaces the current one")
@@ -185,26 +194,49 @@ class EncryptedPipelineServer:
                 if session.closed:
                     session = None
         finally:
+            gate.stop()
             if session is not None:
                 session.close()
             if self._listener is not None:
                 self._listener.close()
+            self._wake_read.close()
+            self._wake_write.close()
 
     # -- sessions ----------------------------------------------------------------------------
 
-    def _accept(self) -> _Session | None:
+    def _prove(self, sock: socket.socket, deadline_s: float) -> tuple[Any, socket.socket]:
+        """A gate thread: the newcomer proves the cluster key, or is refused."""
+        channel = self._channel_class.server(sock, self.spec.cluster_key, PURPOSE, deadline_s)
+        return channel, sock
+
+    def _hand_over(self, proven: tuple[Any, socket.socket], address: Any) -> None:
+        """A gate thread: queue a proven connection and wake the serving loop."""
+        inbound, sock = proven
+        self._proven.put((inbound, sock, address))
         try:
-            sock, address = self._listener.accept()
-        except OSError as error:
-            log.warning("accept failed: %s", error)
-            return None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._wake_write.send(b"!")
+        except OSError:  # the server is shutting down; the queue dies with it
+            inbound.close()
+
+    def _open_proven(self) -> _Session | None:
+        """The newest proven connection becomes a session (older ones are replaced anyway)."""
+        try:
+            self._wake_read.recv(4096)
+        except BlockingIOError:
+            pass
+        fresh: _Session | None = None
+        while True:
+            try:
+                inbound, sock, address = self._proven.get_nowait()
+            except queue.Empty:
+                return fresh
+            if fresh is not None:
+                fresh.close()
+            fresh = self._open_session(inbound, sock, address)
+
+    def _open_session(self, inbound: Any, sock: socket.socket, address: Any) -> _Session | None:
+        """Connect to the next hop for a proven inbound connection."""
         timeout = self.spec.read_timeout_s
-        try:
-            inbound = self._channel_class.server(sock, self.spec.cluster_key, PURPOSE, timeout)
-        except ChannelError as error:
-            log.warning("rejected a connection from %s:%s: %s", *address[:2], error)
-            return None
         try:
             outbound_sock = _connect_with_retry(
                 self.spec.next_host, self.spec.next_port, min(timeout, MAX_CONNECT_WAIT_S)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.framing import ChannelTimeout
+from discovery.handshake_gate import HandshakeGate
 from discovery.secure_channel import SecureChannel
 from engines.weights.manifest import Manifest
 from planner.errors import ChannelError, ModelError
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 PURPOSE = b"tandem-weights-v1"
 CHUNK_BYTES = 4 * 1024 * 1024  # one sealed frame of file data
 MAX_FRAME_BYTES = CHUNK_BYTES + 64 * 1024
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0  # an agent connecting and proving the key (client side)
 IDLE_TIMEOUT_S = 60.0
 
 
@@ -65,6 +66,7 @@ class WeightServer:
         self._key = cluster_key
         self._host = host
         self._listener: socket.socket | None = None
+        self._gate: HandshakeGate[SecureChannel] | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -90,15 +92,17 @@ class WeightServer:
     def start(self) -> int:
         """Listen on an ephemeral port and serve on background threads; returns the port."""
         self._listener = socket.create_server((self._host, 0), backlog=16)
-        self._listener.settimeout(0.5)
-        thread = threading.Thread(target=self._accept_loop, name="weight-server", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        # Agents prove the key off the accepting thread: strangers cannot hold it.
+        self._gate = HandshakeGate(
+            self._listener, self._prove, self._start_upload, "weight server"
+        ).start()
         log.info("serving model weights to agents on %s:%d", self._host, self.port)
         return self.port
 
     def stop(self) -> None:
         self._stopping.set()
+        if self._gate is not None:
+            self._gate.stop()
         if self._listener is not None:
             self._listener.close()
         for thread in self._threads:
@@ -116,30 +120,19 @@ class WeightServer:
             "sent_bytes": sent,
         }
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._stopping.is_set():
-            try:
-                sock, address = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            thread = threading.Thread(
-                target=self._serve_one, args=(sock, address), name="weight-upload", daemon=True
-            )
-            thread.start()
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+    def _prove(self, sock: socket.socket, deadline_s: float) -> SecureChannel:
+        """A gate thread: the agent proves the cluster key, or is refused."""
+        return SecureChannel.server(sock, self._key, PURPOSE, deadline_s, MAX_FRAME_BYTES)
 
-    def _serve_one(self, sock: socket.socket, address: Any) -> None:
+    def _start_upload(self, channel: SecureChannel, address: Any) -> None:
+        thread = threading.Thread(
+            target=self._serve_one, args=(channel, address), name="weight-upload", daemon=True
+        )
+        thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def _serve_one(self, channel: SecureChannel, address: Any) -> None:
         peer = f"{address[0]}:{address[1]}"
-        try:
-            channel = SecureChannel.server(
-                sock, self._key, PURPOSE, HANDSHAKE_TIMEOUT_S, MAX_FRAME_BYTES
-            )
-        except ChannelError as error:
-            log.warning("weight request from %s refused: %s", peer, error)
-            return
         with channel:
             try:
                 while not self._stopping.is_set():

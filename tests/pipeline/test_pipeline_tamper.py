@@ -683,10 +683,10 @@ def test_wrong_cluster_key_fails_the_handshake(stage: LiveStage, baseline: list[
 
 
 def test_garbage_instead_of_a_handshake(stage: LiveStage, baseline: list[int]) -> None:
-    since = stage.log_size()
     with socket.create_connection((HOST, stage.worker.port), timeout=5) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: stage\r\n\r\n")
-    stage.wait_for_log("rejected a connection", since)
+        # Refused and closed by the stage (logged once per source and minute, so not asserted).
+        assert sock.recv(64) == b""
     fresh = Chain(stage)
     try:
         fresh.setup()
