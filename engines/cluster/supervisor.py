@@ -119,6 +119,7 @@ class ClusterSupervisor:
         self._replan_wanted = threading.Event()
         self._loss_count = 0  # bumped by every re-plan request, so none is lost mid-launch
         self._retired: list[EngineRunner] = []  # swapped out, closed by the next re-plan
+        self._planned_nodes: set[str] = set()  # who could take part when the plan was made
         self.exclusions = MemberExclusions()
         self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
 
@@ -126,14 +127,17 @@ class ClusterSupervisor:
 
     def make_plan(self) -> ClusterPlan:
         """Plan over the coordinator plus every verified, connected, not excluded member."""
+        nodes = self._candidates()
+        members = self.membership.members() if self.membership is not None else []
+        weights = self.launch_settings.weights if self.launch_settings is not None else None
+        return plan_nodes(self.facts, self.plan_settings, nodes, members, weights)
+
+    def _candidates(self) -> list[NodeResources]:
         nodes = [self.coordinator()]
-        members: list[Any] = []
         if self.membership is not None:
             excluded = self.exclusions.excluded_now()
             nodes += [n for n in self.membership.to_resources() if n.node_id not in excluded]
-            members = self.membership.members()
-        weights = self.launch_settings.weights if self.launch_settings is not None else None
-        return plan_nodes(self.facts, self.plan_settings, nodes, members, weights)
+        return nodes
 
     def start(self) -> ClusterPlan:
         """First plan and engine; raises PlanError (refusal) or EngineError (launch failed)."""
@@ -154,6 +158,7 @@ class ClusterSupervisor:
         """Start the plan's engine and install it; a launch that fails or outlives close()
         leaves nothing behind (the runner closes the engine once its load returns)."""
         self.plan = plan
+        self._planned_nodes = {node.node_id for node in self._candidates()}
         decision = plan.decision
         log.info("plan: %s — %s", decision.chosen.value, decision.reason)
         for line in plan.describe():
@@ -235,9 +240,16 @@ class ClusterSupervisor:
         return enabled and idle and time.monotonic() >= due_at
 
     def _adopt_new_members(self) -> None:
-        """Agents that joined after start-up: re-plan when they change the plan."""
+        """Agents that joined after start-up: re-plan when they change the plan.
+
+        Only a change in who could take part counts. The members' memory readings move on
+        their own (a node that loaded its share has less free), so re-planning the same nodes
+        would move layer boundaries and cut the service for nothing; memory that runs low is
+        the pressure tiers' job (cluster/pressure.py)."""
         try:
             self.membership.discover(REDISCOVER_BROWSE_S)
+            if {node.node_id for node in self._candidates()} == self._planned_nodes:
+                return
             plan = self.make_plan()
         except TandemError as error:
             log.debug("re-discovery failed: %s", error)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +16,7 @@ from discovery.control import MemoryReport
 from discovery.members import CONNECTED, LOST
 from discovery.memory_tiers import CRITICAL, OK, WARN
 from engines.cluster.pressure import PressureController, PressureSettings, plan_tiers
-from engines.core.engine import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.core.engine import Engine, GenerationRequest, StepOutput
 from engines.core.runner import EngineRunner
 from engines.core.service import Service
 from engines.single.engine import SingleEngine
@@ -30,6 +30,7 @@ from tests.helpers.api import (  # noqa: F401
     parse_sse,
 )
 from tests.helpers.engine import run_one
+from tests.helpers.supervision import ScriptedEngine
 
 WAIT_S = 10.0
 RUNNER_THREAD = "engine-runner"
@@ -168,33 +169,6 @@ def test_a_failed_eviction_leaves_the_runner_serving(demo_model_dir: Path) -> No
 
 
 # -- the controller ---------------------------------------------------------------------------
-
-
-class ScriptedEngine(Engine):
-    """Loads at once and serves nothing; records the evictions the runner hands it."""
-
-    def __init__(self) -> None:
-        self.tokenizer = object()
-        self.evictions: list[float] = []
-
-    def load(self) -> None:
-        pass
-
-    def insert(self, uid: int, request: GenerationRequest) -> None:
-        pass
-
-    def remove(self, uids: Sequence[int]) -> None:
-        pass
-
-    def step(self) -> list[StepOutput]:
-        return []
-
-    def info(self) -> EngineInfo:
-        return EngineInfo("single")
-
-    def evict_prefix_cache(self, keep_fraction: float) -> int:
-        self.evictions.append(keep_fraction)
-        return 100
 
 
 class ScriptedTiers:

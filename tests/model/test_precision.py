@@ -12,8 +12,8 @@ from engines.cluster.supervisor import plan_nodes
 from engines.core.runner import EngineRunner
 from engines.model.info import inspect_model
 from engines.single.engine import SingleEngine
-from tests.cluster.test_supervisor import Members, ScriptedEngine, make_supervisor
 from tests.helpers.engine import make_request, run_one
+from tests.helpers.supervision import Members, ScriptedEngine, make_supervisor
 
 
 def dtypes_of(engine: SingleEngine) -> set:
