@@ -13,6 +13,7 @@ from engines.cluster.exclusions import MemberExclusions
 from engines.cluster.launch import LaunchSettings, build_engine
 from engines.cluster.replan_history import ReplanHistory
 from engines.core.engine import Engine
+from engines.core.memory_release import release_freed_memory
 from engines.core.runner import EngineRunner
 from engines.core.service import Service
 from engines.model.info import ModelFacts
@@ -267,6 +268,8 @@ class ClusterSupervisor:
             retired, self._retired = self._retired, []
         for runner in retired:
             runner.close()
+        del retired
+        release_freed_memory()  # what the old engine held, back to the OS
         self._release_workers(self.last_replan_reason)
         delay_s = RETRY_FIRST_S
         while not self._closed.is_set():

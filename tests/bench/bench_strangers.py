@@ -83,7 +83,7 @@ def main() -> None:
                 reopened = strangers.reopened
             quiet += rounds_for(server, args.hold / 4, texts)
             after = server.cluster()
-            replaced = sum(before_workers[n] != pid for n, pid in workers(server).items())
+            replaced = sum(before_workers.get(n, pid) != pid for n, pid in workers(server).items())
         finally:
             if server is not None:
                 server.stop()
