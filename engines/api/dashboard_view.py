@@ -81,6 +81,8 @@ def render_members(status: dict[str, Any]) -> str:
             ("backends", ", ".join(node.get("backends") or []) or "—"),
             ("worker", node.get("worker_state") or "—"),
         ]
+        if accounting := node.get("memory_accounting"):
+            facts.append(("process memory", _accounting(accounting)))
         rows = "".join(f"<dt>{k}</dt><dd>{escape(str(v))}</dd>" for k, v in facts)
         cards.append(
             f'<div class="member" data-node="{escape(node_id)}">'
@@ -88,6 +90,17 @@ def render_members(status: dict[str, Any]) -> str:
             f"{_memory_bar(need, available, tier)}{_transfer_bar(node.get('transfer'))}</div>"
         )
     return f'<div class="members">{"".join(cards)}</div>'
+
+
+def _accounting(memory: dict[str, Any]) -> str:
+    """RSS and what it is made of, in MB: the weights, the prefix cache, the rest of mlx's
+    arrays (KV, scratch), mlx's cache, and what nothing accounts for."""
+    mb = {kind: int(value) >> 20 for kind, value in memory.items()}
+    return (
+        f"RSS {mb.get('rss', 0)} MB = weights {mb.get('weights', 0)} + prefix cache "
+        f"{mb.get('prefix_cache', 0)} + KV/scratch {mb.get('other_mlx', 0)} + mlx cache "
+        f"{mb.get('mlx_cache', 0)} + unaccounted {mb.get('unaccounted', 0)}"
+    )
 
 
 def render_charts(samples: Sequence[Sample]) -> str:

@@ -18,6 +18,7 @@ from prometheus_client.exposition import generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.core.service import Service
+from engines.observability.process_memory import process_memory
 from engines.observability.request_timing import REJECTED, SEGMENTS, RequestRecord, rejected_record
 
 RECEIVED_AT = "tandem.received_at"  # key in the ASGI scope state: monotonic arrival time
@@ -168,6 +169,15 @@ class ClusterCollector:
             timing = info.detail.get("step_timing")
             if isinstance(timing, dict):
                 yield from _step_timing(timing)
+        accounting = GaugeMetricFamily(
+            "tandem_process_memory_bytes",
+            "This process's memory by kind: rss; mlx_active (= weights + prefix_cache + "
+            "other_mlx: KV and scratch); mlx_cache; unaccounted (rss - mlx, its growth is a leak)",
+            labels=["kind"],
+        )
+        for kind, value in process_memory(runner.engine if runner else None).items():
+            accounting.add_metric([kind], value)
+        yield accounting
         status = _cluster_status(service)
         yield from _members(status.get("members") or [])
         replans = CounterMetricFamily(

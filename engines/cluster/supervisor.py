@@ -18,6 +18,7 @@ from engines.core.runner import EngineRunner
 from engines.core.service import Service
 from engines.model.info import ModelFacts
 from engines.model.precision import on_cpu
+from engines.observability.process_memory import process_memory
 from planner import ClusterPlan, NodeResources, Parallelism, TransferSizes, plan_cluster
 from planner.errors import PlanError, TandemError
 
@@ -321,7 +322,8 @@ class ClusterSupervisor:
             "reason": plan.decision.reason if plan else None,
             "world_size": 1 + len(self.membership.to_resources()) if self.membership else 1,
             "engine": _engine_info(runner),
-            "coordinator": _resources_dict(self.coordinator()),
+            "coordinator": _resources_dict(self.coordinator())
+            | {"memory_accounting": process_memory(runner.engine if runner else None)},
             "members": self._members(),
             "model": self.facts.to_dict(),
         }

@@ -133,6 +133,11 @@ class Engine(abc.ABC):
         Engines without a prefix cache free nothing."""
         return 0
 
+    def memory_held(self) -> dict[str, int]:
+        """Bytes this engine holds in this process, by kind ("weights", "prefix_cache"), for
+        the memory accounting (observability/process_memory.py); {} where it holds none."""
+        return {}
+
     def step_times(self, uid: int) -> dict[str, float]:
         """Scheduler thread: seconds of the engine's own step segments
         (observability/step_timing.py) spent on steps that carried `uid`, for its request log

@@ -24,6 +24,7 @@ from engines.core.engine import (
     StepOutput,
 )
 from engines.decoding.grammar import GrammarCompiler
+from engines.observability.process_memory import parameter_bytes
 from engines.observability.step_timing import StepTimes
 from engines.pipeline import wire
 from engines.pipeline.admission import sampling_of, wire_refusal
@@ -136,6 +137,7 @@ class EncryptedPipelineEngine(Engine):
         self.upcast = upcast  # half-precision weights to float32 on the CPU
         self.tokenizer = None
         self.stage: StageModel | None = None
+        self._weight_bytes = 0  # stage 0's, in this process
         self._listener: socket.socket | None = return_listener
         self._chain: Chain | None = None
         self._schedule = MicroBatchSchedule(groups, prefill_chunk, 1 + len(stages))
@@ -182,6 +184,9 @@ class EncryptedPipelineEngine(Engine):
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer of {self.model_path}: {error}") from error
         self.stage = StageModel.load(self.model_path, self.layers, False, self.upcast)
+        stage = self.stage
+        parts = (*stage.blocks, stage.embed_tokens, stage.norm, stage.head)
+        self._weight_bytes = parameter_bytes(*parts)
         self._load_grammars()
         if any(window is not None for window in self.stage.layout.windows):
             self.prefix_index.turn_off(NOT_REUSABLE)  # windows anywhere in the chain
@@ -218,6 +223,9 @@ class EncryptedPipelineEngine(Engine):
                 )
             self._open()
 
+    def memory_held(self) -> dict[str, int]:
+        return {"weights": self._weight_bytes}
+
     def close(self) -> None:
         self._healthy = False
         self._close_chain()
@@ -225,6 +233,7 @@ class EncryptedPipelineEngine(Engine):
             self._listener.close()
             self._listener = None
         self.stage = None
+        self._weight_bytes = 0
         self._local = None
         self._forget_prefix_cache()
         mx.clear_cache()

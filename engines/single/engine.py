@@ -28,6 +28,7 @@ from engines.decoding.sampling import (
 )
 from engines.model.load_progress import evaluate_by_layer
 from engines.model.precision import upcast_on_cpu
+from engines.observability.process_memory import parameter_bytes
 from engines.prefix_cache.cached_prefill import first_token_from_cache
 from engines.prefix_cache.index import PrefixIndex
 from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
@@ -64,6 +65,7 @@ class SingleEngine(Engine):
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.model = None
+        self._weight_bytes = 0
         self.tokenizer = None
         self._generator: BatchGenerator | None = None
         self._to_generator: dict[int, int] = {}  # our uid -> the generator's uid
@@ -80,6 +82,7 @@ class SingleEngine(Engine):
         except (OSError, ValueError, RuntimeError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
         self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
+        self._weight_bytes = parameter_bytes(self.model)
         if not reusable(make_prompt_cache(self.model)):
             self.prefix_index.turn_off(NOT_REUSABLE)
         vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", 0)
@@ -182,6 +185,10 @@ class SingleEngine(Engine):
         chosen, best = token_logprobs(logprobs, token, top)
         return StepOutput(uid, token, None, chosen, best)
 
+    def memory_held(self) -> dict[str, int]:
+        cached = self.prefix_index.snapshot()["bytes"]
+        return {"weights": self._weight_bytes, "prefix_cache": cached}
+
     def info(self) -> EngineInfo:
         detail = {
             "model_path": str(self.model_path),
@@ -199,4 +206,5 @@ class SingleEngine(Engine):
         self._prefix_store.clear()
         self.prefix_index.clear()
         self.model = None
+        self._weight_bytes = 0
         mx.clear_cache()

@@ -359,3 +359,21 @@ def test_replan_history_counts_and_fills_in_the_new_strategy() -> None:
     assert newest["kind"] == "engine_unhealthy" and newest["strategy"] is None
     assert older["strategy"] == "single" and older["outage_s"] >= 0
     assert history.counts() == {"member_lost": 1, "worker_failed": 1, "engine_unhealthy": 1}
+
+
+async def test_process_memory_accounts_for_the_weights_next_to_rss(runner: Any) -> None:
+    files = Path(runner.engine.model_path).glob("*.safetensors")
+    model_bytes = sum(file.stat().st_size for file in files)
+    async with open_client(make_service(runner)) as client:
+        memory = {
+            key.split("kind=")[1].rstrip("}"): value
+            for key, value in (await scrape(client)).items()
+            if key.startswith("tandem_process_memory_bytes")
+        }
+    # float32 demo weights: what the engine holds is what the files hold, give or take headers
+    assert abs(memory["weights"] - model_bytes) < 0.05 * model_bytes
+    assert memory["mlx_active"] >= memory["weights"] + memory["prefix_cache"]
+    assert memory["mlx_active"] == memory["weights"] + memory["prefix_cache"] + memory["other_mlx"]
+    assert memory["rss"] == memory["mlx_active"] + memory["mlx_cache"] + memory["unaccounted"]
+    html = render_members({"coordinator": {"node_id": "c", "memory_accounting": memory}})
+    assert f"weights {int(memory['weights']) >> 20}" in html
