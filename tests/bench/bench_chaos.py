@@ -45,14 +45,17 @@ class Tally:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
-        self.last_ok_at = 0.0
+        self.ok_at: list[float] = []  # when each request finished well
+        self.last_failure_at = 0.0  # when the last one did not
         self.bad_bodies: list[str] = []
 
     def add(self, outcome: str, body: str = "") -> None:
         with self.lock:
             self.counts[outcome] += 1
             if outcome == "finished":
-                self.last_ok_at = time.monotonic()
+                self.ok_at.append(time.monotonic())
+            else:
+                self.last_failure_at = time.monotonic()
             if body and len(self.bad_bodies) < 5:
                 self.bad_bodies.append(body[:200])
 
@@ -174,10 +177,17 @@ def run(strategy: str, minutes: float, seed: int, every_s: float) -> dict[str, A
                     os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
+            # Recovered: the first good answer after the last failure, counted from the last
+            # fault (a frozen member fails requests only once it is declared lost).
+            if faults:
+                last_fault = started + faults[-1][0]
             recovered_s = None
             while time.monotonic() - last_fault < 120:
-                if tally.last_ok_at > last_fault:
-                    recovered_s = tally.last_ok_at - last_fault
+                with tally.lock:
+                    settled = max(last_fault, tally.last_failure_at)
+                    good = [at for at in tally.ok_at if at > settled]
+                if good and time.monotonic() - good[0] > 2 * LOST_AFTER_S:
+                    recovered_s = good[0] - last_fault
                     break
                 time.sleep(0.2)
             stop.set()
