@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from discovery.framing import ChannelTimeout, connect
+from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
 from planner.errors import ChannelError
 
@@ -223,26 +223,6 @@ def dial_control(host: str, port: int, cluster_key: bytes, timeout_s: float) -> 
     return ControlConnection(
         SecureChannel.client(sock, cluster_key, CONTROL_PURPOSE, timeout_s, CONTROL_MAX_BYTES)
     )
-
-
-def accept_control(
-    listening_sock: socket.socket, cluster_key: bytes, timeout_s: float
-) -> ControlConnection:
-    """Accept one connection and run the server handshake, both within about `timeout_s` each.
-
-    ChannelTimeout when nobody connected in time; ChannelError when the peer failed the
-    handshake (its socket is closed, the listener stays usable). A slow peer holds the caller
-    for up to `timeout_s`: accept in a loop on its own thread.
-    """
-    listening_sock.settimeout(timeout_s)
-    try:
-        sock, _ = listening_sock.accept()
-    except TimeoutError:
-        raise ChannelTimeout(f"no control connection arrived within {timeout_s} s") from None
-    except OSError as error:
-        raise ChannelError(f"accepting a control connection failed: {error}") from error
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return prove_control(sock, cluster_key, timeout_s)
 
 
 def prove_control(sock: socket.socket, cluster_key: bytes, timeout_s: float) -> ControlConnection:

@@ -23,11 +23,11 @@ from discovery.control import (
     Progress,
     Ready,
     Release,
-    accept_control,
     control_listener,
     decode,
     dial_control,
     encode,
+    prove_control,
 )
 from discovery.framing import ChannelTimeout, connect
 from discovery.secure_channel import SecureChannel
@@ -120,6 +120,16 @@ def test_malformed_messages_raise_channel_error(data: bytes, match: str) -> None
     with pytest.raises(ChannelError, match=match) as raised:
         decode(data)
     assert raised.value.__cause__ is None  # no pydantic exception leaks through
+
+
+def accept_control(listener: socket.socket, key: bytes, timeout_s: float) -> ControlConnection:
+    """One connection, proven the way the agent's HandshakeGate proves each of its own."""
+    listener.settimeout(timeout_s)
+    try:
+        sock, _ = listener.accept()
+    except TimeoutError:
+        raise ChannelTimeout(f"no control connection arrived within {timeout_s} s") from None
+    return prove_control(sock, key, timeout_s)
 
 
 def test_hello_port_out_of_range_is_refused() -> None:
