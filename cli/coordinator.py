@@ -67,6 +67,26 @@ def coordinator_resources(node_id: str, memory_limit: str | None) -> NodeResourc
     )
 
 
+def rdma_rows(hostfile: Path | None) -> tuple[Any, ...]:
+    """--hostfile's rdma rows for a JACCL plan (none without a hostfile or rdma rows)."""
+    from discovery.hostfile import load_hostfile
+    from engines.tensor_parallel.jaccl import RdmaRow
+
+    if hostfile is None:
+        return ()
+    parsed = load_hostfile(hostfile)
+    if not parsed.has_rdma:
+        return ()
+    return tuple(RdmaRow(tuple(e.ips), tuple(e.rdma or ())) for e in parsed.entries)
+
+
+def own_active_rdma() -> tuple[str, ...]:
+    """This machine's RDMA devices with an active port (JACCL's links when no hostfile)."""
+    from discovery.capabilities import probe_rdma_devices
+
+    return tuple(device.name for device in probe_rdma_devices() if device.active)
+
+
 def coordinator_address(interface: str | None, members: list[Any]) -> str:
     """Where the other members reach this machine (ring rank 0, pipeline return hop)."""
     if interface and not ipaddress.ip_address(interface).is_unspecified:
@@ -260,6 +280,8 @@ def serve(config: ServeConfig) -> int:
         cluster_key=key,
         coordinator_address=address,
         max_batch=config.max_batch,
+        rdma_rows=rdma_rows(config.hostfile),
+        rdma_devices={node_id: own_active_rdma()},
     )
     service.cluster_status = supervisor.status
     service.pressure = watch_memory(service, supervisor, node_id, config.memory_budget)

@@ -6,14 +6,17 @@ import ipaddress
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from discovery.framing import free_port
 from engines.core import blas
 from engines.core.engine import Engine
+from engines.tensor_parallel.jaccl import RdmaRow
 from planner import ClusterPlan, Parallelism
+from planner.cluster_plan import JACCL, RING
 from planner.errors import EngineError, PeerError
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,10 @@ class LaunchSettings:
     # The coordinator's weight server (engines/weights/source.py): agents that lack the model
     # fetch it from here. None: every machine must find it itself.
     weights: Any = None
+    # For a JACCL plan: --hostfile's rows (which device reaches which machine), and the active
+    # RDMA devices of every node by node id (tensor_parallel/jaccl.py).
+    rdma_rows: tuple[RdmaRow, ...] = ()
+    rdma_devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def remote_model(self) -> str:
@@ -96,18 +103,15 @@ def _build_tensor_parallel(
     addresses: dict[str, str],
 ) -> Engine:
     from engines.tensor_parallel.engine import TensorParallelEngine
-    from engines.tensor_parallel.group import ring_specs
 
     rank_addresses = [addresses[node_id] for node_id in plan.ranks]
     ports = [_ring_port(address, rank, settings) for rank, address in enumerate(rank_addresses)]
-    specs = ring_specs(
-        rank_addresses,
-        ports,
-        settings.remote_model,
-        max_batch=settings.max_batch,
-        upcast_float32=_upcast(plan),
-        prefix_cache_bytes=plan.prefix_cache_bytes,
-    )
+    options = {
+        "max_batch": settings.max_batch,
+        "upcast_float32": _upcast(plan),
+        "prefix_cache_bytes": plan.prefix_cache_bytes,
+    }
+    specs = _group_specs(plan, settings, addresses, rank_addresses, ports, options)
     share = _share_cores(plan, addresses, settings.coordinator_address)
     for spec, address in zip(specs, rank_addresses, strict=True):
         spec["blas_threads"] = _threads_at(address, share, settings)
@@ -133,13 +137,35 @@ def _build_tensor_parallel(
             except PeerError as error:
                 raise EngineError(f"tensor-parallel rank on {node_id}: {error}") from error
     endpoints = ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports, strict=True))
-    log.info("tp: %d ranks on %s", len(specs), endpoints)
+    log.info("tp: %d ranks over %s on %s", len(specs), plan.backend or RING, endpoints)
     return TensorParallelEngine(
         settings.model_path,
         specs[0],
         token_timeout_s=settings.token_timeout_s,
         rank_nodes=plan.ranks,
     )
+
+
+def _group_specs(
+    plan: ClusterPlan,
+    settings: LaunchSettings,
+    addresses: dict[str, str],
+    rank_addresses: list[str],
+    ports: list[int],
+    options: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """The rank specs for the collective the plan chose: JACCL's device matrix and rank 0's
+    coordinator port, or the ring's listening addresses."""
+    from engines.tensor_parallel.group import jaccl_specs, ring_specs
+    from engines.tensor_parallel.jaccl import device_matrix
+
+    if plan.backend == JACCL:
+        matrix = device_matrix(
+            plan.ranks, addresses, settings.rdma_devices, settings.rdma_rows
+        )
+        coordinator = f"{rank_addresses[0]}:{ports[0]}"
+        return jaccl_specs(matrix, coordinator, settings.remote_model, **options)
+    return ring_specs(rank_addresses, ports, settings.remote_model, **options)
 
 
 def _build_pipeline(

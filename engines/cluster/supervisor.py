@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from discovery.capabilities import PORT_ACTIVE
 from engines.cluster.exclusions import MemberExclusions
 from engines.cluster.launch import LaunchSettings, build_engine
 from engines.cluster.replan_history import ReplanHistory
@@ -151,10 +152,14 @@ class ClusterSupervisor:
         return plan
 
     def _build_engine(self, plan: ClusterPlan) -> Engine:
-        addresses = {self.coordinator().node_id: self.launch_settings.coordinator_address}
+        settings = self.launch_settings
+        addresses = {self.coordinator().node_id: settings.coordinator_address}
         if self.membership is not None:
-            addresses |= {m.node_id: m.address for m in self.membership.members()}
-        return build_engine(plan, self.launch_settings, self.membership, addresses)
+            members = self.membership.members()
+            addresses |= {m.node_id: m.address for m in members}
+            devices = {m.node_id: active_rdma(m.hello) for m in members if m.hello is not None}
+            settings = replace(settings, rdma_devices={**settings.rdma_devices, **devices})
+        return build_engine(plan, settings, self.membership, addresses)
 
     def _launch(self, plan: ClusterPlan) -> None:
         """Start the plan's engine and install it; a launch that fails or outlives close()
@@ -390,6 +395,11 @@ def _unhealthy(engine: Engine) -> str:
     info = engine.info()
     why = info.detail.get("lost_reason") or info.detail.get("failure")
     return f"{info.strategy} engine became unhealthy" + (f": {why}" if why else "")
+
+
+def active_rdma(hello: Any) -> tuple[str, ...]:
+    """The RDMA devices a member's hello reports with an active port (JACCL's links)."""
+    return tuple(d.name for d in hello.rdma_devices if d.port_state == PORT_ACTIVE)
 
 
 def _assignment(plan: ClusterPlan | None) -> tuple[Any, ...]:
