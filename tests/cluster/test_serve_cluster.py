@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
@@ -13,17 +12,13 @@ from pathlib import Path
 import pytest
 from openai import APIError, OpenAI
 
-from engines.core.engine import GenerationRequest
-from engines.core.runner import EngineRunner
-from engines.single.engine import SingleEngine
 from tests.conftest import make_demo_model
 from tests.helpers.cluster import AgentPool
+from tests.helpers.reference import completions, single_outputs
 from tests.helpers.serve import ServeProcess, start_serve
 
 pytestmark = pytest.mark.cluster
 
-PROMPTS = ([5, 60, 61, 62, 63], [7, 100, 200, 300, 41, 42, 43, 44], [9, 500, 17])
-MAX_TOKENS = 48
 ERROR_WITHIN_S = 10.0
 LOST_AFTER_S = 5.0  # serve's and join's default --lost-after
 
@@ -32,33 +27,6 @@ LOST_AFTER_S = 5.0  # serve's and join's default --lost-after
 def six_head_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """6 heads / 3 KV heads (divisible by 3), 6 layers: tp over 3 and uneven pp splits work."""
     return make_demo_model(tmp_path_factory.mktemp("six"), layers=6, heads=6, kv_heads=3)
-
-
-def single_outputs(model: Path) -> list[str]:
-    """What SingleEngine says for PROMPTS, through the same runner and detokenizer as serve."""
-    engine = SingleEngine(model)
-    runner = EngineRunner(engine)
-    runner.start()
-
-    async def generate(prompt: list[int]) -> str:
-        submission = runner.submit(GenerationRequest("ref", tuple(prompt), MAX_TOKENS))
-        return "".join([event.text async for event in submission.events()])
-
-    try:
-        return [asyncio.run(generate(prompt)) for prompt in PROMPTS]
-    finally:
-        runner.close()
-
-
-def completions(server: ServeProcess, model_id: str) -> list[str]:
-    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
-    texts = []
-    for prompt in PROMPTS:
-        reply = client.completions.create(
-            model=model_id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
-        )
-        texts.append(reply.choices[0].text)
-    return texts
 
 
 def stream_until_error(

@@ -186,7 +186,7 @@ def run_stage_chain(path: Path, facts: ModelFacts, prefill_chunk: int = 8) -> Ou
 
 def run_pp(path: Path, facts: ModelFacts) -> Outcome:
     """Two stages: layer 0 here, layer 1 in a real stage worker process over a sealed hop."""
-    from tests.pipeline.test_pipeline import make_engine, start_workers, stop_workers
+    from tests.helpers.pipeline import make_engine, start_workers, stop_workers
 
     if reason := refusal(facts, Parallelism.PP):
         return Outcome(refusal=reason)
@@ -216,7 +216,7 @@ def run_pp(path: Path, facts: ModelFacts) -> Outcome:
 
 def run_tp(path: Path, facts: ModelFacts) -> Outcome:
     """Two ranks over the TCP ring on loopback, each a real worker process."""
-    from tests.tensor_parallel.test_tensor_parallel import close_cluster, open_cluster
+    from tests.helpers.tensor_parallel import close_cluster, open_cluster
 
     if reason := refusal(facts, Parallelism.TP):
         return Outcome(refusal=reason)

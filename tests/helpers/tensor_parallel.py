@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llguidance import LLMatcher
 
 from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
+from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 WORKER = [sys.executable, "-m", "engines.tensor_parallel.worker"]
 # JSON mode as the API compiles it (engines/api/constraints.py)
 GRAMMAR = LLMatcher.grammar_from_json_schema(ANY_OBJECT, overrides=JSON_OPTIONS)
+LOAD_TIMEOUT_S = 60.0
 
 
 def start_rank(spec: dict[str, Any]) -> subprocess.Popen[bytes]:
@@ -41,3 +44,31 @@ def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
         for pipe in (process.stdin, process.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+@dataclass
+class Cluster:
+    engine: TensorParallelEngine
+    ranks: list[subprocess.Popen[bytes]]
+    lost: list[str]
+
+
+def open_cluster(model_dir: Path, world_size: int = 2, **engine_options: Any) -> Cluster:
+    specs = loopback_ring_specs(world_size, model_dir)
+    ranks = [start_rank(spec) for spec in specs[1:]]
+    lost: list[str] = []
+    engine = TensorParallelEngine(
+        model_dir, specs[0], on_lost=lost.append, load_timeout_s=LOAD_TIMEOUT_S, **engine_options
+    )
+    try:
+        engine.load()
+    except BaseException:
+        engine.close()
+        stop_processes(ranks)
+        raise
+    return Cluster(engine, ranks, lost)
+
+
+def close_cluster(cluster: Cluster) -> None:
+    cluster.engine.close()
+    stop_processes(cluster.ranks)

@@ -88,8 +88,8 @@ def test_serve_a_repo_id_over_pp_with_an_agent_resolving_its_own_cache(
     """The agent gets repo@commit, not a path, and finds it in a different HF_HOME of its own."""
     from openai import OpenAI
 
-    from tests.cluster.test_serve_cluster import PROMPTS, single_outputs
     from tests.helpers.cluster import AgentPool
+    from tests.helpers.reference import PROMPTS, single_outputs
     from tests.helpers.serve import start_serve
 
     coordinator_home, agent_home = tmp_path / "hf-coordinator", tmp_path / "hf-agent"
@@ -138,8 +138,8 @@ def test_an_agent_without_the_model_fetches_it_from_the_coordinator(
     from openai import OpenAI
 
     from engines.weights.fetch import cached_model
-    from tests.cluster.test_serve_cluster import PROMPTS, single_outputs
     from tests.helpers.cluster import AgentPool
+    from tests.helpers.reference import PROMPTS, single_outputs
     from tests.helpers.serve import start_serve
 
     coordinator_home, agent_home = tmp_path / "hf-coordinator", tmp_path / "hf-empty"

@@ -10,7 +10,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,48 +58,23 @@ from tests.helpers.engine import (
 from tests.helpers.grammar import REPLY_SCHEMA, completes_to_object
 from tests.helpers.tensor_parallel import (
     GRAMMAR,
+    LOAD_TIMEOUT_S,
     PROJECT_ROOT,
     WORKER,
+    Cluster,
+    close_cluster,
+    open_cluster,
     start_rank,
     stop_processes,
 )
 from tests.helpers.timing import check_request_shares, flow
 
 PROMPTS = ("The quick brown fox", "Once upon a time, in a city by the sea,", "def main():")
-LOAD_TIMEOUT_S = 60.0
 
 pytestmark = pytest.mark.cluster
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-@dataclass
-class Cluster:
-    engine: TensorParallelEngine
-    ranks: list[subprocess.Popen[bytes]]
-    lost: list[str]
-
-
-def open_cluster(model_dir: Path, world_size: int = 2, **engine_options: Any) -> Cluster:
-    specs = loopback_ring_specs(world_size, model_dir)
-    ranks = [start_rank(spec) for spec in specs[1:]]
-    lost: list[str] = []
-    engine = TensorParallelEngine(
-        model_dir, specs[0], on_lost=lost.append, load_timeout_s=LOAD_TIMEOUT_S, **engine_options
-    )
-    try:
-        engine.load()
-    except BaseException:
-        engine.close()
-        stop_processes(ranks)
-        raise
-    return Cluster(engine, ranks, lost)
-
-
-def close_cluster(cluster: Cluster) -> None:
-    cluster.engine.close()
-    stop_processes(cluster.ranks)
 
 
 # -- fixtures ------------------------------------------------------------------------------
