@@ -2,7 +2,7 @@
 
 Run from the project root, as root: `python -m tests.bench.bench_scaling` (about eight minutes).
 Every configuration is a fresh cluster of lab machines (tests/lab/machines.py: network
-namespaces on one bridge, each with its own disk, so the agents receive their shares), one
+namespaces on one bridge; the model sits outside their private homes, so no transfer), one
 core each and one BLAS thread per process, serving a 16-layer, hidden-1024 demo model: single
 on one machine, tp=2 and pp=2 over two; then, with half a core each (a CPU quota: this box has
 two cores), single on one such machine against pp=3 over three. The client streams through the
@@ -181,7 +181,7 @@ def main() -> None:
         "`python -m tests.bench.bench_scaling` (as root): every row a fresh cluster of lab "
         f"machines (tests/lab/machines.py), one core each (the half-core rows: a CPU quota of "
         f"0.5), one BLAS thread per process, a {LAYERS}-layer hidden-{HIDDEN} float32 demo "
-        f"model the agents receive over the cluster channel; {ROUNDS} greedy 1-stream rounds "
+        f"model every machine reads from the same path; {ROUNDS} greedy 1-stream rounds "
         f"of {MAX_TOKENS} tokens (median) and three rounds of {STREAMS} concurrent streams "
         "(median aggregate), from the host through the OpenAI API. Ratios are against single "
         "on one machine of the same size.\n\n" + table,

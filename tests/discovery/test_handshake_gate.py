@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import queue
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -16,10 +15,10 @@ import pytest
 from discovery.cluster_key import generate_key
 from discovery.handshake_gate import HandshakeGate, RefusalLog
 from discovery.secure_channel import SecureChannel
+from tests.helpers.strangers import open_strangers
 
 PURPOSE = b"tandem-test-gate"
 HOST = "127.0.0.1"
-STRANGERS = 24  # of each kind
 
 
 @pytest.fixture
@@ -42,21 +41,6 @@ def gate_setup() -> Iterator[tuple[HandshakeGate, bytes, queue.SimpleQueue]]:
         listener.close()
         while not admitted.empty():
             admitted.get_nowait().close()
-
-
-def open_strangers(port: int) -> list[socket.socket]:
-    """Silent ones, ones trickling a hello a byte at a time, ones sending a well-formed hello
-    of the right purpose without the key behind it."""
-    strangers = []
-    for _ in range(STRANGERS):
-        strangers.append(socket.create_connection((HOST, port)))  # silent
-        trickler = socket.create_connection((HOST, port))
-        trickler.sendall(struct.pack(">I", 64)[:1])  # the first byte of a frame header
-        strangers.append(trickler)
-        hello = socket.create_connection((HOST, port))
-        hello.sendall(struct.pack(">I", 4) + b"TDM1")  # looks like a start, proves nothing
-        strangers.append(hello)
-    return strangers
 
 
 def prove_as_client(port: int, key: bytes) -> float:

@@ -17,6 +17,21 @@ from tests.helpers.serve import ServeProcess
 PROMPT = "Strangers knock, and the pipeline keeps"
 
 
+def open_strangers(port: int, per_kind: int = 24) -> list[socket.socket]:
+    """Silent ones, ones trickling a hello a byte at a time, ones sending a well-formed hello
+    of the right purpose without the key behind it."""
+    strangers = []
+    for _ in range(per_kind):
+        strangers.append(socket.create_connection(("127.0.0.1", port)))  # silent
+        trickler = socket.create_connection(("127.0.0.1", port))
+        trickler.sendall(struct.pack(">I", 64)[:1])  # the first byte of a frame header
+        strangers.append(trickler)
+        hello = socket.create_connection(("127.0.0.1", port))
+        hello.sendall(struct.pack(">I", 4) + b"TDM1")  # looks like a start, proves nothing
+        strangers.append(hello)
+    return strangers
+
+
 class Strangers:
     """Keeps `per_kind` silent, trickling and unproven-hello connections open against each of
     `ports` (and `idle_http` idle ones against the HTTP API, a few trickling a request line),

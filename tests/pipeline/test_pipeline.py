@@ -46,6 +46,7 @@ from tests.helpers.pipeline import (
     status,
     stop_workers,
 )
+from tests.helpers.strangers import open_strangers
 from tests.helpers.timing import check_request_shares, flow
 
 pytestmark = pytest.mark.cluster
@@ -583,3 +584,24 @@ def test_worker_reports_failure_on_a_bad_layer_range(
     with open(tmp_path / "stage.log", "ab") as log:
         with pytest.raises(EngineError, match=r"not inside the model's 5 layers"):
             StageProcess.start(spec, stderr=log, ready_timeout_s=60)
+
+
+def test_strangers_at_the_return_port_do_not_delay_the_chain(
+    five_layer_model: Path, cluster_key: bytes, tmp_path: Path
+) -> None:
+    """The coordinator's return port accepts the last stage while the chain forms: strangers
+    already waiting there are proven off that path, and the chain forms as fast as alone."""
+    ranges = allocate_layers(5, [1, 1, 1])
+    listener, workers = start_workers(five_layer_model, ranges, cluster_key, tmp_path)
+    strangers = open_strangers(listener.getsockname()[1], per_kind=8)
+    engine = make_engine(five_layer_model, ranges, cluster_key, listener, workers)
+    try:
+        started = time.monotonic()
+        engine.load()
+        assert time.monotonic() - started < 5.0  # before: each stranger held it for seconds
+        assert len(engine.info().detail["stages"]) == 3
+    finally:
+        for sock in strangers:
+            sock.close()
+        engine.close()
+        stop_workers(workers)

@@ -6,6 +6,7 @@ import logging
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from engines.weights.fetch import cached_model, fetch_model
 from engines.weights.manifest import MANIFEST_NAME, build_manifest, sha256_of
 from engines.weights.server import WeightServer
 from planner.errors import ModelError
+from tests.helpers.strangers import open_strangers
 
 HOST = "127.0.0.1"
 
@@ -251,3 +253,26 @@ def test_every_stage_share_of_a_quantized_model_computes_the_same(
             assert mx.array_equal(out_whole, out_part).item(), (arch, layers)
     finally:
         source.close()
+
+
+def test_strangers_holding_the_weight_port_do_not_delay_an_agent(
+    server: WeightServer, key: bytes, tmp_path: Path
+) -> None:
+    """Silent, trickling and unproven connections pend at the gate; the agent's fetch runs
+    as fast as alone, and the strangers leave no thread behind."""
+    baseline = threading.active_count()
+    alone = time.monotonic()
+    fetch_model(HOST, server.port, key, server.manifest.content_hash, tmp_path / "alone")
+    alone = time.monotonic() - alone
+    strangers = open_strangers(server.port)
+    try:
+        started = time.monotonic()
+        fetch_model(HOST, server.port, key, server.manifest.content_hash, tmp_path / "busy")
+        assert time.monotonic() - started < 1.0 + 2 * alone  # before: each waited its turn
+    finally:
+        for sock in strangers:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= baseline
