@@ -36,6 +36,7 @@ STREAMS = 8
 PORT = 8000
 READY_S = 300.0
 PYTHON = [sys.executable, "-m", "cli.main"]
+RING_PORT = 5522
 PROMPT = "A second machine should make this answer arrive faster, token after token, because"
 
 
@@ -138,17 +139,66 @@ def measure(config: Config, model_args: list[str]) -> dict[str, Any]:
     with Lab(config.machines, specs) as lab:
         url = start(config, lab, model_args)
         one_stream(url)  # warm-up
-        before = httpx.get(url + "/v1/cluster", timeout=10).json()
+        before = cluster(url)
         singles = [one_stream(url) for _ in range(ROUNDS)]
-        after = httpx.get(url + "/v1/cluster", timeout=10).json()
+        middle = cluster(url)
         aggregate = statistics.median(many_streams(url) for _ in range(3))
+        after = cluster(url)
     return {
         "decode": statistics.median(rate for rate, _ in singles),
         "ttft": statistics.median(ttft for _, ttft in singles),
         "aggregate": aggregate,
-        "steps": step_means(before, after),
+        "steps": step_means(before, middle),
+        "steps_many": step_means(middle, after),
         "strategy": after.get("strategy"),
     }
+
+
+def cluster(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/v1/cluster", timeout=10).json()
+
+
+def plain_forward(machines: int, model: Path) -> dict[str, float]:
+    """tok/s of mlx-lm's bare forward at 1 and STREAMS rows on `machines` lab machines (sharded
+    over plain mx.distributed when 2): the ceiling with no serving around it."""
+    specs = [MachineSpec(cores=str(index % 2)) for index in range(machines)]
+    with Lab(machines, specs) as lab:
+        hostfile = lab.root / "ring.json"
+        hostfile.write_text(json.dumps([[f"{m.address}:{RING_PORT}"] for m in lab.machines]))
+        processes = []
+        for rank, machine in enumerate(lab.machines):
+            extra = {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)} if machines > 1 else {}
+            processes.append(machine.popen(
+                [sys.executable, "-m", "tests.bench.plain_forward", str(model), "1", str(STREAMS)],
+                log=machine.home / "plain.log", cwd=PROJECT_ROOT,
+                env={**environment(machine), **extra},
+            ))
+        for process in processes:
+            process.wait(READY_S)
+        lines = (lab.machines[0].home / "plain.log").read_text().splitlines()
+    steps = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
+    return {
+        "decode": 1000 / steps["ms_per_step"]["1"],
+        "aggregate": 1000 * STREAMS / steps["ms_per_step"][str(STREAMS)],
+    }
+
+
+def plain_rows(plain: dict[int, dict[str, float]], single: dict[str, Any]) -> list[list[str]]:
+    """The bare-forward rows: single's and tp=2's ceilings (ratios against served single)."""
+    rows = []
+    for machines, name in ((1, "plain mlx-lm forward, 1 machine"),
+                           (2, "plain mx.distributed tp=2 forward")):
+        result = plain[machines]
+        rows.append([
+            f"{name} (no tandem)", str(machines), f"{result['decode']:.1f}",
+            f"{result['decode'] / single['decode']:.2f}x", f"{result['aggregate']:.1f}",
+            f"{result['aggregate'] / single['aggregate']:.2f}x", "—", "bare forward", "",
+        ])
+    ratio_1 = plain[2]["decode"] / plain[1]["decode"]
+    ratio_8 = plain[2]["aggregate"] / plain[1]["aggregate"]
+    rows.append(["plain tp=2 vs plain single (the collective's own scaling)", "2",
+                 "", f"{ratio_1:.2f}x", "", f"{ratio_8:.2f}x", "—", "", ""])
+    return rows
 
 
 def main() -> None:
@@ -160,6 +210,7 @@ def main() -> None:
     model = ensure_demo_model(Path("/tmp/tandem-bench"), DemoSpec(layers=LAYERS, hidden=HIDDEN))
     model_args = ["--model", str(model)]  # the coordinator's copy; agents receive theirs
     results = {config.name: measure(config, model_args) for config in CONFIGS}
+    plain = {machines: plain_forward(machines, model) for machines in (1, 2)}
     rows = []
     for config in CONFIGS:
         result = results[config.name]
@@ -168,11 +219,14 @@ def main() -> None:
             config.name, str(config.machines), f"{result['decode']:.1f}",
             f"{result['decode'] / base['decode']:.2f}x", f"{result['aggregate']:.1f}",
             f"{result['aggregate'] / base['aggregate']:.2f}x", f"{1000 * result['ttft']:.0f}",
-            result["steps"],
+            result["steps"], result["steps_many"],
         ])
+        if config.name == CONFIGS[2].name:  # after pp=2: the bare forward, same machines
+            rows += plain_rows(plain, results[CONFIGS[0].name])
     table = markdown_table(
         ["configuration", "machines", "1-stream tok/s", "vs single", f"{STREAMS}-stream tok/s",
-         "vs single", "TTFT ms", "engine step, ms (mean per step or frame)"],
+         "vs single", "TTFT ms", "engine step, 1 stream (ms per step or frame)",
+         f"engine step, {STREAMS} streams"],
         rows,
     )
     print(table)
