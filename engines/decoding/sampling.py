@@ -56,6 +56,30 @@ def make_request_sampler(temperature: float, top_p: float, seed: int) -> Sampler
     return sample
 
 
+class UnseededSamplers:
+    """One sampler per (temperature, top_p) for the requests that name no seed.
+
+    A request without a seed needs no stream of its own: sharing one lets mlx-lm sample a
+    batch whose rows all share it in one call instead of one call per row (its
+    GenerationBatch checks for the same sampler object). Seeded requests keep their own
+    stream, so their tokens stay the same in any batch; in a batch that mixes both, mlx-lm
+    calls each row's sampler alone, and a shared one simply draws once per such row.
+    """
+
+    def __init__(self) -> None:
+        self._samplers: dict[tuple[float, float], Sampler] = {}
+
+    def for_request(self, request: GenerationRequest) -> Sampler:
+        if request.seed is not None or request.temperature <= 0:
+            return make_request_sampler(request.temperature, request.top_p, request_seed(request))
+        settings = (request.temperature, request.top_p)
+        sampler = self._samplers.get(settings)
+        if sampler is None:
+            sampler = make_request_sampler(*settings, secrets.randbits(SEED_BITS))
+            self._samplers[settings] = sampler
+        return sampler
+
+
 def make_request_processors(
     repetition_penalty: float | None, presence_penalty: float, frequency_penalty: float
 ) -> list[Callable[[mx.array, mx.array], mx.array]]:

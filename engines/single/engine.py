@@ -20,12 +20,7 @@ from engines.core.engine import (
     StepOutput,
 )
 from engines.decoding.grammar import GrammarCompiler
-from engines.decoding.sampling import (
-    make_request_processors,
-    make_request_sampler,
-    request_seed,
-    token_logprobs,
-)
+from engines.decoding.sampling import UnseededSamplers, make_request_processors, token_logprobs
 from engines.model.load_progress import evaluate_by_layer
 from engines.model.precision import upcast_on_cpu
 from engines.observability.process_memory import parameter_bytes
@@ -73,6 +68,7 @@ class SingleEngine(Engine):
         self._logprobs: dict[int, int] = {}  # uid -> top k, for sequences that asked
         self._first_tokens: list[StepOutput] = []  # sampled at insert, reported by the next step
         self._grammars: GrammarCompiler | None = None
+        self._samplers = UnseededSamplers()  # a batch without seeds samples in one call
 
     def load(self) -> None:
         try:
@@ -100,7 +96,7 @@ class SingleEngine(Engine):
             raise EngineError("single engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
-        sampler = make_request_sampler(request.temperature, request.top_p, request_seed(request))
+        sampler = self._samplers.for_request(request)
         processors = make_request_processors(
             request.repetition_penalty, request.presence_penalty, request.frequency_penalty
         )

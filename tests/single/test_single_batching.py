@@ -103,3 +103,17 @@ def run_one_events(runner: EngineRunner, request: GenerationRequest) -> list:
         return [event async for event in runner.submit(request).events()]
 
     return asyncio.run(asyncio.wait_for(collect(), 60))
+
+
+def test_unseeded_requests_share_one_sampler_and_still_draw_apart(runner):
+    """Requests without a seed sample in one batched call (one shared sampler), yet each row
+    draws its own token; seeded and greedy ones keep their own."""
+    samplers = runner.engine._samplers
+    unseeded = [make_request(runner.engine, PROMPTS[1], 16, temperature=1.0) for _ in range(4)]
+    assert len({id(samplers.for_request(request)) for request in unseeded}) == 1
+    seeded = make_request(runner.engine, PROMPTS[1], 16, temperature=1.0, seed=3)
+    assert samplers.for_request(seeded) is not samplers.for_request(unseeded[0])
+    other = make_request(runner.engine, PROMPTS[1], 16, temperature=0.7)
+    assert samplers.for_request(other) is not samplers.for_request(unseeded[0])
+    together = run_all(runner, unseeded)
+    assert len({tuple(outcome.tokens) for outcome in together}) > 1  # same prompt, own draws
