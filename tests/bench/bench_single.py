@@ -105,9 +105,17 @@ class EngineContender:
 class ServerProcess:
     """A server started as a subprocess, logging to a file, stopped by its own PID."""
 
-    def __init__(self, name: str, command: list[str], port: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        port: int,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.command = command
+        self.env = env  # None: this process's environment
         self.base_url = f"http://{HOST}:{port}"
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
@@ -115,7 +123,11 @@ class ServerProcess:
     def start(self) -> None:
         with open(self.log_path, "wb") as log_file:
             self.process = subprocess.Popen(
-                self.command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
             )
 
     def wait_healthy(self, client: httpx.Client, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
