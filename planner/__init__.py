@@ -1,7 +1,7 @@
 """The pure planner: which parallelism to run, how layers split, and whether it fits."""
 
 from planner.allocation import allocate_layers
-from planner.cluster_plan import ClusterPlan, NodeResources, StageAssignment, plan_cluster
+from planner.cluster_plan import plan_cluster
 from planner.decision import (
     Decision,
     DecisionInputs,
@@ -22,6 +22,7 @@ from planner.memory import (
     stage_need,
     tp_need_per_rank,
 )
+from planner.plan_data import ClusterPlan, NodeResources, StageAssignment
 
 __all__ = [
     "DISK_MARGIN_BYTES",

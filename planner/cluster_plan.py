@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from planner.allocation import allocate_layers
 from planner.decision import (
@@ -30,129 +29,11 @@ from planner.memory import (
     stage_need,
     tp_need_per_rank,
 )
+from planner.plan_data import ClusterPlan, NodeResources, StageAssignment
 
 JACCL = "jaccl"
 RING = "ring"
 COLLECTIVES = (JACCL, RING)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeResources:
-    """One cluster member as discovery reports it; list order is rank order, 0 coordinates."""
-
-    node_id: str
-    address: str
-    memory_bytes: int
-    backends: tuple[str, ...]  # collective backends it can join, e.g. ("jaccl", "ring")
-    # For weight transfers (planner/disk.py): free bytes of its model cache (None: not
-    # reported, not checked), whether it holds a verified whole copy of this model, and the
-    # [start, stop) layer ranges of the pipeline shares of it that it holds.
-    disk_free_bytes: int | None = None
-    holds_model: bool = False
-    held_stages: tuple[tuple[int, int], ...] = ()
-    # What caps memory_bytes below the machine's own memory ("cgroup v1 limit", "--memory-limit"),
-    # named in the plan's messages; "" for the machine itself.
-    memory_bound: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class StageAssignment:
-    """The contiguous layer range one node runs as a pipeline stage, and its memory fit."""
-
-    node_id: str
-    layers: range
-    need_bytes: int
-    available_bytes: int
-
-    @property
-    def fits(self) -> bool:
-        return self.need_bytes <= self.available_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterPlan:
-    """What will run where, every rule that led there, and a refusal when it does not fit."""
-
-    decision: Decision
-    checks: tuple[RuleCheck, ...]
-    ranks: tuple[str, ...]  # node ids in rank order (tp, pp) or the coordinator alone (single)
-    stages: tuple[StageAssignment, ...]  # pp only
-    fits: tuple[NodeFit, ...]
-    refusal: str | None = None
-    backend: str | None = None  # the collective tp ranks join; None unless tp
-    batch_capacity: int = 1  # sequences decoded together, each with a full context of KV
-    context_tokens: int = 0  # the KV budget of one sequence
-    compute_dtype: str = "as stored"  # "float32" when half-precision weights are upcast
-    prefix_cache_bytes: int = 0  # KV kept for reuse, whole model; each node holds its share
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form; layer ranges become [start, stop]."""
-        return {
-            "decision": {
-                "chosen": self.decision.chosen.value,
-                "reason": self.decision.reason,
-                "failed_closed": self.decision.failed_closed,
-            },
-            "checks": [
-                {"name": check.name, "passed": check.passed, "detail": check.detail}
-                for check in self.checks
-            ],
-            "ranks": list(self.ranks),
-            "batch_capacity": self.batch_capacity,
-            "context_tokens": self.context_tokens,
-            "compute_dtype": self.compute_dtype,
-            "prefix_cache_bytes": self.prefix_cache_bytes,
-            "stages": [
-                {
-                    "node_id": stage.node_id,
-                    "layers": [stage.layers.start, stage.layers.stop],
-                    "need_bytes": stage.need_bytes,
-                    "available_bytes": stage.available_bytes,
-                    "fits": stage.fits,
-                }
-                for stage in self.stages
-            ],
-            "fits": [
-                {
-                    "node_id": fit.node_id,
-                    "need_bytes": fit.need_bytes,
-                    "available_bytes": fit.available_bytes,
-                    "fits": fit.fits,
-                }
-                for fit in self.fits
-            ],
-            "refusal": self.refusal,
-            "backend": self.backend,
-        }
-
-    def describe(self) -> list[str]:
-        """Human lines for `tandem plan`: rules, the choice and why, then who runs what."""
-        lines = [f"{'PASS' if c.passed else 'FAIL'} {c.name}: {c.detail}" for c in self.checks]
-        closed = " [failed closed]" if self.decision.failed_closed else ""
-        lines.append(f"chosen: {self.decision.chosen.value}{closed} ({self.decision.reason})")
-        if self.backend is not None:
-            lines.append(f"collective backend: {self.backend}")
-        lines.append(
-            f"batch capacity: {self.batch_capacity} sequences x {self.context_tokens} tokens "
-            "of KV cache, counted in every node's need"
-        )
-        lines.append(f"compute precision on every node: {self.compute_dtype}")
-        cache = format_bytes(self.prefix_cache_bytes) if self.prefix_cache_bytes else "off"
-        lines.append(f"prefix cache: {cache} of KV (each node its share, counted in its need)")
-        if self.stages:
-            for index, stage in enumerate(self.stages):
-                first, last = stage.layers.start, stage.layers.stop - 1
-                need, has = format_pair(stage.need_bytes, stage.available_bytes)
-                lines.append(
-                    f"stage {index} {stage.node_id}: layers {first}-{last} "
-                    f"({len(stage.layers)} layers), needs {need}, has {has}"
-                )
-        else:
-            for rank, fit in enumerate(self.fits):
-                lines.append(f"rank {rank} {fit.describe()}")
-        if self.refusal is not None:
-            lines.append(f"refused: {self.refusal}")
-        return lines
 
 
 PREFIX_CACHE_SHARE = 0.5  # of the memory left after weights and the batch's KV

@@ -14,7 +14,8 @@ from engines.single.engine import SingleEngine
 from engines.tensor_parallel.engine import TensorParallelEngine
 from engines.tensor_parallel.group import loopback_ring_specs
 from planner import Parallelism
-from planner.cluster_plan import PREFIX_CACHE_SHARE, NodeResources, plan_cluster
+from planner.cluster_plan import PREFIX_CACHE_SHARE, plan_cluster
+from planner.plan_data import NodeResources
 from tests.helpers.engine import run_all, run_one
 from tests.helpers.planning import SHAPE
 from tests.helpers.tensor_parallel import GRAMMAR, start_rank, stop_processes
