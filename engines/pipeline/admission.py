@@ -6,12 +6,13 @@ from __future__ import annotations
 from engines.core.engine import GenerationRequest
 from engines.decoding.sampling import request_seed
 from engines.pipeline import wire
+from engines.pipeline.sequence_documents import MAX_UID, PENALTY_CONTEXT, Sampling
 from engines.pipeline.wire import Kind
 
 
-def sampling_of(request: GenerationRequest) -> wire.Sampling:
+def sampling_of(request: GenerationRequest) -> Sampling:
     """What the last stage needs to sample this request's tokens."""
-    return wire.Sampling(
+    return Sampling(
         request.temperature,
         request.top_p,
         request_seed(request),
@@ -19,17 +20,17 @@ def sampling_of(request: GenerationRequest) -> wire.Sampling:
         request.repetition_penalty,
         request.presence_penalty,
         request.frequency_penalty,
-        request.prompt_tokens[-wire.PENALTY_CONTEXT :],
+        request.prompt_tokens[-PENALTY_CONTEXT:],
         request.logprobs,
         request.grammar,
     )
 
 
-def wire_refusal(request: GenerationRequest, sampling: wire.Sampling) -> str | None:
+def wire_refusal(request: GenerationRequest, sampling: Sampling) -> str | None:
     """Why the wire cannot carry `request`: a grammar too large for a BEGIN frame, or
-    sampling values the last stage would refuse (wire.Sampling.of); None when it can."""
+    sampling values the last stage would refuse (Sampling.of); None when it can."""
     if request.grammar is not None:
-        begin = {**sampling.document(), "prefix_entry": wire.MAX_UID}  # its largest BEGIN
+        begin = {**sampling.document(), "prefix_entry": MAX_UID}  # its largest BEGIN
         try:
             wire.document_frame(Kind.BEGIN, 0, begin)
         except wire.WireError as error:
@@ -38,7 +39,7 @@ def wire_refusal(request: GenerationRequest, sampling: wire.Sampling) -> str | N
                 f"a pipeline BEGIN frame ({error}); use a smaller schema"
             )
     try:
-        wire.Sampling.of(sampling.document())
+        Sampling.of(sampling.document())
     except wire.WireError as error:
         return f"request {request.request_id}: {error}"
     return None

@@ -26,7 +26,7 @@ from engines.core.engine import (
 from engines.decoding.grammar import GrammarCompiler
 from engines.observability.process_memory import parameter_bytes
 from engines.observability.step_timing import StepTimes
-from engines.pipeline import wire
+from engines.pipeline import sequence_documents, wire
 from engines.pipeline.admission import sampling_of, wire_refusal
 from engines.pipeline.batches import StageBatches
 from engines.pipeline.chain import Chain, open_chain
@@ -88,7 +88,7 @@ class EncryptedPipelineEngine(Engine):
     ended sequences to keep and which entries to drop. Entries live as long as the session.
     """
 
-    # all at the last stage (wire.Sampling); a grammar is checked here first
+    # all at the last stage (sequence_documents.Sampling); a grammar is checked here first
     features = frozenset({"penalties", "logprobs", "grammar"})
 
     def __init__(
@@ -142,7 +142,7 @@ class EncryptedPipelineEngine(Engine):
         self._chain: Chain | None = None
         self._schedule = MicroBatchSchedule(groups, prefill_chunk, 1 + len(stages))
         self._local: StageBatches | None = None  # stage 0's caches
-        self._sampling: dict[int, wire.Sampling] = {}
+        self._sampling: dict[int, sequence_documents.Sampling] = {}
         self._grammars: GrammarCompiler | None = None  # checks grammars before the chain does
         self._awaiting: deque[wire.Frame] = deque()  # the answers due, in the order sent
         self._number = 0  # the last frame number sent down this session
@@ -318,7 +318,7 @@ class EncryptedPipelineEngine(Engine):
         return cached
 
     def refusal(
-        self, request: GenerationRequest, sampling: wire.Sampling | None = None
+        self, request: GenerationRequest, sampling: sequence_documents.Sampling | None = None
     ) -> str | None:
         return wire_refusal(request, sampling or sampling_of(request))
 
@@ -490,11 +490,11 @@ class EncryptedPipelineEngine(Engine):
         self, uids: Sequence[int], keep: Sequence[tuple[int, int]], evict: Sequence[int]
     ) -> None:
         """END frames: the first ends `uids` and keeps `keep`; evictions go in bounded lists."""
-        size = wire.MAX_EVICT_PER_END
+        size = sequence_documents.MAX_EVICT_PER_END
         chunks = [evict[start : start + size] for start in range(0, len(evict), size)] or [[]]
         for index, chunk in enumerate(chunks):
             ended, kept = (uids, keep) if index == 0 else ((), ())
-            self._send(wire.end_frame(self._take_number(), ended, kept, chunk))
+            self._send(sequence_documents.end_frame(self._take_number(), ended, kept, chunk))
 
     def _forget_prefix_cache(self) -> None:
         """The session's stages and their entries are gone: forget every entry and hit."""

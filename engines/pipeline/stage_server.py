@@ -22,7 +22,7 @@ from engines.decoding.sampling import (
     make_request_sampler,
     token_logprobs,
 )
-from engines.pipeline import wire
+from engines.pipeline import sequence_documents, wire
 from engines.pipeline.batches import StageBatches
 from engines.pipeline.frame_clock import StageMeter
 from engines.pipeline.stage_model import StageModel
@@ -77,7 +77,7 @@ class _Scoring:
 
     def __init__(
         self,
-        sampling: wire.Sampling,
+        sampling: sequence_documents.Sampling,
         grammar: LogitsProcessor | None = None,
         refusal: str | None = None,
     ) -> None:
@@ -306,9 +306,11 @@ class EncryptedPipelineServer:
             self._roll_call(session, frame, setup=False)
         elif frame.kind is Kind.BEGIN:
             document = frame.document()
-            sampling = wire.Sampling.of(document)
+            sampling = sequence_documents.Sampling.of(document)
             row = frame.rows[0]
-            session.batches.begin(row.uid, row.position, wire.prefix_entry_of(document))
+            session.batches.begin(
+                row.uid, row.position, sequence_documents.prefix_entry_of(document)
+            )
             if last:
                 session.samplers[row.uid] = make_request_sampler(
                     sampling.temperature, sampling.top_p, sampling.seed
@@ -319,7 +321,7 @@ class EncryptedPipelineServer:
                 wire.send(session.outbound, frame, me)
             log.debug("sequence %d (%s) began", frame.rows[0].uid, sampling.label)
         elif frame.kind is Kind.END:
-            orders = wire.EndOrders.of(frame)
+            orders = sequence_documents.EndOrders.of(frame)
             held = session.batches.active
             for uid, tokens in orders.keep:
                 session.batches.keep(uid, tokens)
@@ -334,7 +336,7 @@ class EncryptedPipelineServer:
         else:
             self._run_hidden(session, frame)
 
-    def _scoring(self, uid: int, sampling: wire.Sampling) -> _Scoring:
+    def _scoring(self, uid: int, sampling: sequence_documents.Sampling) -> _Scoring:
         """A sequence's scoring; a grammar that does not compile refuses this sequence alone
         (its next TOKEN row says why) rather than the session."""
         if sampling.grammar is None:

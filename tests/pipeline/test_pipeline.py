@@ -20,7 +20,7 @@ from discovery.cluster_key import generate_key
 from engines.api.dashboard_view import render_requests
 from engines.core.engine import GenerationRequest
 from engines.core.runner import EngineRunner
-from engines.pipeline import wire
+from engines.pipeline import sequence_documents, wire
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.schedule import MicroBatchSchedule, Planned
 from engines.pipeline.stage_model import StageModel
@@ -296,7 +296,7 @@ def test_frames_carry_stage_times_and_only_answers_and_activations_may() -> None
     decoded = wire.decode(wire.encode(frame))
     assert decoded.times == ((10, 2), (2**40, 5)) and decoded.body == frame.body
     assert wire.decode(wire.encode(wire.token_frame(3, 0, 1, [Row(7, 3)], [5]))).times == ()
-    plain = wire.encode(wire.end_frame(4, [7]))
+    plain = wire.encode(sequence_documents.end_frame(4, [7]))
     flagged = plain[:2] + bytes([wire.STAGE_TIMES]) + plain[3:]
     with pytest.raises(wire.WireError, match="carries stage times"):
         wire.decode(flagged)

@@ -16,7 +16,7 @@ from llguidance import LLMatcher
 from discovery.cluster_key import generate_key
 from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
 from engines.core.engine import GenerationRequest
-from engines.pipeline import wire
+from engines.pipeline import sequence_documents
 from planner import allocate_layers
 from tests.helpers.api import CLOCK, WEATHER, assert_error, chat_body, make_service, open_client
 from tests.helpers.grammar import REPLY_SCHEMA, completes_to_object
@@ -217,9 +217,9 @@ def test_the_api_honours_constraints_on_the_pipeline(
 
 
 def test_begin_documents_carry_the_grammar() -> None:
-    sampling = wire.Sampling(0.0, 1.0, 3, "x", logprobs=1, grammar=JSON_OBJECT)
-    assert wire.Sampling.of(sampling.document()) == sampling
-    assert "grammar" not in wire.Sampling(0.0, 1.0, 3).document()
+    sampling = sequence_documents.Sampling(0.0, 1.0, 3, "x", logprobs=1, grammar=JSON_OBJECT)
+    assert sequence_documents.Sampling.of(sampling.document()) == sampling
+    assert "grammar" not in sequence_documents.Sampling(0.0, 1.0, 3).document()
 
 
 def test_a_schema_too_large_for_the_wire_is_a_400_before_queueing(

@@ -23,6 +23,14 @@ from discovery.framing import ChannelTimeout
 from discovery.sealing import derive_session_keys
 from discovery.secure_channel import SecureChannel
 from engines.pipeline import wire
+from engines.pipeline.sequence_documents import (
+    MAX_EVICT_PER_END,
+    MAX_GRAMMAR_CHARS,
+    EndOrders,
+    Sampling,
+    end_frame,
+    prefix_entry_of,
+)
 from engines.pipeline.stage_worker import StageProcess
 from engines.pipeline.wire import PREFILL_GROUP, PURPOSE, Frame, Kind, Row, WireError
 from planner.errors import ChannelError
@@ -140,7 +148,7 @@ class Chain:
         return wire.receive_answer(self.back, 5.0, expected, LAST)
 
     def end(self, uids: list[int], keep: list[tuple[int, int]] = (), evict: list[int] = ()) -> None:
-        self.send(wire.end_frame(self.take(), uids, keep, evict))
+        self.send(end_frame(self.take(), uids, keep, evict))
 
     def status(self) -> dict:
         """A STATUS roll call: the live stage's report."""
@@ -724,33 +732,33 @@ def test_activation_round_trip(dtype: mx.Dtype) -> None:
 
 
 def test_end_orders_round_trip_and_refusals() -> None:
-    frame = wire.decode(wire.encode(wire.end_frame(4, [1, 2], keep=[(2, 30)], evict=[7])))
+    frame = wire.decode(wire.encode(end_frame(4, [1, 2], keep=[(2, 30)], evict=[7])))
     assert frame.uids == [1, 2]
-    assert wire.EndOrders.of(frame) == wire.EndOrders(((2, 30),), (7,))
-    evict_only = wire.decode(wire.encode(wire.end_frame(5, [], evict=[3])))
-    assert evict_only.rows == () and wire.EndOrders.of(evict_only).evict == (3,)
-    too_many = wire.end_frame(6, [], evict=range(wire.MAX_EVICT_PER_END + 1))
+    assert EndOrders.of(frame) == EndOrders(((2, 30),), (7,))
+    evict_only = wire.decode(wire.encode(end_frame(5, [], evict=[3])))
+    assert evict_only.rows == () and EndOrders.of(evict_only).evict == (3,)
+    too_many = end_frame(6, [], evict=range(MAX_EVICT_PER_END + 1))
     with pytest.raises(WireError, match="at most"):
-        wire.EndOrders.of(too_many)
+        EndOrders.of(too_many)
     for keep in ([(1, 0)], [(1, 2), (1, 3)]):  # an empty entry, a sequence kept twice
         with pytest.raises(WireError):
-            wire.EndOrders.of(wire.end_frame(7, [1], keep=keep))
-    assert wire.prefix_entry_of({"prefix_entry": 2**64 - 1}) == 2**64 - 1
+            EndOrders.of(end_frame(7, [1], keep=keep))
+    assert prefix_entry_of({"prefix_entry": 2**64 - 1}) == 2**64 - 1
     for bad in (-1, 2**64, True, 1.5, "3"):
         with pytest.raises(WireError, match="not an entry id"):
-            wire.prefix_entry_of({"prefix_entry": bad})
+            prefix_entry_of({"prefix_entry": bad})
 
 
 def test_grammars_and_refusals_round_trip_and_malformed_ones_are_refused() -> None:
-    sampling = wire.Sampling(0.5, 0.9, 7, "x", grammar=JSON_OBJECT)
-    assert sampling.scored and wire.Sampling.of(sampling.document()) == sampling
+    sampling = Sampling(0.5, 0.9, 7, "x", grammar=JSON_OBJECT)
+    assert sampling.scored and Sampling.of(sampling.document()) == sampling
     document = sampling.document()
-    for bad in (None, "", 5, True, ["x"], {"x": 1}, "x" * (wire.MAX_GRAMMAR_CHARS + 1)):
+    for bad in (None, "", 5, True, ["x"], {"x": 1}, "x" * (MAX_GRAMMAR_CHARS + 1)):
         if bad is None:
-            assert wire.Sampling.of({**document, "grammar": None}).grammar is None
+            assert Sampling.of({**document, "grammar": None}).grammar is None
             continue
         with pytest.raises(WireError, match="BEGIN grammar"):
-            wire.Sampling.of({**document, "grammar": bad})
+            Sampling.of({**document, "grammar": bad})
     rows = [Row(1, 4), Row(2, 9), Row(3, 0)]
     frame = wire.token_frame(5, 0, 1, rows, [11, 12, 13], scores=[None, "refused", (-0.5, ())])
     assert wire.decode(wire.encode(frame)).scores() == [None, "refused", (-0.5, ())]
@@ -820,8 +828,8 @@ PLAINTEXTS = [
     wire.encode(wire.token_frame(1, 0, 1, [Row(1, 0), Row(2, 3)], [42, 43])),
     wire.encode(wire.token_frame(1, wire.PREFILL_GROUP, 1, [Row(1, 0)], [])),
     wire.encode(wire.document_frame(Kind.BEGIN, 1, {"seed": 1, "temperature": 0.0}, [Row(1, 0)])),
-    wire.encode(wire.end_frame(1, [1, 2, 3])),
-    wire.encode(wire.end_frame(1, [1, 2], keep=[(1, 40)], evict=[7, 8])),
+    wire.encode(end_frame(1, [1, 2, 3])),
+    wire.encode(end_frame(1, [1, 2], keep=[(1, 40)], evict=[7, 8])),
     wire.encode(
         wire.document_frame(
             Kind.BEGIN, 1, {"seed": 1, "temperature": 0.0, "prefix_entry": 4}, [Row(1, 9)]
