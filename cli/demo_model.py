@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--arch",
         default="llama",
         help="mlx-lm model type: llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text, phi3, "
-        "gpt_oss or deepseek_v3 (checked against engines/model/demo.py's list)",
+        "gpt_oss or deepseek_v3 (checked against engines/model/demo_spec.py's list)",
     )
     parser.add_argument("--layers", type=int)
     parser.add_argument("--heads", type=int, help="attention heads")
@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engines.model.demo import DEMO_BUILD_STEPS, DemoSpec, write_demo_model
+    from engines.model.demo import DEMO_BUILD_STEPS, write_demo_model
+    from engines.model.demo_spec import DemoSpec
 
     from .progress import steps
 

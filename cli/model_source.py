@@ -12,7 +12,8 @@ log = logging.getLogger(__name__)
 def resolve_model(model: str | Path | None, cache_dir: Path):
     """Inspect `model` (a directory, or ORG/NAME[@REV] fetched into or found in the Hugging
     Face cache), or generate the demo model once into `cache_dir` and inspect that."""
-    from engines.model.demo import DEMO_BUILD_STEPS, DemoSpec, ensure_demo_model
+    from engines.model.demo import DEMO_BUILD_STEPS, ensure_demo_model
+    from engines.model.demo_spec import DemoSpec
     from engines.model.info import inspect_model
     from engines.model.reference import resolve_reference
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from engines.model.demo import DemoSpec, ensure_demo_model
+from engines.model.demo import ensure_demo_model
+from engines.model.demo_spec import DemoSpec
 from tests.helpers.cluster import AgentPool
 from tests.helpers.serve import ServeProcess
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from engines.model.demo import DemoSpec, ensure_demo_model
+from engines.model.demo import ensure_demo_model
+from engines.model.demo_spec import DemoSpec
 from tests.bench.bench_single import MODEL_CACHE, ServerProcess, mlx_server_command, tandem_command
 from tests.bench.common import free_port, markdown_table, write_section
 

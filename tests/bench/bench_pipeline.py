@@ -25,7 +25,8 @@ from discovery.framing import connect, recv_frame, send_frame
 from discovery.sealing import derive_session_keys
 from engines.core.engine import GenerationRequest
 from engines.core.runner import EngineRunner
-from engines.model.demo import DemoSpec, write_demo_model
+from engines.model.demo import write_demo_model
+from engines.model.demo_spec import DemoSpec
 from engines.pipeline import wire
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.stage_worker import StageProcess

@@ -205,7 +205,8 @@ def main() -> None:
     problem = lab_unavailable()
     if problem:
         raise SystemExit(f"bench_scaling: {problem}")
-    from engines.model.demo import DemoSpec, ensure_demo_model
+    from engines.model.demo import ensure_demo_model
+    from engines.model.demo_spec import DemoSpec
 
     model = ensure_demo_model(Path("/tmp/tandem-bench"), DemoSpec(layers=LAYERS, hidden=HIDDEN))
     model_args = ["--model", str(model)]  # the coordinator's copy; agents receive theirs

@@ -25,7 +25,8 @@ import httpx
 
 from engines.core.engine import GenerationRequest
 from engines.core.runner import EngineRunner
-from engines.model.demo import DemoSpec, ensure_demo_model
+from engines.model.demo import ensure_demo_model
+from engines.model.demo_spec import DemoSpec
 from engines.single.engine import SingleEngine
 from tests.bench.common import (
     Sample,

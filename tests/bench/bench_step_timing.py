@@ -20,7 +20,8 @@ from pathlib import Path
 
 from engines.core.engine import GenerationRequest
 from engines.core.runner import EngineRunner
-from engines.model.demo import DemoSpec, write_demo_model
+from engines.model.demo import write_demo_model
+from engines.model.demo_spec import DemoSpec
 from tests.bench.common import BENCHMARKS_DOC, markdown_table, write_section
 from tests.bench.pipeline_cluster import open_pipeline_runner
 from tests.bench.tp_cluster import open_tensor_parallel_runner

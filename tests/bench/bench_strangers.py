@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from engines.model.demo import DemoSpec, ensure_demo_model
+from engines.model.demo import ensure_demo_model
+from engines.model.demo_spec import DemoSpec
 from tests.bench.common import markdown_table, write_section
 from tests.helpers.cluster import AgentPool
 from tests.helpers.serve import ServeProcess, start_serve

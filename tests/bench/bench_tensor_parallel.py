@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from engines.core.engine import GenerationRequest
-from engines.model.demo import DemoSpec, ensure_demo_model
+from engines.model.demo import ensure_demo_model
+from engines.model.demo_spec import DemoSpec
 from engines.single.engine import SingleEngine
 from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
 from tests.bench.common import (

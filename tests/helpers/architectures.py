@@ -13,7 +13,8 @@ from pathlib import Path
 
 from discovery.cluster_key import generate_key
 from engines.core.runner import EngineRunner
-from engines.model.demo import DemoSpec, ensure_demo_model
+from engines.model.demo import ensure_demo_model
+from engines.model.demo_spec import DemoSpec
 from engines.model.info import ModelFacts, inspect_model
 from engines.single.engine import SingleEngine
 from planner import DecisionInputs, Parallelism, capability_checks, decide

@@ -16,14 +16,9 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 import engines.model.demo as demo_model
-from engines.model.demo import (
-    EOS_TOKEN,
-    SPECIAL_TOKENS,
-    DemoSpec,
-    default_demo_path,
-    ensure_demo_model,
-    write_demo_model,
-)
+from engines.model.demo import default_demo_path, ensure_demo_model, write_demo_model
+from engines.model.demo_spec import DemoSpec
+from engines.model.demo_tokenizer import EOS_TOKEN, PRINTABLE, SPECIAL_TOKENS
 from planner.errors import ConfigError
 
 SMALL = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}
@@ -65,7 +60,7 @@ def test_different_prompts_give_different_varied_outputs(loaded: tuple[Any, Any]
 def test_output_text_is_printable(loaded: tuple[Any, Any]) -> None:
     model, tokenizer = loaded
     text = mlx_lm.generate(model, tokenizer, PROMPTS[1], max_tokens=32, sampler=GREEDY)
-    assert text and set(text) <= demo_model.PRINTABLE
+    assert text and set(text) <= PRINTABLE
 
 
 def test_chat_template_renders_turns_and_generation_prompt(loaded: tuple[Any, Any]) -> None:
@@ -115,7 +110,9 @@ def test_same_spec_gives_byte_identical_files_and_seed_changes_weights(tmp_path:
 
 
 def test_tokenizer_training_is_identical_in_a_fresh_process(demo_model_dir: Path) -> None:
-    script = "import sys; from engines.model.demo import _train_tokenizer as t; print(t(1024))"
+    script = (
+        "import sys; from engines.model.demo_tokenizer import _train_tokenizer as t; print(t(1024))"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "123", "RAYON_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-c", script],
