@@ -12,7 +12,7 @@ from engines.api.errors import APIError, engine_unavailable, generation_timeout,
 from engines.api.fields import check_fields, top_logprobs
 from engines.api.logprobs import TokenScore
 from engines.api.schemas import SamplingFields
-from engines.core.engine import GenerationRequest, TokenEvent
+from engines.core.engine import Failure, GenerationRequest, TokenEvent
 from engines.core.runner import Submission
 from engines.core.service import Service, ServiceLimits
 
@@ -177,7 +177,7 @@ async def watch_events(
 def failure_of(event: TokenEvent) -> APIError:
     """The API error for a final event that is not "stop" or "length"."""
     message = event.error or f"the generation ended with '{event.finish_reason}'"
-    if "timed out" in message:  # the runner's deadline; TokenEvent has no error kind yet
+    if event.failure is Failure.TIMEOUT:  # the request's own deadline
         return generation_timeout(message)
     return engine_unavailable(message)
 
@@ -199,7 +199,7 @@ async def collect(
                 score = TokenScore.of(event)
                 if score is not None:
                     scores.append(score)
-                if event.finish_reason in ("stop", "length"):
+                if event.finish_reason is not None and event.finish_reason.natural:
                     text = "".join(parts)
                     return Outcome(
                         text,

@@ -97,7 +97,7 @@ async def stream_generation(
                     chunk = writer.content(event.text, scores)
                     if chunk is not None:
                         yield encode_event(chunk)
-                if event.finish_reason in ("stop", "length"):
+                if event.finish_reason is not None and event.finish_reason.natural:
                     for chunk in writer.finish(event.finish_reason):
                         yield encode_event(chunk)
                     if include_usage:

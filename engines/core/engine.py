@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 DEFAULT_MAX_BATCH = 16  # sequences decoded together
@@ -34,21 +35,43 @@ class GenerationRequest:
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
+class Finish(StrEnum):
+    """Why a generation ended: the final event's `finish_reason` (a str, as OpenAI spells it)."""
+
+    STOP = "stop"  # EOS or a stop sequence
+    LENGTH = "length"  # max_tokens
+    CANCELLED = "cancelled"  # the client went away, or asked
+    ERROR = "error"  # see the event's `failure` and `error`
+
+    @property
+    def natural(self) -> bool:
+        """The model ended it (its text is whole), not a cancel or an error."""
+        return self in (Finish.STOP, Finish.LENGTH)
+
+
+class Failure(StrEnum):
+    """What kind of error ended a generation (finish ERROR)."""
+
+    ENGINE = "engine"  # the engine, a rank or a stage failed it, or the server shut down
+    TIMEOUT = "timeout"  # the request's own deadline passed
+
+
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     """One step of a generation as the API sees it.
 
-    A stream of events ends with exactly one event whose `finish_reason` is set:
-    "stop" (EOS or a stop sequence), "length" (max_tokens), "cancelled", or "error"
-    (then `error` holds a one-line message). Usage counts ride on the final event.
+    A stream of events ends with exactly one event whose `finish_reason` is set (a
+    `Finish`); an ERROR carries its `failure` kind and a one-line `error` message. Usage
+    counts ride on the final event.
     """
 
     text: str = ""
     token: int | None = None
     logprob: float | None = None  # only when the request asked for logprobs
     top_logprobs: TopLogprobs = ()
-    finish_reason: str | None = None
+    finish_reason: Finish | None = None
     error: str | None = None
+    failure: Failure | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, not recomputed

@@ -16,8 +16,15 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 
-from engines.core.engine import DEFAULT_MAX_BATCH, Engine, GenerationRequest, TokenEvent
-from engines.core.sequence import ActiveSequence
+from engines.core.engine import (
+    DEFAULT_MAX_BATCH,
+    Engine,
+    Failure,
+    Finish,
+    GenerationRequest,
+    TokenEvent,
+)
+from engines.core.sequence import ActiveSequence, Ending
 from planner.errors import EngineError, QueueFullError
 
 log = logging.getLogger(__name__)
@@ -120,7 +127,10 @@ class Submission:
     def fail(self, error: str) -> None:
         self.push(
             TokenEvent(
-                finish_reason="error", error=error, prompt_tokens=len(self.request.prompt_tokens)
+                finish_reason=Finish.ERROR,
+                error=error,
+                failure=Failure.ENGINE,
+                prompt_tokens=len(self.request.prompt_tokens),
             )
         )
         self.done = True
@@ -335,7 +345,9 @@ class EngineRunner:
 
     def _insert(self, submission: Submission) -> None:
         if submission.cancelled.is_set():
-            ActiveSequence(-1, submission, self.engine.tokenizer, set()).finish("cancelled")
+            ActiveSequence(-1, submission, self.engine.tokenizer, set()).finish(
+                Ending(Finish.CANCELLED)
+            )
             return
         submission.admitted_at = time.monotonic()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
@@ -371,25 +383,23 @@ class EngineRunner:
                 if sequence is None:  # removed earlier; a token already in flight
                     continue
                 if output.error is not None:
-                    self._end(sequence, "error", output.error, ended)
+                    self._end(sequence, Ending(Finish.ERROR, output.error, Failure.ENGINE), ended)
                     continue
                 reason = sequence.accept(output)
                 if reason is not None:
-                    self._end(sequence, reason, None, ended)
+                    self._end(sequence, Ending(reason), ended)
             now = time.monotonic()
             for sequence in list(self._active.values()):
                 expired = sequence.expired(now)
                 if expired is not None:
-                    self._end(sequence, *expired, ended)
+                    self._end(sequence, expired, ended)
         if ended:
             self._remove(ended)
 
-    def _end(
-        self, sequence: ActiveSequence, reason: str, error: str | None, ended: list[int]
-    ) -> None:
-        if error is not None and reason == "error":
-            log.warning("request %s failed: %s", sequence.request.request_id, error)
-        sequence.finish(reason, error)
+    def _end(self, sequence: ActiveSequence, ending: Ending, ended: list[int]) -> None:
+        if ending.reason is Finish.ERROR:
+            log.warning("request %s failed: %s", sequence.request.request_id, ending.error)
+        sequence.finish(ending)
         del self._active[sequence.uid]
         ended.append(sequence.uid)
 
@@ -404,7 +414,7 @@ class EngineRunner:
         failed = list(self._active.values())
         self._active.clear()
         for sequence in failed:
-            sequence.finish("error", error)
+            sequence.finish(Ending(Finish.ERROR, error, Failure.ENGINE))
         if failed:
             self._remove([sequence.uid for sequence in failed])
 

@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from engines.core.engine import StepOutput, TokenEvent
+from engines.core.engine import Failure, Finish, GenerationRequest, StepOutput, TokenEvent
 from engines.decoding.stop_text import StopTextFilter
 
-if TYPE_CHECKING:
-    from engines.core.runner import Submission
+
+class Submission(Protocol):
+    """What a sequence needs of the request it runs (runner.Submission)."""
+
+    request: GenerationRequest
+    cancelled: threading.Event
+    first_token_at: float | None
+    done: bool
+
+    def push(self, event: TokenEvent) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a sequence ends: the finish reason and, for an error, its kind and message."""
+
+    reason: Finish
+    error: str | None = None
+    failure: Failure | None = None
 
 
 class ActiveSequence:
@@ -38,13 +57,13 @@ class ActiveSequence:
         self._stopped_by_text = False
         self.completion_tokens = 0
 
-    def accept(self, output: StepOutput) -> str | None:
+    def accept(self, output: StepOutput) -> Finish | None:
         """Emit the token's text; return the finish reason when this token ends the sequence."""
         token = output.token
         if self.submission.first_token_at is None:
             self.submission.first_token_at = time.monotonic()
         if token in self._eos:
-            return "stop"
+            return Finish.STOP
         self.completion_tokens += 1
         self._detokenizer.add_token(token)
         text, matched = self._stop_filter.feed(self._detokenizer.last_segment)
@@ -53,22 +72,23 @@ class ActiveSequence:
             self.submission.push(event)
         if matched:
             self._stopped_by_text = True
-            return "stop"
+            return Finish.STOP
         if self.completion_tokens >= self.request.max_tokens:
-            return "length"
+            return Finish.LENGTH
         return None
 
-    def expired(self, now: float) -> tuple[str, str | None] | None:
-        """("cancelled", None) or ("error", why) when the sequence must end before its tokens do."""
+    def expired(self, now: float) -> Ending | None:
+        """CANCELLED, or a TIMEOUT error, when the sequence must end before its tokens do."""
         if self.submission.cancelled.is_set():
-            return "cancelled", None
+            return Ending(Finish.CANCELLED)
         if now > self._deadline:
-            return "error", f"request timed out after {self.request.timeout_s:g} s"
+            why = f"request timed out after {self.request.timeout_s:g} s"
+            return Ending(Finish.ERROR, why, Failure.TIMEOUT)
         return None
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, ending: Ending) -> None:
         """Flush held-back text (a natural end only) and send the final event with usage."""
-        if reason in ("stop", "length") and not self._stopped_by_text:
+        if ending.reason.natural and not self._stopped_by_text:
             self._detokenizer.finalize()
             tail, _ = self._stop_filter.feed(self._detokenizer.last_segment)
             tail += self._stop_filter.flush()
@@ -76,8 +96,9 @@ class ActiveSequence:
                 self.submission.push(TokenEvent(text=tail))
         self.submission.push(
             TokenEvent(
-                finish_reason=reason,
-                error=error,
+                finish_reason=ending.reason,
+                error=ending.error,
+                failure=ending.failure,
                 prompt_tokens=len(self.request.prompt_tokens),
                 completion_tokens=self.completion_tokens,
                 cached_tokens=self.cached_tokens,

@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from engines.api import create_app
+from engines.api.generation import failure_of
+from engines.core.engine import Failure, Finish, TokenEvent
 from engines.core.runner import EngineRunner
 from tests.helpers.api import (  # noqa: F401
     CLUSTER,
@@ -410,3 +412,18 @@ async def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(runner: En
             await asyncio.sleep(0.05)
         assert_error(await big, 400, param="messages", code="context_length_exceeded")
     assert latencies and max(latencies) < 0.5
+
+
+def test_a_timeout_is_known_by_its_kind_not_by_its_words() -> None:
+    """The request's own deadline is a 504; an engine failure whose message happens to say
+    'timed out' (a stage's socket, a rank's collective) is still a 503."""
+    deadline = TokenEvent(
+        finish_reason=Finish.ERROR, error="request timed out after 2 s", failure=Failure.TIMEOUT
+    )
+    stage = TokenEvent(
+        finish_reason=Finish.ERROR,
+        error="pipeline stage 1 timed out reading a frame",
+        failure=Failure.ENGINE,
+    )
+    assert failure_of(deadline).status == 504
+    assert failure_of(stage).status == 503
