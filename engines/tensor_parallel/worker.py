@@ -16,16 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import resource
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import Any, NoReturn
 
 import mlx.core as mx
 from mlx_lm.utils import load_model
@@ -40,76 +38,17 @@ from engines.tensor_parallel.lockstep import (
     SHUTDOWN,
     STEP,
     Command,
-    Insert,
     Lockstep,
     idle_wait_s,
 )
 from engines.tensor_parallel.rank_grammar import RankGrammars
+from engines.tensor_parallel.rank_io import CommandReader, Watchdog
 from engines.tensor_parallel.shard_batch import ShardBatch
 from engines.tensor_parallel.step_clock import StepClock
+from engines.tensor_parallel.step_commands import parse_step
 from planner.decision import tp_split_problems
-from planner.errors import EngineError
 
 log = logging.getLogger(__name__)
-
-WATCHDOG_POLL_S = 0.25
-
-
-class CommandReader:
-    """Reads rank 0's stdin on a thread, so an idle rank 0 can ping the group on time."""
-
-    def __init__(self, stream: IO[bytes]) -> None:
-        self._stream = stream
-        self._commands: queue.Queue[dict[str, Any]] = queue.Queue()
-        threading.Thread(target=self._read, name="command-reader", daemon=True).start()
-
-    def _read(self) -> None:
-        for raw in self._stream:
-            try:
-                message = json.loads(raw)
-                if not isinstance(message, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as error:
-                message = {"cmd": "invalid", "reason": f"{error}: {raw[:80]!r}"}
-            self._commands.put(message)
-        self._commands.put({"cmd": "eof"})
-
-    def next(self, timeout_s: float | None) -> dict[str, Any] | None:
-        """The next command, or None when none came within `timeout_s`."""
-        try:
-            return self._commands.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-
-
-class Watchdog:
-    """Kills this process when a collective stalls: mlx collectives have no timeout."""
-
-    def __init__(self, on_expire: Callable[[str], None]) -> None:
-        self._on_expire = on_expire
-        self._deadline: float | None = None
-        self._what = ""
-        self._lock = threading.Lock()
-        threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
-
-    def arm(self, seconds: float, what: str) -> None:
-        with self._lock:
-            self._deadline = time.monotonic() + seconds
-            self._what = f"{what} made no progress for {seconds:g} s"
-
-    def disarm(self) -> None:
-        with self._lock:
-            self._deadline = None
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(WATCHDOG_POLL_S)
-            with self._lock:
-                expired = self._deadline is not None and time.monotonic() > self._deadline
-                what = self._what
-            if expired:
-                self._on_expire(f"stalled: {what}; a peer is frozen or cut off")
-                return
 
 
 def resident_bytes() -> int:
@@ -200,107 +139,6 @@ def gather_memory(lockstep: Lockstep) -> tuple[list[int], list[int]]:
     slots[size + rank] = mx.get_active_memory() // 1024
     kib = lockstep.sum_across_ranks(slots)
     return [value * 1024 for value in kib[:size]], [value * 1024 for value in kib[size:]]
-
-
-def parse_insert(
-    message: Any, vocab_size: int | None, grammars: RankGrammars | None = None
-) -> Insert:
-    """Validate one inserted sequence before any rank sees it (a refusal keeps ranks in step).
-
-    A grammar is compiled here, on rank 0, so one that fails is refused for its sequence
-    instead of failing a rank after the broadcast.
-    """
-    if not isinstance(message, dict):
-        raise ValueError("an insert must be a JSON object")
-    prompt = message.get("prompt")
-    if not isinstance(prompt, list) or not prompt:
-        raise ValueError("prompt must be a non-empty list of token ids")
-    limit = vocab_size if isinstance(vocab_size, int) else 2**31
-    if not all(isinstance(token, int) and 0 <= token < limit for token in prompt):
-        raise ValueError(f"prompt token ids must be integers in [0, {limit})")
-    max_tokens = message.get("max_tokens")
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens < 2**31:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    temperature = float(message.get("temperature", 0.0))
-    top_p = float(message.get("top_p", 1.0))
-    seed = message.get("seed", 0)
-    if temperature < 0 or not 0 <= top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 <= top_p <= 1, got {temperature}, {top_p}")
-    if not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    penalties = [
-        float(message.get(name) or 0.0)
-        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
-    ]
-    if penalties[0] < 0:
-        raise ValueError(f"repetition_penalty must be >= 0, got {penalties[0]}")
-    logprobs = message.get("logprobs")
-    logprobs = -1 if logprobs is None else logprobs
-    if not isinstance(logprobs, int) or not -1 <= logprobs <= 20:
-        raise ValueError(f"logprobs must be an integer in [0, 20] or null, got {logprobs!r}")
-    entry, cached = message.get("entry", -1), message.get("cached", 0)
-    if not isinstance(entry, int) or not isinstance(cached, int) or not -1 <= entry < 2**31:
-        raise ValueError(f"entry and cached must be integers, got {entry!r}, {cached!r}")
-    if (entry >= 0) != (cached > 0) or not 0 <= cached < 2**31:
-        raise ValueError(
-            f"a prefix-cache start needs an entry and cached > 0, got {entry}, {cached}"
-        )
-    grammar = message.get("grammar")
-    if grammar is not None:
-        check_grammar(grammar, grammars)
-    return Insert(
-        message["uid"],
-        tuple(prompt),
-        max_tokens,
-        seed,
-        temperature,
-        top_p,
-        *penalties,
-        logprobs,
-        entry,
-        cached,
-        grammar,
-    )
-
-
-def check_grammar(grammar: Any, grammars: RankGrammars | None) -> None:
-    """ValueError unless `grammar` is text that compiles against this model's tokenizer."""
-    if not isinstance(grammar, str) or not grammar:
-        raise ValueError("grammar must be a non-empty string or null")
-    grammar.encode()  # a lone surrogate cannot cross the lockstep: UnicodeEncodeError
-    if grammars is None:
-        raise ValueError("this rank has no grammar compiler")
-    try:
-        grammars.processor(grammar)
-    except (EngineError, RuntimeError) as error:  # llguidance raises RuntimeError on some input
-        raise ValueError(str(error)) from None
-
-
-def parse_step(
-    message: dict[str, Any], vocab_size: int | None, grammars: RankGrammars | None = None
-) -> tuple[Command, list[tuple[Any, str]]]:
-    """A step command from the engine, and the inserts refused with their reasons."""
-    removes = message.get("remove", [])
-    if not isinstance(removes, list) or not all(
-        isinstance(uid, int) and 0 <= uid < 2**31 for uid in removes
-    ):
-        raise ValueError("remove must be a list of uids (integers in [0, 2**31))")
-    inserts, refused = [], []
-    for entry in message.get("insert", []):
-        uid = entry.get("uid") if isinstance(entry, dict) else None
-        if not isinstance(uid, int) or not 0 <= uid < 2**31:
-            raise ValueError(f"an insert needs a uid in [0, 2**31), got {uid!r}")
-        try:
-            inserts.append(parse_insert(entry, vocab_size, grammars))
-        except (TypeError, ValueError) as error:
-            refused.append((uid, str(error)))
-    evicts = message.get("evict", [])
-    if not isinstance(evicts, list) or not all(
-        isinstance(entry, int) and 0 <= entry < 2**31 for entry in evicts
-    ):
-        raise ValueError("evict must be a list of prefix-cache entry ids")
-    advance = bool(message.get("advance", True))
-    return Command(STEP, tuple(inserts), tuple(removes), tuple(evicts), advance), refused
 
 
 @dataclass
