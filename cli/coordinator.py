@@ -13,7 +13,7 @@ from typing import Any
 from planner import ClusterPlan, NodeResources, Parallelism
 from planner.errors import PlanError
 
-from .serve import ServeConfig
+from .serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from discovery.directories import default_cache_dir, default_state_dir
@@ -12,7 +11,7 @@ from planner import Parallelism
 from planner.errors import ConfigError
 
 from .http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, HttpLimits
-from .observability import ObservabilityConfig, add_observability_flags, observability_from_args
+from .observability import add_observability_flags, observability_from_args
 from .options import (
     add_blas_flags,
     add_flag,
@@ -23,45 +22,11 @@ from .options import (
     apply_blas_flags,
     prefix_cache_bytes_from,
 )
+from .serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
-
-
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    """Everything `tandem serve` was asked to do, from flags and their TANDEM_* twins."""
-
-    model: str | None  # a directory or ORG/NAME[@REV]
-    model_id: str | None
-    parallelism: Parallelism
-    host: str
-    port: int
-    queue_size: int
-    max_batch: int
-    prefix_cache_bytes: int | None  # None: derived by the planner from the memory left
-    cpu_float32: bool
-    max_tokens_cap: int
-    request_timeout_s: float
-    api_key: str | None
-    interface: str | None
-    discovery_timeout_s: float
-    hostfile: Path | None
-    cluster_key: str | None
-    cluster_key_file: Path | None
-    collective: str | None
-    context_tokens: int
-    memory_limit: str | None
-    memory_budget: int | None
-    lost_after_s: float
-    rediscover_interval_s: float
-    cache_dir: Path
-    state_dir: Path
-    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
-    send_weights: bool = True
-    max_body_bytes: int = 4 * 1024 * 1024
-    http: HttpLimits = field(default_factory=HttpLimits)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

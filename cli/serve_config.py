@@ -1,0 +1,50 @@
+"""ServeConfig: everything `tandem serve` was asked to do, as the coordinator receives it.
+
+Its own module so that serve.py (the flags) and coordinator.py (the wiring) both use it
+without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from planner import Parallelism
+
+from .http_limits import HttpLimits
+from .observability import ObservabilityConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything `tandem serve` was asked to do, from flags and their TANDEM_* twins."""
+
+    model: str | None  # a directory or ORG/NAME[@REV]
+    model_id: str | None
+    parallelism: Parallelism
+    host: str
+    port: int
+    queue_size: int
+    max_batch: int
+    prefix_cache_bytes: int | None  # None: derived by the planner from the memory left
+    cpu_float32: bool
+    max_tokens_cap: int
+    request_timeout_s: float
+    api_key: str | None
+    interface: str | None
+    discovery_timeout_s: float
+    hostfile: Path | None
+    cluster_key: str | None
+    cluster_key_file: Path | None
+    collective: str | None
+    context_tokens: int
+    memory_limit: str | None
+    memory_budget: int | None
+    lost_after_s: float
+    rediscover_interval_s: float
+    cache_dir: Path
+    state_dir: Path
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    send_weights: bool = True
+    max_body_bytes: int = 4 * 1024 * 1024
+    http: HttpLimits = field(default_factory=HttpLimits)
