@@ -12,12 +12,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from discovery import cluster_key as cluster_keys
+from discovery.assignment_waits import AssignmentWaits, _Pending
 from discovery.capabilities import MACHINE_BOUND
 from discovery.control import (
     AssignRole,
@@ -43,7 +43,6 @@ __all__ = [
     "CONNECTED",
     "LOST",
     "UNVERIFIED",
-    "AssignmentResult",
     "Member",
     "Membership",
     "browse_peers",
@@ -58,25 +57,6 @@ MemberLostCallback = Callable[[str, str], None]
 AssignmentFailedCallback = Callable[[str, str, str], None]
 
 
-@dataclass(frozen=True, slots=True)
-class AssignmentResult:
-    """A worker that reported ready."""
-
-    node_id: str
-    assignment_id: str
-    detail: dict[str, Any]
-
-
-@dataclass(slots=True)
-class _Pending:
-    node_id: str
-    done: threading.Event = field(default_factory=threading.Event)
-    detail: dict[str, Any] | None = None
-    failure: str | None = None
-    progress_at: float | None = None  # monotonic time of the last transfer progress
-    arrived: threading.Event = field(default_factory=threading.Event)  # model in place
-
-
 def browse_peers(interface: str | None, timeout_s: float) -> list[PeerRecord]:
     """What zeroconf shows right now: every tandem agent that answers within timeout_s."""
     zeroconf = open_zeroconf(interface)
@@ -86,7 +66,7 @@ def browse_peers(interface: str | None, timeout_s: float) -> list[PeerRecord]:
         zeroconf.close()
 
 
-class Membership:
+class Membership(AssignmentWaits):
     """Verified connections to the cluster's agents, kept alive by heartbeats both ways."""
 
     def __init__(
@@ -331,19 +311,6 @@ class Membership:
             except Exception:  # noqa: BLE001 - as above
                 logger.exception("on_assignment_failed callback failed for %s", link.node_id)
 
-    def _settle(
-        self, assignment_id: str, detail: dict[str, Any] | None = None, failure: str | None = None
-    ) -> bool:
-        """Give an unsettled assignment its outcome; False when it had one already."""
-        with self._lock:
-            pending = self._pending.get(assignment_id)
-            if pending is None or pending.done.is_set():
-                return False
-            pending.detail, pending.failure = detail, failure
-            pending.done.set()
-            pending.arrived.set()
-            return True
-
     # -- what the coordinator calls -----------------------------------------------------------
 
     def members(self) -> list[Member]:
@@ -389,79 +356,6 @@ class Membership:
             raise PeerError(f"cannot assign {role} to node {node_id}: {error}") from error
         logger.info("assigned %s to %s as %s", role, node_id, assignment_id)
         return assignment_id
-
-    def wait_ready(
-        self, assignment_id: str, timeout_s: float, stall_s: float | None = None
-    ) -> AssignmentResult:
-        """Block until the worker is ready; PeerError when it failed, was lost, or timed out.
-
-        With `stall_s`, transfer progress extends the wait: it ends only once `timeout_s`
-        has passed and no progress came for `stall_s` (a big model takes what it takes).
-        """
-        pending = self._waiting(assignment_id)
-        try:
-            self._wait(pending, pending.done, assignment_id, "ready", timeout_s, stall_s)
-            return AssignmentResult(pending.node_id, assignment_id, pending.detail or {})
-        finally:
-            with self._lock:
-                self._pending.pop(assignment_id, None)
-
-    def wait_model(
-        self, assignment_id: str, timeout_s: float, stall_s: float | None = None
-    ) -> None:
-        """Block until the worker has its model in place (received, cached or found there),
-        or is ready; PeerError as wait_ready. The assignment stays pending."""
-        pending = self._waiting(assignment_id)
-        what = "its model in place"
-        self._wait(pending, pending.arrived, assignment_id, what, timeout_s, stall_s)
-
-    def _waiting(self, assignment_id: str) -> _Pending:
-        with self._lock:
-            pending = self._pending.get(assignment_id)
-        if pending is None:
-            raise PeerError(f"unknown assignment {assignment_id}")
-        return pending
-
-    def _wait(
-        self,
-        pending: _Pending,
-        event: threading.Event,
-        assignment_id: str,
-        what: str,
-        timeout_s: float,
-        stall_s: float | None,
-    ) -> None:
-        started = time.monotonic()
-        while not event.wait(self._ready_wait(pending, started, timeout_s, stall_s)):
-            if self._ready_wait(pending, started, timeout_s, stall_s) > 0:
-                continue  # progress came meanwhile
-            stalled = ""
-            if (
-                stall_s is not None
-                and pending.progress_at is not None
-                and not pending.arrived.is_set()
-            ):
-                stalled = f" (its model transfer stalled: no progress for {stall_s:g} s)"
-            raise PeerError(
-                f"node {pending.node_id} did not report {what} for assignment {assignment_id} "
-                f"within {timeout_s} s{stalled}"
-            )
-        if pending.failure is not None:
-            raise PeerError(
-                f"node {pending.node_id} failed assignment {assignment_id}: {pending.failure}"
-            )
-
-    @staticmethod
-    def _ready_wait(
-        pending: _Pending, started: float, timeout_s: float, stall_s: float | None
-    ) -> float:
-        """Seconds left to wait: to the ready deadline, or later while transfers progress."""
-        deadline = started + timeout_s
-        if stall_s is not None and pending.progress_at is not None:
-            # Once the model is all there, loading it gets a whole ready timeout of its own.
-            extra = timeout_s if pending.arrived.is_set() else stall_s
-            deadline = max(deadline, pending.progress_at + extra)
-        return max(deadline - time.monotonic(), 0.0)
 
     def release(
         self, node_id: str, reason: str = "released by the coordinator", wait_s: float = 0.0
