@@ -127,7 +127,7 @@ def parse_role_modules(entries: list[str]) -> dict[str, str]:
 
 
 def config_from_args(args: argparse.Namespace):  # -> AgentConfig (imported lazily)
-    from discovery.agent import DEFAULT_ROLE_MODULES, AgentConfig
+    from discovery.agent_config import DEFAULT_ROLE_MODULES, AgentConfig
     from discovery.capabilities import parse_memory_size
 
     check_interface(args.interface)
