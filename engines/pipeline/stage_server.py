@@ -15,17 +15,11 @@ import mlx.core as mx
 from discovery.framing import connect
 from discovery.handshake_gate import HandshakeGate
 from discovery.secure_channel import SecureChannel
-from engines.decoding.grammar import GrammarCompiler, LogitsProcessor
-from engines.decoding.sampling import (
-    Sampler,
-    make_request_processors,
-    make_request_sampler,
-    token_logprobs,
-)
+from engines.decoding.grammar import GrammarCompiler
+from engines.decoding.sampling import make_request_sampler, token_logprobs
 from engines.pipeline import sequence_documents, wire
-from engines.pipeline.batches import StageBatches
-from engines.pipeline.frame_clock import StageMeter
 from engines.pipeline.stage_model import StageModel
+from engines.pipeline.stage_session import _Scoring, _Session
 from engines.pipeline.stage_spec import StageSpec
 from engines.pipeline.wire import PURPOSE, Kind, WireError
 from planner.errors import ChannelError, EngineError
@@ -34,84 +28,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # how often an idle server notices stop() from another thread
 CONNECT_RETRY_S = 0.1
-HISTORY_TOKENS = 64  # more than the penalties' window (wire.PENALTY_CONTEXT)
 MAX_CONNECT_WAIT_S = 5.0
-
-
-class _Session:
-    """One chain session: the sealed hops, and the sequences this stage holds for it."""
-
-    def __init__(
-        self,
-        inbound: Any,
-        inbound_sock: socket.socket,
-        outbound: Any,
-        outbound_sock: socket.socket,
-        stage: StageModel,
-    ) -> None:
-        self.inbound = inbound
-        self.inbound_sock = inbound_sock
-        self.outbound = outbound
-        self.outbound_sock = outbound_sock
-        self.previous: range | None = None  # the previous stage's layers, known after SETUP
-        self.next_number = 0  # 0 = SETUP; every later frame down the chain counts from 1
-        self.batches = StageBatches(stage)
-        self.samplers: dict[int, Sampler] = {}  # last stage: uid -> its own sampler
-        self.meter = StageMeter(inbound, outbound)  # compute and sealing, sent with each frame
-        self.scoring: dict[int, _Scoring] = {}  # last stage: penalties / logprobs / grammar
-        self.last_frame_at = time.monotonic()
-        self.closed = False
-
-    def sockets(self) -> list[socket.socket]:
-        return [] if self.closed else [self.inbound_sock, self.outbound_sock]
-
-    def close(self) -> None:
-        self.closed = True
-        self.inbound.close()
-        self.outbound.close()
-
-
-class _Scoring:
-    """A sequence's logits processors (with the tokens they look at), its grammar, its
-    logprobs count, or why it was refused (its grammar did not compile here)."""
-
-    def __init__(
-        self,
-        sampling: sequence_documents.Sampling,
-        grammar: LogitsProcessor | None = None,
-        refusal: str | None = None,
-    ) -> None:
-        self.processors = make_request_processors(
-            sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty
-        )
-        self.history = list(sampling.context)  # the prompt's tail, then every sampled token
-        self.grammar = grammar
-        self.generated: list[int] = []  # what the grammar has seen: every sampled token
-        self.logprobs = sampling.logprobs
-        self.refusal = refusal
-
-    @property
-    def processes(self) -> bool:
-        return bool(self.processors) or self.grammar is not None
-
-    def process(self, logits: mx.array) -> mx.array:
-        """One row's raw logits (1, V) through the penalties, then the grammar: last, so that
-        no penalty lifts its mask (as SingleEngine orders them)."""
-        if self.processors:
-            context = mx.array(self.history[-HISTORY_TOKENS:], dtype=mx.int32)
-            for processor in self.processors:
-                logits = processor(context, logits)
-        if self.grammar is not None:
-            # the grammar counts the tokens since its first call, which sees none
-            logits = self.grammar(mx.array(self.generated, dtype=mx.int32), logits)
-        return logits
-
-    def sampled(self, token: int) -> None:
-        if self.processors:
-            self.history.append(token)
-            del self.history[:-HISTORY_TOKENS]
-        if self.grammar is not None:
-            self.generated.append(token)
 
 
 class EncryptedPipelineServer:

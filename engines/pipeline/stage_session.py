@@ -1,0 +1,98 @@
+"""What a stage holds for one chain session: the sealed hops to its neighbours, the caches of
+the sequences it runs, and on the last stage each sequence's sampler and scoring (penalties
+with the tokens they look at, grammar, logprobs, or why the sequence was refused). A session
+ends with its coordinator's connection, and all of this with it.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from engines.decoding.grammar import LogitsProcessor
+from engines.decoding.sampling import Sampler, make_request_processors
+from engines.pipeline import sequence_documents
+from engines.pipeline.batches import StageBatches
+from engines.pipeline.frame_clock import StageMeter
+from engines.pipeline.stage_model import StageModel
+
+HISTORY_TOKENS = 64  # more than the penalties' window (sequence_documents.PENALTY_CONTEXT)
+
+
+class _Session:
+    """One chain session: the sealed hops, and the sequences this stage holds for it."""
+
+    def __init__(
+        self,
+        inbound: Any,
+        inbound_sock: socket.socket,
+        outbound: Any,
+        outbound_sock: socket.socket,
+        stage: StageModel,
+    ) -> None:
+        self.inbound = inbound
+        self.inbound_sock = inbound_sock
+        self.outbound = outbound
+        self.outbound_sock = outbound_sock
+        self.previous: range | None = None  # the previous stage's layers, known after SETUP
+        self.next_number = 0  # 0 = SETUP; every later frame down the chain counts from 1
+        self.batches = StageBatches(stage)
+        self.samplers: dict[int, Sampler] = {}  # last stage: uid -> its own sampler
+        self.meter = StageMeter(inbound, outbound)  # compute and sealing, sent with each frame
+        self.scoring: dict[int, _Scoring] = {}  # last stage: penalties / logprobs / grammar
+        self.last_frame_at = time.monotonic()
+        self.closed = False
+
+    def sockets(self) -> list[socket.socket]:
+        return [] if self.closed else [self.inbound_sock, self.outbound_sock]
+
+    def close(self) -> None:
+        self.closed = True
+        self.inbound.close()
+        self.outbound.close()
+
+
+class _Scoring:
+    """A sequence's logits processors (with the tokens they look at), its grammar, its
+    logprobs count, or why it was refused (its grammar did not compile here)."""
+
+    def __init__(
+        self,
+        sampling: sequence_documents.Sampling,
+        grammar: LogitsProcessor | None = None,
+        refusal: str | None = None,
+    ) -> None:
+        self.processors = make_request_processors(
+            sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty
+        )
+        self.history = list(sampling.context)  # the prompt's tail, then every sampled token
+        self.grammar = grammar
+        self.generated: list[int] = []  # what the grammar has seen: every sampled token
+        self.logprobs = sampling.logprobs
+        self.refusal = refusal
+
+    @property
+    def processes(self) -> bool:
+        return bool(self.processors) or self.grammar is not None
+
+    def process(self, logits: mx.array) -> mx.array:
+        """One row's raw logits (1, V) through the penalties, then the grammar: last, so that
+        no penalty lifts its mask (as SingleEngine orders them)."""
+        if self.processors:
+            context = mx.array(self.history[-HISTORY_TOKENS:], dtype=mx.int32)
+            for processor in self.processors:
+                logits = processor(context, logits)
+        if self.grammar is not None:
+            # the grammar counts the tokens since its first call, which sees none
+            logits = self.grammar(mx.array(self.generated, dtype=mx.int32), logits)
+        return logits
+
+    def sampled(self, token: int) -> None:
+        if self.processors:
+            self.history.append(token)
+            del self.history[:-HISTORY_TOKENS]
+        if self.grammar is not None:
+            self.generated.append(token)
