@@ -4,6 +4,7 @@ The stage worker (`python -m engines.pipeline.stage_worker`, StageSpec, StagePro
 EncryptedPipelineServer) is not imported here so that running it as a module stays clean.
 """
 
-from engines.pipeline.engine import EncryptedPipelineEngine, StageAddress
+from engines.pipeline.engine import EncryptedPipelineEngine
+from engines.pipeline.stage_address import StageAddress
 
 __all__ = ["EncryptedPipelineEngine", "StageAddress"]

@@ -8,7 +8,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,12 @@ from engines.observability.step_timing import StepTimes
 from engines.pipeline import sequence_documents, wire
 from engines.pipeline.admission import sampling_of, wire_refusal
 from engines.pipeline.batches import StageBatches
-from engines.pipeline.chain import Chain, open_chain
+from engines.pipeline.chain import Chain
+from engines.pipeline.chain_upkeep import ChainUpkeep
 from engines.pipeline.frame_clock import FrameClock
+from engines.pipeline.prefix_keeping import PrefixKeeping
 from engines.pipeline.schedule import MicroBatchSchedule, Planned
+from engines.pipeline.stage_address import StageAddress
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.wire import Kind, Row
 from engines.prefix_cache.index import PrefixHit, PrefixIndex
@@ -44,34 +46,7 @@ DEFAULT_TOKEN_TIMEOUT_S = 10.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class StageAddress:
-    """Where a remote stage listens; `layers` (optional) is checked against what it reports."""
-
-    host: str
-    port: int
-    layers: range | None = None
-    node: str = ""  # the member running it, named in failure messages
-
-    @classmethod
-    def of(cls, value: StageAddress | Mapping[str, Any]) -> StageAddress:
-        if isinstance(value, StageAddress):
-            return value
-        layers = value.get("layers")
-        return cls(
-            str(value["host"]),
-            int(value["port"]),
-            range(*layers) if layers else None,
-            str(value.get("node", "")),
-        )
-
-    def describe(self, index: int) -> str:
-        layers = f" (layers [{self.layers.start}, {self.layers.stop}))" if self.layers else ""
-        node = f" on node {self.node}" if self.node else ""
-        return f"stage {index}{layers}{node} at {self.host}:{self.port}"
-
-
-class EncryptedPipelineEngine(Engine):
+class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
     """Pipeline parallel over sealed hops: this process -> stage 1 -> ... -> last -> this process.
 
     Stage 0 (embeddings and the first layers) runs here on the runner thread; the stage worker
@@ -446,160 +421,6 @@ class EncryptedPipelineEngine(Engine):
         if answer.flags & wire.SCORES:
             scores = dict(zip(answer.uids, answer.scores(), strict=True))
         return self._schedule.answered(answer.tokens()), scores
-
-    # -- the prefix cache --------------------------------------------------------------------
-
-    def _caches_to_keep(self, uids: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
-        """(uid, the tokens its caches hold) of the ending sequences worth keeping."""
-        if not self.prefix_index.enabled:
-            return []
-        keep = []
-        for uid in uids:
-            length = self._local.position(uid)  # every stage holds as many once END arrives
-            if length > 0:
-                keep.append((uid, self._schedule.tokens(uid)[:length]))
-        return keep
-
-    def _keep_on_stage_zero(self, keep: list[tuple[int, tuple[int, ...]]]) -> list[int]:
-        """Keep the caches here and index them; returns the entries every stage must drop."""
-        dropped: list[int] = []
-        # An estimate: stage 0's bytes scaled to all layers (the stages' layers are alike).
-        scale = self.stage.total_layers / len(self.layers)
-        for uid, tokens in keep:
-            nbytes = self._local.keep(uid, len(tokens), tokens)
-            dropped += self.prefix_index.add(uid, tokens, int(nbytes * scale))
-        return self._release(dropped)
-
-    def _release(self, dropped: list[int]) -> list[int]:
-        """Of entries the index dropped, those the stages can drop now; the others are held
-        until the sequences that will begin from them have begun."""
-        pinned = {hit.entry_id for hit in self._hits.values()}
-        self._held.update(entry for entry in dropped if entry in pinned)
-        return [entry for entry in dropped if entry not in pinned]
-
-    def _unpin(self, uids: Sequence[int]) -> list[int]:
-        """`uids` no longer wait to begin from an entry: the held entries now free to drop."""
-        for uid in uids:
-            self._hits.pop(uid, None)
-        pinned = {hit.entry_id for hit in self._hits.values()}
-        free = [entry for entry in self._held if entry not in pinned]
-        self._held.difference_update(free)
-        return free
-
-    def _send_end(
-        self, uids: Sequence[int], keep: Sequence[tuple[int, int]], evict: Sequence[int]
-    ) -> None:
-        """END frames: the first ends `uids` and keeps `keep`; evictions go in bounded lists."""
-        size = sequence_documents.MAX_EVICT_PER_END
-        chunks = [evict[start : start + size] for start in range(0, len(evict), size)] or [[]]
-        for index, chunk in enumerate(chunks):
-            ended, kept = (uids, keep) if index == 0 else ((), ())
-            self._send(sequence_documents.end_frame(self._take_number(), ended, kept, chunk))
-
-    def _forget_prefix_cache(self) -> None:
-        """The session's stages and their entries are gone: forget every entry and hit."""
-        self.prefix_index.clear()
-        self._held.clear()
-        for uid in self._hits:
-            if uid in self._schedule:  # not begun yet: it prefills its whole prompt after all
-                self._schedule.start_cold(uid)
-        self._hits.clear()
-
-    # -- the hops ----------------------------------------------------------------------------
-
-    def _take_number(self) -> int:
-        """The next frame number down the chain: every stage expects them one by one."""
-        self._number += 1
-        return self._number
-
-    def _send(self, frame: wire.Frame) -> None:
-        chain = self._chain
-        if chain is None:
-            raise ChannelError(self._abort_reason or "the pipeline is not connected")
-        wire.send(chain.outbound, frame, self.layers)
-
-    def _ensure_connected(self) -> None:
-        if self._chain is None or not self._healthy:
-            log.info("pipeline not connected (%s); reconnecting", self._failure or "new")
-            self._open()
-
-    def _open(self) -> None:
-        self._close_chain()
-        self._abort_reason = None
-        first = self.stages[0]
-        self.open_return_listener()
-        try:
-            self._chain = open_chain(
-                (first.host, first.port),
-                self._listener,
-                self._cluster_key,
-                self._local_report(),
-                [stage.layers for stage in self.stages],
-                self.stage.total_layers,
-                self.connect_timeout_s,
-                self._channel_class,
-            )
-        except (ChannelError, EngineError) as error:
-            self._fail(str(error))
-            if isinstance(error, EngineError):
-                raise
-            raise EngineError(
-                f"cannot build the pipeline through stage 1 at {first.host}:{first.port}: {error}"
-            ) from error
-        self._local = StageBatches(self.stage)
-        self._clock = FrameClock(self._chain.outbound, self._chain.inbound)
-        self._forget_prefix_cache()
-        self._schedule.restart()
-        self._awaiting.clear()
-        self._number = 0
-        self._healthy, self._failure = True, None
-        log.info(
-            "pipeline ready (%d micro-batches): %s",
-            self._schedule.groups,
-            " -> ".join(f"[{r['layers'][0]}, {r['layers'][1]})" for r in self._chain.reports),
-        )
-
-    def _local_report(self) -> dict[str, Any]:
-        return {
-            "layers": [self.layers.start, self.layers.stop],
-            "peak_memory_bytes": self.stage.peak_memory_bytes,
-            "active_requests": self._local.active if self._local is not None else 0,
-            "prefix_entries": len(self._local.prefix) if self._local is not None else 0,
-            "prefix_bytes": self._local.prefix.nbytes if self._local is not None else 0,
-        }
-
-    # -- failure -----------------------------------------------------------------------------
-
-    def _lost(self, context: str, error: ChannelError) -> EngineError:
-        """Mark the chain broken, close it, drop the batch, and say why (abort reason first)."""
-        aborted = self._abort_reason
-        self._fail(f"aborted: {aborted}" if aborted else str(error))
-        self._close_chain()
-        lost = self._schedule.active
-        self._schedule.clear()
-        self._sampling.clear()
-        self._hits.clear()  # the sequences are gone, and with the stages every entry
-        self._forget_prefix_cache()
-        self._awaiting.clear()
-        if aborted:
-            return EngineError(f"pipeline aborted {context} ({lost} sequences): {aborted}")
-        # Any stage may be the one that stopped: name every one the frame had to pass.
-        chain = ", ".join(stage.describe(index) for index, stage in enumerate(self.stages, 1))
-        return EngineError(
-            f"pipeline stage lost {context} ({lost} sequences): {error}; the chain after "
-            f"stage 0: {chain}"
-        )
-
-    def _fail(self, reason: str) -> None:
-        if self._healthy:
-            log.error("pipeline marked unhealthy: %s", reason)
-        self._healthy = False
-        self._failure = reason
-
-    def _close_chain(self) -> None:
-        chain, self._chain = self._chain, None
-        if chain is not None:
-            chain.close()
 
 
 def _output(uid: int, token: int, score: wire.Score) -> StepOutput:
