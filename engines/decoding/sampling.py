@@ -11,6 +11,7 @@ from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 from engines.core.engine import GenerationRequest, TopLogprobs
 
 Sampler = Callable[[mx.array], mx.array]
+Processor = Callable[[mx.array, mx.array], mx.array]  # (tokens so far, logits) -> logits
 SEED_BITS = 31
 MASK64 = 2**64 - 1
 
@@ -82,7 +83,7 @@ class UnseededSamplers:
 
 def make_request_processors(
     repetition_penalty: float | None, presence_penalty: float, frequency_penalty: float
-) -> list[Callable[[mx.array, mx.array], mx.array]]:
+) -> list[Processor]:
     """mlx-lm's logits processors for the request's penalties (an empty list when none)."""
     return make_logits_processors(
         repetition_penalty=repetition_penalty or None,

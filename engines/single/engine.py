@@ -8,7 +8,6 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load as load_model_and_tokenizer
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.core.engine import (
@@ -19,12 +18,12 @@ from engines.core.engine import (
     GenerationRequest,
     StepOutput,
 )
+from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.grammar import GrammarCompiler
-from engines.decoding.sampling import UnseededSamplers, make_request_processors, token_logprobs
+from engines.decoding.sampling import UnseededSamplers, make_request_processors
 from engines.model.load_progress import evaluate_by_layer
 from engines.model.precision import upcast_on_cpu
 from engines.observability.process_memory import parameter_bytes
-from engines.prefix_cache.cached_prefill import first_token_from_cache
 from engines.prefix_cache.index import PrefixIndex
 from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
 from planner.errors import EngineError
@@ -62,10 +61,7 @@ class SingleEngine(Engine):
         self.model = None
         self._weight_bytes = 0
         self.tokenizer = None
-        self._generator: BatchGenerator | None = None
-        self._to_generator: dict[int, int] = {}  # our uid -> the generator's uid
-        self._from_generator: dict[int, int] = {}
-        self._logprobs: dict[int, int] = {}  # uid -> top k, for sequences that asked
+        self._batch: DecodeBatch | None = None
         self._first_tokens: list[StepOutput] = []  # sampled at insert, reported by the next step
         self._grammars: GrammarCompiler | None = None
         self._samplers = UnseededSamplers()  # a batch without seeds samples in one call
@@ -83,16 +79,12 @@ class SingleEngine(Engine):
             self.prefix_index.turn_off(NOT_REUSABLE)
         vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", 0)
         self._grammars = GrammarCompiler(self.tokenizer, max(vocab_size, len(self.tokenizer)))
-        self._generator = BatchGenerator(
-            self.model,
-            completion_batch_size=self.max_batch,
-            prefill_batch_size=self.max_batch,
-            prefill_step_size=self.prefill_chunk,
-        )
+        keep = self._keep_prefix if self.prefix_index.enabled else None
+        self._batch = DecodeBatch(self.model, self.max_batch, self.prefill_chunk, keep)
         log.info("single engine loaded %s (batch of up to %d)", self.model_path, self.max_batch)
 
     def insert(self, uid: int, request: GenerationRequest) -> int:
-        if self._generator is None:
+        if self._batch is None:
             raise EngineError("single engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
@@ -104,42 +96,21 @@ class SingleEngine(Engine):
             processors.append(self._grammars.processor(request.grammar))
         prompt = list(request.prompt_tokens)
         hit = self.prefix_index.lookup(prompt)
-        caches, prefix, max_tokens = None, [], request.max_tokens
+        caches, prefix = None, []
         if hit is not None:
             caches, prefix = self._prefix_store.take_prefix(hit.entry_id, hit.tokens)
-            if len(prompt) - hit.tokens <= self.prefill_chunk:
-                # the rest and the first token in one forward pass (prefix_cache/cached_prefill.py)
-                with mx.stream(self._generator.stream):
-                    token, logprobs = first_token_from_cache(
-                        self.model, caches, prompt[hit.tokens :], prompt, sampler, processors
-                    )
-                self._first_tokens.append(self._output(uid, token, logprobs, request.logprobs))
-                prompt, prefix, max_tokens = prompt + [token], prompt, max(max_tokens - 1, 1)
-        (generator_uid,) = self._generator.insert(
-            [prompt[len(prefix) :]],
-            max_tokens=[max_tokens],
-            caches=[caches],
-            all_tokens=[prefix],
-            samplers=[sampler],
-            logits_processors=[processors],
-        )
-        self._to_generator[uid] = generator_uid
-        self._from_generator[generator_uid] = uid
-        if request.logprobs is not None:
-            self._logprobs[uid] = request.logprobs
+        first = self._batch.insert(
+            uid, prompt[len(prefix) :], request.max_tokens, sampler, processors,
+            request.logprobs, caches, prefix,
+        )  # fmt: skip
+        if first is not None:  # reported by the next step, before the batch advances
+            self._first_tokens.append(first)
         return hit.tokens if hit is not None else 0
 
     def remove(self, uids: Sequence[int]) -> None:
         self._first_tokens = [output for output in self._first_tokens if output.uid not in uids]
-        gone = [self._to_generator.pop(uid) for uid in uids if uid in self._to_generator]
-        for generator_uid in gone:
-            self._logprobs.pop(self._from_generator[generator_uid], None)
-        if gone and self._generator is not None:
-            kept = self._generator.remove(gone, return_prompt_caches=self.prefix_index.enabled)
-            for generator_uid, (caches, tokens) in kept.items():
-                self._keep_prefix(self._from_generator[generator_uid], caches, tokens)
-        for generator_uid in gone:
-            del self._from_generator[generator_uid]
+        if self._batch is not None:
+            self._batch.remove(uids)
 
     def evict_prefix_cache(self, keep_fraction: float) -> int:
         before = self.prefix_index.nbytes
@@ -154,32 +125,12 @@ class SingleEngine(Engine):
         self._prefix_store.drop(self.prefix_index.add(uid, tokens, nbytes))
 
     def step(self) -> list[StepOutput]:
-        if self._generator is None:
+        if self._batch is None:
             raise EngineError("single engine used before load()")
         if self._first_tokens:  # sampled at insert: report them before advancing the batch
             outputs, self._first_tokens = self._first_tokens, []
             return outputs
-        outputs = []
-        _, responses = self._generator.next()
-        for response in responses:
-            uid = self._from_generator.get(response.uid)
-            if uid is None:
-                continue
-            top = self._logprobs.get(uid)
-            outputs.append(self._output(uid, response.token, response.logprobs, top))
-            if response.finish_reason is not None:  # the generator already dropped it
-                del self._from_generator[response.uid]
-                del self._to_generator[uid]
-                self._logprobs.pop(uid, None)
-                self._keep_prefix(uid, response.prompt_cache, response.all_tokens)
-        return outputs
-
-    @staticmethod
-    def _output(uid: int, token: int, logprobs: mx.array, top: int | None) -> StepOutput:
-        if top is None:
-            return StepOutput(uid, token)
-        chosen, best = token_logprobs(logprobs, token, top)
-        return StepOutput(uid, token, None, chosen, best)
+        return self._batch.step()
 
     def memory_held(self) -> dict[str, int]:
         cached = self.prefix_index.snapshot()["bytes"]
@@ -196,9 +147,9 @@ class SingleEngine(Engine):
         return EngineInfo(strategy="single", world_size=1, detail=detail)
 
     def close(self) -> None:
-        if self._generator is not None:
-            self._generator.close()
-        self._generator = None
+        if self._batch is not None:
+            self._batch.close()
+        self._batch = None
         self._prefix_store.clear()
         self.prefix_index.clear()
         self.model = None

@@ -43,7 +43,7 @@ class TimedEngine(SingleEngine):
 
     def load(self) -> None:
         super().load()
-        generator = self._generator
+        generator = self._batch.generator
         original = generator.next
 
         def timed_next():
