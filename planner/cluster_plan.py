@@ -207,6 +207,28 @@ def plan_cluster(
     plan = _plan_memory(
         choice, shape, nodes, collective, context_tokens, headroom, max_batch, prefix_cache_bytes
     )
+    if sitter := _member_to_sit_out(choice, plan, nodes):
+        fit = next(fit for fit in plan.fits if fit.node_id == sitter)
+        need_text, has_text = format_pair(fit.need_bytes, fit.available_bytes)
+        rest = plan_cluster(
+            choice,
+            shape,
+            [node for node in nodes if node.node_id != sitter],
+            collective,
+            context_tokens,
+            headroom,
+            max_batch,
+            prefix_cache_bytes,
+            transfer,
+        )
+        if rest.refusal is not None:
+            return plan  # the whole cluster's refusal names every node's numbers
+        left_out = (
+            f"auto without {sitter} (its share needs {need_text}, it has {has_text}"
+            f"{bounded(fit.bound)})"
+        )
+        reason = f"{left_out}; {rest.decision.reason}"
+        return replace(rest, decision=replace(rest.decision, reason=reason))
     if transfer is None or plan.refusal is not None or plan.decision.chosen is Parallelism.SINGLE:
         return plan
     check = disk_check(f"{plan.decision.chosen.value} disk", _disk_needs(plan, nodes, transfer))
@@ -235,6 +257,19 @@ def plan_cluster(
         checks=(*rest.checks, check),
         refusal=refusal,
     )
+
+
+def _member_to_sit_out(
+    choice: Parallelism, plan: ClusterPlan, nodes: Sequence[NodeResources]
+) -> str | None:
+    """Under auto, the member whose share does not fit and who has the least memory: the
+    rest may serve without it. The coordinator (nodes[0]) never sits out; explicit choices
+    are refused as planned."""
+    if Parallelism(choice) is not Parallelism.AUTO or plan.refusal is None or len(nodes) < 2:
+        return None
+    memory = {node.node_id: node.memory_bytes for node in nodes[1:]}
+    short = [fit.node_id for fit in plan.fits if not fit.fits and fit.node_id in memory]
+    return min(short, key=memory.__getitem__, default=None)
 
 
 def _disk_needs(

@@ -290,3 +290,47 @@ def test_invalid_input_raises_plan_error(
 ) -> None:
     with pytest.raises(PlanError, match=message):
         plan_cluster(AUTO, SHAPE, nodes, collective=collective)
+
+
+def test_auto_leaves_out_a_member_too_small_for_any_share() -> None:
+    """Two large machines can serve alone; the small one sits out, named with its numbers."""
+    result = plan(AUTO, node("node-a", 200), node("node-b", 200), node("node-c", 2))
+    assert result.refusal is None
+    assert result.ranks == ("node-a", "node-b")
+    assert result.decision.chosen is PP
+    assert result.decision.reason.startswith("auto without node-c (its share needs ")
+    assert "it has 2.0 MB)" in result.decision.reason
+    assert [stage.node_id for stage in result.stages] == ["node-a", "node-b"]
+
+
+def test_members_sit_out_smallest_first_until_the_rest_fits() -> None:
+    result = plan(
+        AUTO, node("node-a", 200, "jaccl"), node("node-b", 2, "jaccl"), node("node-c", 3, "jaccl")
+    )
+    assert result.refusal is None
+    assert result.ranks == ("node-a",)
+    assert result.decision.chosen is SINGLE
+    assert result.decision.reason.startswith("auto without node-b (")
+    assert "; auto without node-c (" in result.decision.reason
+
+
+@pytest.mark.parametrize(
+    ("choice", "nodes"),
+    [
+        pytest.param(PP, [node("node-a", 200), node("node-b", 200), node("node-c", 2)], id="pp"),
+        pytest.param(TP, [node("node-a", 200, "jaccl"), node("node-c", 2, "jaccl")], id="tp"),
+    ],
+)
+def test_an_explicit_choice_never_drops_a_member(
+    choice: Parallelism, nodes: list[NodeResources]
+) -> None:
+    result = plan(choice, *nodes)
+    assert result.decision.chosen is choice
+    assert result.refusal is not None
+    assert "node-c: needs" in result.refusal
+
+
+def test_the_coordinator_never_sits_out() -> None:
+    result = plan(AUTO, node("node-a", 2), node("node-b", 200), node("node-c", 200))
+    assert result.refusal is not None
+    assert "node-a" in result.refusal
