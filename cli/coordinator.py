@@ -280,6 +280,8 @@ def serve(config: ServeConfig) -> int:
         cluster_key=key,
         coordinator_address=address,
         max_batch=config.max_batch,
+        prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
+        prefix_cache_dir=config.cache_dir / "prefix-cache",
         rdma_rows=rdma_rows(config.hostfile),
         rdma_devices={node_id: own_active_rdma()},
     )

@@ -35,6 +35,10 @@ class StoppingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.stopping.set()
         super().handle_exit(sig, frame)
+        # uvicorn raises the signal again once it has shut down, and SIGTERM's default action
+        # would end the process there, before the coordinator closes its engine, workers,
+        # agents' sessions and caches; run() returns instead and the caller exits.
+        self._captured_signals.clear()
 
 
 def guarded_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:

@@ -58,6 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_planning_flags(parser)
     add_flag(
         parser,
+        "--prefix-cache-disk-bytes",
+        default="0",
+        help="disk under --cache-dir for prefix-cache entries evicted from memory, read back "
+        "on a hit (e.g. 8G; 0 turns the disk tier off)",
+    )
+    add_flag(
+        parser,
         "--queue-size",
         default=8,
         cast=int,
@@ -168,6 +175,11 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
     prefix_cache_bytes = prefix_cache_bytes_from(args.prefix_cache_bytes)
+    try:
+        disk = str(args.prefix_cache_disk_bytes).strip()
+        prefix_cache_disk_bytes = 0 if disk in ("0", "off") else parse_memory_size(disk)
+    except ConfigError as error:
+        raise ConfigError(f"--prefix-cache-disk-bytes: {error}, or 0") from None
     return ServeConfig(
         model=args.model,
         model_id=args.model_id,
@@ -177,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         queue_size=args.queue_size,
         max_batch=args.max_batch,
         prefix_cache_bytes=prefix_cache_bytes,
+        prefix_cache_disk_bytes=prefix_cache_disk_bytes,
         cpu_float32=args.cpu_float32 == "auto",
         max_tokens_cap=args.max_tokens_cap,
         request_timeout_s=args.request_timeout,

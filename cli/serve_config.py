@@ -48,3 +48,4 @@ class ServeConfig:
     send_weights: bool = True
     max_body_bytes: int = 4 * 1024 * 1024
     http: HttpLimits = field(default_factory=HttpLimits)
+    prefix_cache_disk_bytes: int = 0  # the prefix cache's disk tier; 0: none

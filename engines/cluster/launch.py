@@ -57,6 +57,9 @@ class LaunchSettings:
     weights: Any = None
     # For a JACCL plan: --hostfile's rows (which device reaches which machine), and the active
     # RDMA devices of every node by node id (tensor_parallel/jaccl.py).
+    # The prefix cache's disk tier: its budget (0: none) and the root of its directories.
+    prefix_cache_disk_bytes: int = 0
+    prefix_cache_dir: Path | None = None
     rdma_rows: tuple[RdmaRow, ...] = ()
     rdma_devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
@@ -81,13 +84,19 @@ def build_engine(
     share = _share_cores(plan, addresses, settings.coordinator_address)
     blas.set_threads(share)
     if chosen == Parallelism.SINGLE:
+        from engines.prefix_cache.disk_tier import tier_root
         from engines.single.engine import SingleEngine
 
+        disk_root = None
+        if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
+            disk_root = tier_root(settings.prefix_cache_dir, settings.model_path, "single")
         return SingleEngine(
             settings.model_path,
             max_batch=settings.max_batch,
             upcast=_upcast(plan),
             prefix_cache_bytes=plan.prefix_cache_bytes,
+            prefix_cache_disk_bytes=settings.prefix_cache_disk_bytes if disk_root else 0,
+            prefix_cache_disk_root=disk_root,
         )
     if membership is None or settings.cluster_key is None:
         raise EngineError(f"a {chosen.value} plan needs cluster membership and a cluster key")
@@ -160,9 +169,7 @@ def _group_specs(
     from engines.tensor_parallel.jaccl import device_matrix
 
     if plan.backend == JACCL:
-        matrix = device_matrix(
-            plan.ranks, addresses, settings.rdma_devices, settings.rdma_rows
-        )
+        matrix = device_matrix(plan.ranks, addresses, settings.rdma_devices, settings.rdma_rows)
         coordinator = f"{rank_addresses[0]}:{ports[0]}"
         return jaccl_specs(matrix, coordinator, settings.remote_model, **options)
     return ring_specs(rank_addresses, ports, settings.remote_model, **options)

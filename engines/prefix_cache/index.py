@@ -4,6 +4,12 @@ The index holds no tensors. It is the one place that decides hits and evictions;
 itself lives in a `PrefixStore` on every node (a tp rank, a pp stage, or the single
 engine), under the same entry id. Entry ids are the uid of the sequence whose cache was
 kept, so every node can name an entry without being told a new number.
+
+Two tiers: entries live in memory, bounded by `max_bytes`; with a disk budget, an entry
+the memory tier evicts is spilled to disk instead of forgotten (the owner drains
+`take_spills()` and tells its stores), and the disk tier has its own LRU bound. A hit on
+disk is read back by the stores; the sequence that used it is kept in memory when it ends,
+which makes the disk entry (its prefix) redundant.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ class PrefixHit:
 
     entry_id: int
     tokens: int
+    on_disk: bool = False
 
 
 @dataclass(slots=True)
@@ -30,6 +37,8 @@ class PrefixStats:
     prompt_tokens: int = 0  # prompt tokens looked up, hit or miss
     evictions: int = 0
     evicted_bytes: int = 0
+    disk_hits: int = 0
+    spills: int = 0  # entries moved from memory to disk
 
 
 @dataclass(slots=True)
@@ -44,16 +53,20 @@ class PrefixIndex:
     `max_bytes` 0 turns the cache off (every lookup misses, nothing is kept).
     `trimmable` says whether a cache can be cut back to a shorter prefix (plain KV caches
     can; sliding-window caches cannot): when it cannot, only an entry that is a whole
-    prefix of the prompt is reused.
+    prefix of the prompt is reused. `disk_bytes` > 0 adds the disk tier.
     """
 
-    def __init__(self, max_bytes: int, trimmable: bool = True) -> None:
+    def __init__(self, max_bytes: int, trimmable: bool = True, disk_bytes: int = 0) -> None:
         self.max_bytes = max(max_bytes, 0)
+        self.disk_max_bytes = max(disk_bytes, 0) if self.max_bytes else 0
         self.trimmable = trimmable
         self.off_reason = "" if self.max_bytes else "prefix cache budget is 0"
         self.stats = PrefixStats()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._bytes = 0
+        self._disk: OrderedDict[int, _Entry] = OrderedDict()  # the disk tier, LRU first
+        self._disk_bytes = 0
+        self._spills: list[int] = []  # moved to disk since the owner last asked
 
     @property
     def enabled(self) -> bool:
@@ -61,17 +74,26 @@ class PrefixIndex:
 
     def turn_off(self, reason: str) -> None:
         """Keep nothing from now on (before any entry exists), and say why in the snapshot."""
-        self.max_bytes, self.off_reason = 0, reason
+        self.max_bytes, self.disk_max_bytes, self.off_reason = 0, 0, reason
 
     @property
     def nbytes(self) -> int:
         return self._bytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._disk)
 
     def __contains__(self, entry_id: int) -> bool:
-        return entry_id in self._entries
+        return entry_id in self._entries or entry_id in self._disk
+
+    def on_disk(self, entry_id: int) -> bool:
+        return entry_id in self._disk
+
+    def take_spills(self) -> list[int]:
+        """The entries moved from memory to disk since the last call: every store must now
+        write its part of them to disk and let go of the memory."""
+        spills, self._spills = self._spills, []
+        return spills
 
     def lookup(self, prompt: tuple[int, ...] | list[int]) -> PrefixHit | None:
         """The entry sharing the longest prefix with `prompt`, or None.
@@ -82,18 +104,20 @@ class PrefixIndex:
         prompt = tuple(prompt)
         self.stats.prompt_tokens += len(prompt)
         best: PrefixHit | None = None
-        if self.enabled:
-            for entry_id, entry in self._entries.items():
-                shared = min(_common_prefix(entry.tokens, prompt), len(prompt) - 1)
-                if shared < len(entry.tokens) and not self.trimmable:
-                    continue  # the entry cannot be cut back to the shared part
-                if shared > 0 and (best is None or shared > best.tokens):
-                    best = PrefixHit(entry_id, shared)
+        if self.enabled:  # memory first: on a tie, the entry that needs no read wins
+            for tier, on_disk in ((self._entries, False), (self._disk, True)):
+                for entry_id, entry in tier.items():
+                    shared = min(_common_prefix(entry.tokens, prompt), len(prompt) - 1)
+                    if shared < len(entry.tokens) and not self.trimmable:
+                        continue  # the entry cannot be cut back to the shared part
+                    if shared > 0 and (best is None or shared > best.tokens):
+                        best = PrefixHit(entry_id, shared, on_disk)
         if best is None:
             self.stats.misses += 1
             return None
-        self._entries.move_to_end(best.entry_id)
+        (self._disk if best.on_disk else self._entries).move_to_end(best.entry_id)
         self.stats.hits += 1
+        self.stats.disk_hits += best.on_disk
         self.stats.hit_tokens += best.tokens
         return best
 
@@ -101,35 +125,43 @@ class PrefixIndex:
         """Index a kept cache; returns the entry ids every node must now drop.
 
         That list may hold `entry_id` itself (cache off, or the entry alone exceeds the
-        budget), entries the new one makes redundant (a trimmable entry that is a prefix
-        of the new one), and least recently used entries past the byte budget.
+        budgets of memory and of disk; one that fits only on disk goes there), entries the
+        new one makes redundant (a trimmable entry that is a prefix of the new one), and
+        least recently used entries past the byte budgets.
         """
         tokens = tuple(tokens)
-        if not self.enabled or not tokens or nbytes > self.max_bytes:
+        if not self.enabled or not tokens or nbytes > max(self.max_bytes, self.disk_max_bytes):
             return [entry_id]
         dropped = []
         if self.trimmable:  # a prefix of the new entry is served just as well by it
             dropped = [
                 other
-                for other, entry in self._entries.items()
+                for tier in (self._entries, self._disk)
+                for other, entry in tier.items()
                 if len(entry.tokens) <= len(tokens) and tokens[: len(entry.tokens)] == entry.tokens
             ]
             for other in dropped:
                 self._forget(other)
-        self._entries[entry_id] = _Entry(tokens, nbytes)
-        self._bytes += nbytes
+        if nbytes > self.max_bytes:  # too big for memory, not for disk: straight there
+            self._to_disk(entry_id, _Entry(tokens, nbytes))
+        else:
+            self._entries[entry_id] = _Entry(tokens, nbytes)
+            self._bytes += nbytes
         return dropped + self._evict_to(self.max_bytes)
 
     def evict(self, keep_fraction: float) -> list[int]:
-        """Drop least recently used entries until at most `keep_fraction` of the bytes remain."""
+        """Move least recently used entries out of memory (to disk, with a disk tier) until
+        at most `keep_fraction` of the memory tier's bytes remain; returns the ids dropped."""
         keep_fraction = min(max(keep_fraction, 0.0), 1.0)
         return self._evict_to(int(self._bytes * keep_fraction))
 
     def clear(self) -> list[int]:
         """Forget everything (the nodes holding the KV are gone); returns the ids dropped."""
-        dropped = list(self._entries)
+        dropped = [*self._entries, *self._disk]
         self._entries.clear()
-        self._bytes = 0
+        self._disk.clear()
+        self._bytes = self._disk_bytes = 0
+        self._spills.clear()
         return dropped
 
     def snapshot(self) -> dict[str, int]:
@@ -146,20 +178,47 @@ class PrefixIndex:
             "evictions": stats.evictions,
             "evicted_bytes": stats.evicted_bytes,
             "off_reason": self.off_reason,
+            "disk_max_bytes": self.disk_max_bytes,
+            "disk_bytes": self._disk_bytes,
+            "disk_entries": len(self._disk),
+            "disk_hits": stats.disk_hits,
+            "spills": stats.spills,
         }
 
     def _evict_to(self, budget: int) -> list[int]:
-        evicted = []
+        """Memory's least recently used entries past `budget` go to disk (when it has room
+        for them) or are dropped; then the disk tier keeps to its own budget."""
+        dropped = []
         while self._bytes > budget and self._entries:
-            entry_id = next(iter(self._entries))
+            entry_id, entry = self._entries.popitem(last=False)
+            self._bytes -= entry.nbytes
             self.stats.evictions += 1
-            self.stats.evicted_bytes += self._entries[entry_id].nbytes
-            self._forget(entry_id)
-            evicted.append(entry_id)
-        return evicted
+            self.stats.evicted_bytes += entry.nbytes
+            if entry.nbytes <= self.disk_max_bytes:
+                self._to_disk(entry_id, entry)
+            else:
+                dropped.append(entry_id)
+        while self._disk_bytes > self.disk_max_bytes and self._disk:
+            entry_id, entry = self._disk.popitem(last=False)
+            self._disk_bytes -= entry.nbytes
+            if entry_id in self._spills:  # never written: the stores just drop it
+                self._spills.remove(entry_id)
+            dropped.append(entry_id)
+        return dropped
+
+    def _to_disk(self, entry_id: int, entry: _Entry) -> None:
+        self._disk[entry_id] = entry
+        self._disk_bytes += entry.nbytes
+        self._spills.append(entry_id)
+        self.stats.spills += 1
 
     def _forget(self, entry_id: int) -> None:
-        self._bytes -= self._entries.pop(entry_id).nbytes
+        if entry_id in self._entries:
+            self._bytes -= self._entries.pop(entry_id).nbytes
+        else:
+            self._disk_bytes -= self._disk.pop(entry_id).nbytes
+            if entry_id in self._spills:
+                self._spills.remove(entry_id)
 
 
 def _common_prefix(first: tuple[int, ...], second: tuple[int, ...]) -> int:

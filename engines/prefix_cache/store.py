@@ -4,7 +4,8 @@ The index (engines/prefix_cache/index.py) decides; the store only keeps, hands o
 Handing out never changes the stored entry: a plain KV cache is re-wrapped around a slice of
 the stored arrays (mlx arrays are values, so the new sequence's writes cannot reach them);
 any other cache is deep-copied and trimmed. Two conversations branching from one system
-prompt therefore both start from the same entry.
+prompt therefore both start from the same entry. With a disk tier, `spill` moves entries
+out of memory to disk (engines/prefix_cache/disk_tier.py), and a hit reads them back.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
+from engines.prefix_cache.disk_tier import DiskTier
 from planner.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -25,17 +27,19 @@ log = logging.getLogger(__name__)
 class PrefixStore:
     """Entry id -> (per-layer caches, the tokens they hold)."""
 
-    def __init__(self) -> None:
+    def __init__(self, disk: DiskTier | None = None) -> None:
         self._entries: dict[int, tuple[list[Any], tuple[int, ...]]] = {}
+        self.disk = disk
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, entry_id: int) -> bool:
-        return entry_id in self._entries
+        return entry_id in self._entries or (self.disk is not None and entry_id in self.disk)
 
     @property
     def nbytes(self) -> int:
+        """Bytes held in memory (the disk tier's are `disk.nbytes`)."""
         return sum(cache_bytes(caches) for caches, _ in self._entries.values())
 
     def put(self, entry_id: int, caches: list[Any], tokens: Iterable[int]) -> int:
@@ -45,8 +49,13 @@ class PrefixStore:
         self._entries[entry_id] = (caches, tuple(tokens))
         return cache_bytes(caches)
 
-    def tokens(self, entry_id: int) -> tuple[int, ...]:
-        return self._require(entry_id)[1]
+    def spill(self, entry_ids: Iterable[int]) -> None:
+        """Move entries from memory to the disk tier (written in the background); without
+        one they are dropped."""
+        for entry_id in entry_ids:
+            entry = self._entries.pop(entry_id, None)
+            if entry is not None and self.disk is not None:
+                self.disk.write(entry_id, *entry)
 
     def take_prefix(self, entry_id: int, length: int) -> tuple[list[Any], list[int]]:
         """Fresh caches holding the entry's first `length` tokens, and those tokens."""
@@ -67,18 +76,35 @@ class PrefixStore:
     def drop(self, entry_ids: Iterable[int]) -> None:
         for entry_id in entry_ids:
             self._entries.pop(entry_id, None)
+            if self.disk is not None:
+                self.disk.drop(entry_id)
 
     def clear(self) -> None:
         self._entries.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def close(self) -> None:
+        """Forget everything and remove the disk tier's files."""
+        self._entries.clear()
+        if self.disk is not None:
+            self.disk.close()
 
     def _require(self, entry_id: int) -> tuple[list[Any], tuple[int, ...]]:
-        try:
-            return self._entries[entry_id]
-        except KeyError:
-            raise EngineError(
-                f"prefix-cache entry {entry_id} is not held here: the nodes disagree on the "
-                "cache's contents"
-            ) from None
+        entry = self._entries.get(entry_id)
+        if entry is not None:
+            return entry
+        if self.disk is not None and entry_id in self.disk:
+            try:
+                return self.disk.read(entry_id)
+            except (OSError, RuntimeError, ValueError, KeyError) as error:
+                raise EngineError(
+                    f"prefix-cache entry {entry_id}: cannot read it back from disk: {error}"
+                ) from error
+        raise EngineError(
+            f"prefix-cache entry {entry_id} is not held here: the nodes disagree on the "
+            "cache's contents"
+        )
 
 
 def reusable(caches: list[Any]) -> bool:

@@ -24,12 +24,12 @@ from engines.decoding.sampling import UnseededSamplers, make_request_processors
 from engines.model.load_progress import evaluate_by_layer
 from engines.model.precision import upcast_on_cpu
 from engines.observability.process_memory import parameter_bytes
+from engines.prefix_cache.disk_tier import DiskTier
 from engines.prefix_cache.index import PrefixIndex
 from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
 from planner.errors import EngineError
 
 log = logging.getLogger(__name__)
-
 
 
 class SingleEngine(Engine):
@@ -49,11 +49,16 @@ class SingleEngine(Engine):
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         upcast: bool = False,
         prefix_cache_bytes: int = 0,
+        prefix_cache_disk_bytes: int = 0,
+        prefix_cache_disk_root: Path | None = None,
     ) -> None:
         self.model_path = Path(model_path)
-        # the prefix cache: which token prefixes are kept (index) and their KV (store)
-        self.prefix_index = PrefixIndex(prefix_cache_bytes)
-        self._prefix_store = PrefixStore()
+        # the prefix cache: which token prefixes are kept (index) and their KV (store), in
+        # memory and, with a disk budget and a directory, on disk
+        disk = DiskTier(prefix_cache_disk_root) if prefix_cache_disk_root else None
+        disk_bytes = prefix_cache_disk_bytes if disk is not None else 0
+        self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
+        self.prefix_store = PrefixStore(disk if self.prefix_index.disk_max_bytes else None)
         self.upcast = upcast  # half-precision weights to float32 on the CPU
         self.compute_dtype = ""
         self.max_batch = max_batch
@@ -77,6 +82,8 @@ class SingleEngine(Engine):
         self._weight_bytes = parameter_bytes(self.model)
         if not reusable(make_prompt_cache(self.model)):
             self.prefix_index.turn_off(NOT_REUSABLE)
+        elif self.prefix_store.disk is not None:
+            self.prefix_store.disk.open()
         vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", 0)
         self._grammars = GrammarCompiler(self.tokenizer, max(vocab_size, len(self.tokenizer)))
         keep = self._keep_prefix if self.prefix_index.enabled else None
@@ -98,7 +105,7 @@ class SingleEngine(Engine):
         hit = self.prefix_index.lookup(prompt)
         caches, prefix = None, []
         if hit is not None:
-            caches, prefix = self._prefix_store.take_prefix(hit.entry_id, hit.tokens)
+            caches, prefix = self.prefix_store.take_prefix(hit.entry_id, hit.tokens)
         first = self._batch.insert(
             uid, prompt[len(prefix) :], request.max_tokens, sampler, processors,
             request.logprobs, caches, prefix,
@@ -114,15 +121,20 @@ class SingleEngine(Engine):
 
     def evict_prefix_cache(self, keep_fraction: float) -> int:
         before = self.prefix_index.nbytes
-        self._prefix_store.drop(self.prefix_index.evict(keep_fraction))
+        self._forget_and_spill(self.prefix_index.evict(keep_fraction))
         return before - self.prefix_index.nbytes
 
     def _keep_prefix(self, uid: int, caches: list, tokens: list[int]) -> None:
         """A finished sequence's prompt + answer becomes a prefix-cache entry named by its uid."""
         if not self.prefix_index.enabled or not tokens:
             return
-        nbytes = self._prefix_store.put(uid, caches, tokens)
-        self._prefix_store.drop(self.prefix_index.add(uid, tokens, nbytes))
+        nbytes = self.prefix_store.put(uid, caches, tokens)
+        self._forget_and_spill(self.prefix_index.add(uid, tokens, nbytes))
+
+    def _forget_and_spill(self, dropped: list[int]) -> None:
+        """Carry out the index's orders: entries it dropped, and those it moved to disk."""
+        self.prefix_store.drop(dropped)
+        self.prefix_store.spill(self.prefix_index.take_spills())
 
     def step(self) -> list[StepOutput]:
         if self._batch is None:
@@ -150,7 +162,7 @@ class SingleEngine(Engine):
         if self._batch is not None:
             self._batch.close()
         self._batch = None
-        self._prefix_store.clear()
+        self.prefix_store.close()
         self.prefix_index.clear()
         self.model = None
         self._weight_bytes = 0

@@ -5,8 +5,10 @@ a conversation whose first turn carries a ~1,000-token system prompt (made uniqu
 that it starts cold), then a follow-up turn that repeats the whole history plus a new question;
 both greedy, streamed, 8 tokens. Reported: median TTFT of each turn and their ratio, for
 tandem serve (single, HTTP), mlx_lm.server (HTTP, its default prompt cache), tandem tp=2 and
-pp=2 (driven in-process through the EngineRunner the API uses) and tandem single with the
-cache off. Part 2: 8 conversations sharing one system prompt, two turns each, the 8 first
+pp=2 (driven in-process through the EngineRunner the API uses), tandem single with the
+cache off, and tandem single whose entries all go to the disk tier (a 1 MB memory tier, so
+every entry is written to disk, and the follow-up comes a second later, once it is written:
+it is read back from its file). Part 2: 8 conversations sharing one system prompt, two turns each, the 8 first
 turns sent at once, then the 8 follow-ups at once: prefix-cache hit rate (cached prompt tokens
 over all prompt tokens) and completion tokens per second. Writes "## Prefix cache" in
 docs/benchmarks.md.
@@ -120,16 +122,25 @@ def runner_asker(runner: EngineRunner) -> Ask:
     return ask
 
 
-async def two_turns(ask: Ask, system: str) -> tuple[Turn, Turn]:
+DISK_TIER = "tandem single, entries on disk (HTTP)"
+READ_PAUSE_S = 1.0  # before a follow-up to the disk tier: the entry's file is written by then
+
+
+async def two_turns(ask: Ask, system: str, pause_s: float = 0.0) -> tuple[Turn, Turn]:
     first_prompt = f"{system}\nUser: {QUESTIONS[0]}\nAssistant:"
     first = await ask(first_prompt, FIRST_TOKENS)
+    await asyncio.sleep(pause_s)  # the user reads the answer
     follow_prompt = f"{first_prompt}{first.text}\nUser: {QUESTIONS[1]}\nAssistant:"
     return first, await ask(follow_prompt, FIRST_TOKENS)
 
 
-async def follow_up_ratio(ask: Ask, rounds: int, tag: str) -> list[tuple[Turn, Turn]]:
-    await two_turns(ask, f"[warm-up {tag}] {SYSTEM}")
-    return [await two_turns(ask, f"[round {index} {tag}] {SYSTEM}") for index in range(rounds)]
+async def follow_up_ratio(
+    ask: Ask, rounds: int, tag: str, pause_s: float = 0.0
+) -> list[tuple[Turn, Turn]]:
+    await two_turns(ask, f"[warm-up {tag}] {SYSTEM}", pause_s)
+    return [
+        await two_turns(ask, f"[round {index} {tag}] {SYSTEM}", pause_s) for index in range(rounds)
+    ]
 
 
 async def shared_system_prompt(ask: Ask, tag: str) -> tuple[float, int, int, float]:
@@ -169,6 +180,7 @@ def build(model_path: Path, cleanup: contextlib.ExitStack, only: list[str] | Non
     for name, extra in (
         ("tandem single (HTTP)", []),
         ("tandem single, cache off (HTTP)", ["--prefix-cache-bytes", "0"]),
+        (DISK_TIER, ["--prefix-cache-bytes", "1M", "--prefix-cache-disk-bytes", "4G"]),
     ):
         if wanted(name):
             port = free_port(HOST)
@@ -257,7 +269,8 @@ def main() -> None:
 
     async def measure_all(askers: dict[str, Ask]) -> None:
         for index, (name, ask) in enumerate(askers.items()):
-            pairs = await follow_up_ratio(ask, arguments.rounds, str(index))
+            pause_s = READ_PAUSE_S if name == DISK_TIER else 0.0
+            pairs = await follow_up_ratio(ask, arguments.rounds, str(index), pause_s)
             shared = await shared_system_prompt(ask, str(index))
             results[name] = (pairs, shared)
             print(render({name: results[name]}, arguments.rounds, name), flush=True)

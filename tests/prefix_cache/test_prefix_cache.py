@@ -209,7 +209,7 @@ def test_single_eviction_empties_the_store_and_the_next_turn_recomputes(demo_mod
         freed = engine.evict_prefix_cache(0.0)  # the scheduler thread is idle between requests
         snapshot = engine.info().detail["prefix_cache"]
         assert freed > 0 and snapshot["entries"] == 0 and snapshot["bytes"] == 0
-        assert len(engine._prefix_store) == 0
+        assert len(engine.prefix_store) == 0
         assert run_one(runner, GenerationRequest("b", first, 8)).cached_tokens == 0
     finally:
         runner.close()

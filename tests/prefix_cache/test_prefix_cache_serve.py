@@ -69,3 +69,25 @@ def test_the_second_turn_hits_the_cache_and_says_what_a_cold_server_says(
     assert cached[0] == 0 and cached[1] > len(SYSTEM) // 8  # most of turn one
     assert texts == cold_texts
     assert snapshot["hits"] == 1 and snapshot["entries"] >= 1
+
+
+def test_entries_on_disk_serve_the_next_turn_and_leave_with_the_server(
+    demo_model_dir: Path, tmp_path: Path, cold_texts: list[str]
+) -> None:
+    """A memory tier too small for any entry: every entry is on disk, and a follow-up turn
+    still starts from it; SIGTERM shuts the server down cleanly and removes its files."""
+    args = ["--parallelism", "single", "--model-id", "demo", "--prefix-cache-bytes", "1M"]
+    args += ["--prefix-cache-disk-bytes", "1G"]
+    server = start_serve(tmp_path, demo_model_dir, "tandem-" + "A" * 43, args, name="disk")
+    try:
+        texts, cached = chat_two_turns(server, "demo")
+        status = server.cluster()["engine"]["prefix_cache"]
+        files = list((tmp_path / "cache" / "prefix-cache").rglob("*.safetensors"))
+    finally:
+        code = server.stop()
+    assert texts == cold_texts
+    assert cached[1] > len(SYSTEM) // 10  # the follow-up started from the first turn
+    assert status["disk_hits"] == 1 and status["disk_entries"] >= 1 and status["entries"] == 0
+    assert files
+    assert code == 0, server.log_text()[-2000:]  # SIGTERM: a clean shutdown, not a kill
+    assert not list((tmp_path / "cache" / "prefix-cache").rglob("*.safetensors"))

@@ -1,0 +1,158 @@
+"""The prefix cache's disk tier: the index's two LRU tiers, the files, and the single engine
+reading an evicted conversation back from disk instead of prefilling it again."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from engines.core.engine import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.prefix_cache.disk_tier import DiskTier, tier_root
+from engines.prefix_cache.index import PrefixHit, PrefixIndex
+from engines.prefix_cache.store import PrefixStore
+from engines.single.engine import SingleEngine
+from tests.helpers.engine import run_one
+
+LOAD_TIMEOUT_S = 120
+SYSTEM = "You are a careful assistant. Answer in full sentences and cite what you use. " * 12
+
+# -- the index ------------------------------------------------------------------------------
+
+
+def test_memory_evictions_go_to_disk_and_still_hit():
+    index = PrefixIndex(100, disk_bytes=100)
+    index.add(1, (1,) * 4, 60)
+    assert index.add(2, (2,) * 4, 60) == []  # entry 1 is not dropped: it moves to disk
+    assert index.take_spills() == [1] and index.take_spills() == []
+    assert index.on_disk(1) and not index.on_disk(2) and 1 in index
+    assert index.lookup((1, 1, 1, 1, 5)) == PrefixHit(1, 4, on_disk=True)
+    snapshot = index.snapshot()
+    assert (snapshot["bytes"], snapshot["disk_bytes"], snapshot["disk_entries"]) == (60, 60, 1)
+    assert (snapshot["disk_hits"], snapshot["spills"]) == (1, 1)
+
+
+def test_the_disk_tier_keeps_its_own_lru_budget():
+    index = PrefixIndex(50, disk_bytes=100)
+    index.add(1, (1,) * 4, 40)
+    index.add(2, (2,) * 4, 40)  # 1 -> disk
+    index.add(3, (3,) * 4, 40)  # 2 -> disk
+    index.lookup((1, 1, 1, 1, 9))  # on disk, now its most recent
+    assert index.add(4, (4,) * 4, 40) == [2]  # 3 -> disk; the disk drops its oldest: 2
+    assert index.take_spills() == [1, 3]  # 2 was dropped before any store wrote it
+    assert [entry for entry in (1, 2, 3, 4) if entry in index] == [1, 3, 4]
+
+
+def test_a_longer_entry_replaces_its_prefix_on_disk_and_whole_tiers_clear():
+    index = PrefixIndex(50, disk_bytes=200)
+    index.add(1, (1, 2, 3), 40)
+    index.evict(0.0)  # memory pressure: everything to disk
+    assert index.take_spills() == [1] and index.nbytes == 0
+    assert index.add(2, (1, 2, 3, 4, 5), 45) == [1]
+    assert 1 not in index
+    index.add(3, (7,) * 4, 150)  # too big for memory, not for disk: straight there
+    assert index.on_disk(3) and index.take_spills() == [3]
+    assert index.add(4, (8,) * 4, 500) == [4]  # too big for both
+    assert sorted(index.clear()) == [2, 3] and len(index) == 0
+
+
+def test_without_a_disk_budget_evictions_are_dropped():
+    index = PrefixIndex(100)
+    index.add(1, (1,) * 4, 60)
+    assert index.add(2, (2,) * 4, 60) == [1]
+    assert index.take_spills() == []
+
+
+# -- the files ------------------------------------------------------------------------------
+
+
+def kv(tokens: int, width: int = 8) -> KVCache:
+    cache = KVCache()
+    keys = mx.arange(tokens * width, dtype=mx.float32).reshape(1, 1, tokens, width)
+    cache.update_and_fetch(keys, keys * 2)
+    return cache
+
+
+def test_entries_round_trip_through_files_written_in_the_background(tmp_path: Path):
+    stale = tmp_path / "999999999"  # a process that cannot be alive
+    stale.mkdir(parents=True)
+    (stale / "1.safetensors").write_bytes(b"old")
+    disk = DiskTier(tmp_path)
+    disk.open()
+    assert not stale.exists() and disk.directory == tmp_path / str(os.getpid())
+    store = PrefixStore(disk)
+    store.put(7, [kv(5), kv(5)], (1, 2, 3, 4, 5))
+    store.spill([7])
+    assert len(store) == 0 and 7 in store  # out of memory, still held
+    caches, tokens = store.take_prefix(7, 3)  # maybe before its file is written: the copy
+    assert tokens == [1, 2, 3] and caches[0].offset == 3
+    assert disk.flush() and (disk.directory / "7.safetensors").exists() and disk.nbytes > 0
+    caches, tokens = store.take_prefix(7, 5)  # from the file
+    expected = kv(5)
+    assert tokens == [1, 2, 3, 4, 5] and caches[1].offset == 5
+    assert mx.array_equal(caches[1].keys[..., :5, :], expected.keys[..., :5, :]).item()
+    assert mx.array_equal(caches[1].values[..., :5, :], expected.values[..., :5, :]).item()
+    store.drop([7])
+    assert 7 not in store and not (disk.directory / "7.safetensors").exists()
+    store.close()
+    assert not disk.directory.exists()
+
+
+def test_tier_roots_separate_models_and_shares(tmp_path: Path):
+    one = tier_root(tmp_path, tmp_path / "model-a", "single")
+    assert one.parent.parent == tmp_path and one.name == "single"
+    assert one != tier_root(tmp_path, tmp_path / "model-b", "single")
+    assert one != tier_root(tmp_path, tmp_path / "model-a", "layers-0-3")
+
+
+# -- the single engine ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def disk_runner(demo_model_dir: Path, tmp_path: Path):
+    root = tier_root(tmp_path / "prefix-cache", demo_model_dir, "single")
+    engine = SingleEngine(
+        demo_model_dir, prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28,
+        prefix_cache_disk_root=root,
+    )  # fmt: skip
+    runner = EngineRunner(engine, max_batch=4)
+    runner.start(LOAD_TIMEOUT_S)
+    yield runner, root
+    runner.close()
+
+
+def test_single_an_entry_pushed_to_disk_serves_the_next_turn_exactly(
+    disk_runner, demo_model_dir: Path
+):
+    runner, root = disk_runner
+    tokenizer = runner.engine.tokenizer
+    first = tuple(tokenizer.encode(SYSTEM + " Question one: what is a fox?"))
+    turn_one = run_one(runner, GenerationRequest("t1", first, 12))
+    runner.request_prefix_eviction(0.0)  # memory pressure: all of memory's entries go
+    deadline = time.monotonic() + 30
+    while runner.prefix_evictions == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runner.prefix_evicted_bytes > 0
+    snapshot = runner.engine.prefix_index.snapshot()
+    assert snapshot["bytes"] == 0 and snapshot["disk_entries"] == 1
+    assert runner.engine.prefix_store.disk.flush()
+    assert list((root / str(os.getpid())).glob("*.safetensors"))
+    second = first + tuple(turn_one.tokens) + tuple(tokenizer.encode(" Question two?"))
+    turn_two = run_one(runner, GenerationRequest("t2", second, 12))
+    assert turn_two.cached_tokens >= len(first)
+    assert runner.engine.prefix_index.snapshot()["disk_hits"] == 1
+
+    cold_runner = EngineRunner(SingleEngine(demo_model_dir), max_batch=4)
+    cold_runner.start(LOAD_TIMEOUT_S)
+    try:
+        cold = run_one(cold_runner, GenerationRequest("c2", second, 12))
+    finally:
+        cold_runner.close()
+    assert turn_two.tokens == cold.tokens and len(cold.tokens) == 12
+    runner.close()
+    assert not (root / str(os.getpid())).exists()  # close removes this process's files
