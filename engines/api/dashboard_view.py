@@ -35,6 +35,8 @@ def render_summary(status: dict[str, Any], health: dict[str, Any], model: str) -
         ("nodes", escape(str(status.get("world_size", 1)))),
         ("re-plans", escape(str(status.get("replans", 0)))),
     ]
+    if cache := (status.get("engine") or {}).get("prefix_cache"):
+        items.append(("prefix cache", escape(_prefix_cache(cache))))
     cells = "".join(f'<div class="stat"><span>{k}</span>{v}</div>' for k, v in items)
     return f'<div class="stats">{cells}</div><p class="reason">{escape(str(reason))}</p>'
 
@@ -90,6 +92,15 @@ def render_members(status: dict[str, Any]) -> str:
             f"{_memory_bar(need, available, tier)}{_transfer_bar(node.get('transfer'))}</div>"
         )
     return f'<div class="members">{"".join(cards)}</div>'
+
+
+def _prefix_cache(cache: dict[str, Any]) -> str:
+    """Hits over lookups, and the bytes held in memory and (with a disk tier) on disk."""
+    lookups = int(cache.get("hits", 0)) + int(cache.get("misses", 0))
+    text = f"{cache.get('hits', 0)}/{lookups} hits, {int(cache.get('bytes', 0)) >> 20} MB"
+    if cache.get("disk_max_bytes"):
+        text += f" + {int(cache.get('disk_bytes', 0)) >> 20} MB on disk"
+    return text
 
 
 def _accounting(memory: dict[str, Any]) -> str:

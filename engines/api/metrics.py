@@ -34,8 +34,8 @@ INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SEGMENT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 120, 300)
 # engine.info().detail["prefix_cache"] keys: counters grow, gauges go up and down
-PREFIX_CACHE_COUNTERS = ("hits", "misses", "evictions")
-PREFIX_CACHE_GAUGES = ("bytes", "entries")
+PREFIX_CACHE_COUNTERS = ("hits", "misses", "evictions", "disk_hits", "spills", "disk_failures")
+PREFIX_CACHE_GAUGES = ("bytes", "entries", "disk_bytes", "disk_entries")
 RUNNER_GAUGES = (  # (metric, help, EngineRunner attribute)
     ("tandem_queue_depth", "Requests waiting for a batch slot", "queued"),
     ("tandem_queue_capacity", "Waiting requests before 429 (--queue-size)", "queue_size"),

@@ -39,6 +39,7 @@ class PrefixStats:
     evicted_bytes: int = 0
     disk_hits: int = 0
     spills: int = 0  # entries moved from memory to disk
+    disk_failures: int = 0  # disk hits whose file was torn or corrupt: served as misses
 
 
 @dataclass(slots=True)
@@ -149,6 +150,21 @@ class PrefixIndex:
             self._bytes += nbytes
         return dropped + self._evict_to(self.max_bytes)
 
+    def restore(self, entry_id: int, tokens: tuple[int, ...], nbytes: int) -> list[int]:
+        """List an entry a previous run left on disk (oldest first); returns the ids to drop
+        to keep the disk tier's budget (possibly `entry_id`)."""
+        if not self.disk_max_bytes:
+            return [entry_id]
+        self._disk[entry_id] = _Entry(tuple(tokens), nbytes)
+        self._disk_bytes += nbytes
+        return self._evict_to(self.max_bytes)
+
+    def discard(self, entry_id: int) -> None:
+        """Forget one entry whose KV turned out unusable (its file is torn or corrupt)."""
+        if entry_id in self:
+            self._forget(entry_id)
+        self.stats.disk_failures += 1
+
     def evict(self, keep_fraction: float) -> list[int]:
         """Move least recently used entries out of memory (to disk, with a disk tier) until
         at most `keep_fraction` of the memory tier's bytes remain; returns the ids dropped."""
@@ -183,6 +199,7 @@ class PrefixIndex:
             "disk_entries": len(self._disk),
             "disk_hits": stats.disk_hits,
             "spills": stats.spills,
+            "disk_failures": stats.disk_failures,
         }
 
     def _evict_to(self, budget: int) -> list[int]:

@@ -91,16 +91,12 @@ class PrefixStore:
             self.disk.close()
 
     def _require(self, entry_id: int) -> tuple[list[Any], tuple[int, ...]]:
+        """The entry from memory, or read back from disk (DiskUnreadable: treat as a miss)."""
         entry = self._entries.get(entry_id)
         if entry is not None:
             return entry
         if self.disk is not None and entry_id in self.disk:
-            try:
-                return self.disk.read(entry_id)
-            except (OSError, RuntimeError, ValueError, KeyError) as error:
-                raise EngineError(
-                    f"prefix-cache entry {entry_id}: cannot read it back from disk: {error}"
-                ) from error
+            return self.disk.read(entry_id)
         raise EngineError(
             f"prefix-cache entry {entry_id} is not held here: the nodes disagree on the "
             "cache's contents"

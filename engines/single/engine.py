@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,12 +25,14 @@ from engines.decoding.sampling import UnseededSamplers, make_request_processors
 from engines.model.load_progress import evaluate_by_layer
 from engines.model.precision import upcast_on_cpu
 from engines.observability.process_memory import parameter_bytes
-from engines.prefix_cache.disk_tier import DiskTier
+from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.index import PrefixIndex
 from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
 from planner.errors import EngineError
 
 log = logging.getLogger(__name__)
+
+DISK_MARGIN = 256 << 20  # free disk the prefix cache's disk tier always leaves
 
 
 class SingleEngine(Engine):
@@ -55,7 +58,9 @@ class SingleEngine(Engine):
         self.model_path = Path(model_path)
         # the prefix cache: which token prefixes are kept (index) and their KV (store), in
         # memory and, with a disk budget and a directory, on disk
-        disk = DiskTier(prefix_cache_disk_root) if prefix_cache_disk_root else None
+        disk = None
+        if prefix_cache_disk_root is not None:
+            disk = DiskTier(prefix_cache_disk_root, identity=str(prefix_cache_disk_root))
         disk_bytes = prefix_cache_disk_bytes if disk is not None else 0
         self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
         self.prefix_store = PrefixStore(disk if self.prefix_index.disk_max_bytes else None)
@@ -83,7 +88,7 @@ class SingleEngine(Engine):
         if not reusable(make_prompt_cache(self.model)):
             self.prefix_index.turn_off(NOT_REUSABLE)
         elif self.prefix_store.disk is not None:
-            self.prefix_store.disk.open()
+            self._restore_from_disk(self.prefix_store.disk)
         vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", 0)
         self._grammars = GrammarCompiler(self.tokenizer, max(vocab_size, len(self.tokenizer)))
         keep = self._keep_prefix if self.prefix_index.enabled else None
@@ -105,7 +110,13 @@ class SingleEngine(Engine):
         hit = self.prefix_index.lookup(prompt)
         caches, prefix = None, []
         if hit is not None:
-            caches, prefix = self.prefix_store.take_prefix(hit.entry_id, hit.tokens)
+            try:
+                caches, prefix = self.prefix_store.take_prefix(hit.entry_id, hit.tokens)
+            except DiskUnreadable as error:  # a torn or corrupt file: a miss, never wrong KV
+                log.warning("prefix cache: %s; prefilling the whole prompt", error)
+                self.prefix_index.discard(hit.entry_id)
+                self.prefix_store.drop([hit.entry_id])
+                hit = None
         first = self._batch.insert(
             uid, prompt[len(prefix) :], request.max_tokens, sampler, processors,
             request.logprobs, caches, prefix,
@@ -130,6 +141,23 @@ class SingleEngine(Engine):
             return
         nbytes = self.prefix_store.put(uid, caches, tokens)
         self._forget_and_spill(self.prefix_index.add(uid, tokens, nbytes))
+
+    def _restore_from_disk(self, disk: DiskTier) -> None:
+        """List what a previous run left on disk; ids below zero never meet a runner uid.
+        The disk tier's budget is capped by the disk's free space (what is there counts)."""
+        stored_entries = disk.open()
+        usable = shutil.disk_usage(disk.directory).free + disk.nbytes_on_disk() - DISK_MARGIN
+        if self.prefix_index.disk_max_bytes > usable:
+            log.warning(
+                "prefix cache: %d MB of disk asked for, %d MB usable in %s: using that",
+                self.prefix_index.disk_max_bytes >> 20, max(usable, 0) >> 20, disk.directory,
+            )  # fmt: skip
+            self.prefix_index.disk_max_bytes = max(usable, 0)
+        for index, stored in enumerate(stored_entries, start=1):
+            disk.adopt(-index, stored)
+            self.prefix_store.drop(self.prefix_index.restore(-index, stored.tokens, stored.nbytes))
+        if restored := self.prefix_index.snapshot()["disk_entries"]:
+            log.info("prefix cache: %d entries found on disk in %s", restored, disk.directory)
 
     def _forget_and_spill(self, dropped: list[int]) -> None:
         """Carry out the index's orders: entries it dropped, and those it moved to disk."""

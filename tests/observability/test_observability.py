@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.api.dashboard_view import render_members
+from engines.api.dashboard_view import render_members, render_summary
 from engines.api.metrics import _prefix_cache
 from engines.cluster.replan_history import ReplanHistory, reason_kind
 from engines.observability.request_log import RequestLog, RequestLogSettings
@@ -377,3 +377,13 @@ async def test_process_memory_accounts_for_the_weights_next_to_rss(runner: Any) 
     assert memory["rss"] == memory["mlx_active"] + memory["mlx_cache"] + memory["unaccounted"]
     html = render_members({"coordinator": {"node_id": "c", "memory_accounting": memory}})
     assert f"weights {int(memory['weights']) >> 20}" in html
+
+
+def test_the_dashboard_summary_shows_the_prefix_cache_in_memory_and_on_disk() -> None:
+    cache = {"hits": 3, "misses": 1, "bytes": 5 << 20, "disk_max_bytes": 1 << 30}
+    cache["disk_bytes"] = 40 << 20
+    html = render_summary({"engine": {"prefix_cache": cache}}, {"status": "ok"}, "demo")
+    assert "3/4 hits, 5 MB + 40 MB on disk" in html
+    without_disk = {**cache, "disk_max_bytes": 0}
+    html = render_summary({"engine": {"prefix_cache": without_disk}}, {"status": "ok"}, "demo")
+    assert "3/4 hits, 5 MB<" in html

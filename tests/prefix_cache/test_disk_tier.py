@@ -3,7 +3,6 @@ reading an evicted conversation back from disk instead of prefilling it again.""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 
 from engines.core.engine import GenerationRequest
 from engines.core.runner import EngineRunner
-from engines.prefix_cache.disk_tier import DiskTier, tier_root
+from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable, tier_root
 from engines.prefix_cache.index import PrefixHit, PrefixIndex
 from engines.prefix_cache.store import PrefixStore
 from engines.single.engine import SingleEngine
@@ -78,81 +77,175 @@ def kv(tokens: int, width: int = 8) -> KVCache:
     return cache
 
 
-def test_entries_round_trip_through_files_written_in_the_background(tmp_path: Path):
-    stale = tmp_path / "999999999"  # a process that cannot be alive
-    stale.mkdir(parents=True)
-    (stale / "1.safetensors").write_bytes(b"old")
-    disk = DiskTier(tmp_path)
+def written_store(root: Path, identity: str = "model/single") -> tuple[PrefixStore, DiskTier]:
+    disk = DiskTier(root, identity)
     disk.open()
-    assert not stale.exists() and disk.directory == tmp_path / str(os.getpid())
     store = PrefixStore(disk)
     store.put(7, [kv(5), kv(5)], (1, 2, 3, 4, 5))
     store.spill([7])
+    return store, disk
+
+
+def test_entries_round_trip_through_files_written_in_the_background(tmp_path: Path):
+    store, disk = written_store(tmp_path)
     assert len(store) == 0 and 7 in store  # out of memory, still held
     caches, tokens = store.take_prefix(7, 3)  # maybe before its file is written: the copy
     assert tokens == [1, 2, 3] and caches[0].offset == 3
-    assert disk.flush() and (disk.directory / "7.safetensors").exists() and disk.nbytes > 0
+    assert disk.flush() and len(list(tmp_path.glob("*.safetensors"))) == 1 and disk.nbytes > 0
     caches, tokens = store.take_prefix(7, 5)  # from the file
     expected = kv(5)
     assert tokens == [1, 2, 3, 4, 5] and caches[1].offset == 5
     assert mx.array_equal(caches[1].keys[..., :5, :], expected.keys[..., :5, :]).item()
     assert mx.array_equal(caches[1].values[..., :5, :], expected.values[..., :5, :]).item()
     store.drop([7])
-    assert 7 not in store and not (disk.directory / "7.safetensors").exists()
+    assert 7 not in store and not list(tmp_path.glob("*.safetensors"))
     store.close()
-    assert not disk.directory.exists()
+
+
+def test_a_reopened_tier_finds_its_entries_and_ignores_foreign_and_torn_ones(tmp_path: Path):
+    store, disk = written_store(tmp_path)
+    disk.flush()
+    store.close()
+    (tmp_path / "0123.safetensors").write_bytes(b"torn: no .json beside it")
+    again = DiskTier(tmp_path, "model/single")
+    found = again.open()
+    assert [(entry.tokens, entry.nbytes > 0) for entry in found] == [((1, 2, 3, 4, 5), True)]
+    assert not (tmp_path / "0123.safetensors").exists()
+    again.adopt(-1, found[0])
+    caches, tokens = again.read(-1)
+    assert tokens == (1, 2, 3, 4, 5) and caches[0].offset == 5
+    again.close()
+    assert DiskTier(tmp_path, "another/share").open() == []  # another plan's: never used
+    assert not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupt_or_truncated_file_is_unreadable_never_wrong(tmp_path: Path, damage: str):
+    store, disk = written_store(tmp_path)
+    disk.flush()
+    (data,) = tmp_path.glob("*.safetensors")
+    content = bytearray(data.read_bytes())
+    if damage == "flip":
+        content[-3] ^= 0xFF  # inside the last array
+    else:
+        content = content[: len(content) // 2]
+    data.write_bytes(bytes(content))
+    with pytest.raises(DiskUnreadable):
+        store.take_prefix(7, 5)
+    store.close()
+
+
+def test_a_second_process_on_the_same_directory_gets_a_private_one(tmp_path: Path):
+    first = DiskTier(tmp_path, "x")
+    first.open()
+    second = DiskTier(tmp_path, "x")
+    assert second.open() == [] and second.directory != first.directory
+    second.close()
+    assert not second.directory.exists()
+    first.close()
 
 
 def test_tier_roots_separate_models_and_shares(tmp_path: Path):
+    for name in ("model-a", "model-b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"weights")
     one = tier_root(tmp_path, tmp_path / "model-a", "single")
     assert one.parent.parent == tmp_path and one.name == "single"
     assert one != tier_root(tmp_path, tmp_path / "model-b", "single")
     assert one != tier_root(tmp_path, tmp_path / "model-a", "layers-0-3")
+    (tmp_path / "model-a" / "model.safetensors").write_bytes(b"new weights")
+    assert one != tier_root(tmp_path, tmp_path / "model-a", "single")
+
+
+def test_the_index_restores_oldest_first_within_the_disk_budget():
+    index = PrefixIndex(100, disk_bytes=100)
+    assert index.restore(-1, (1,) * 4, 60) == []
+    assert index.restore(-2, (2,) * 4, 60) == [-1]  # the budget holds: the oldest goes
+    assert index.lookup((2, 2, 2, 2, 7)) == PrefixHit(-2, 4, on_disk=True)
+    assert index.take_spills() == []  # already on disk: nothing to write
+    index.discard(-2)
+    assert len(index) == 0 and index.snapshot()["disk_failures"] == 1
 
 
 # -- the single engine ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def disk_runner(demo_model_dir: Path, tmp_path: Path):
-    root = tier_root(tmp_path / "prefix-cache", demo_model_dir, "single")
-    engine = SingleEngine(
-        demo_model_dir, prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28,
+def disk_engine(model: Path, root: Path) -> SingleEngine:
+    return SingleEngine(
+        model, prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28,
         prefix_cache_disk_root=root,
     )  # fmt: skip
+
+
+def started(engine: SingleEngine) -> EngineRunner:
     runner = EngineRunner(engine, max_batch=4)
     runner.start(LOAD_TIMEOUT_S)
-    yield runner, root
-    runner.close()
+    return runner
 
 
-def test_single_an_entry_pushed_to_disk_serves_the_next_turn_exactly(
-    disk_runner, demo_model_dir: Path
-):
-    runner, root = disk_runner
-    tokenizer = runner.engine.tokenizer
-    first = tuple(tokenizer.encode(SYSTEM + " Question one: what is a fox?"))
-    turn_one = run_one(runner, GenerationRequest("t1", first, 12))
+def evict_all(runner: EngineRunner) -> None:
     runner.request_prefix_eviction(0.0)  # memory pressure: all of memory's entries go
     deadline = time.monotonic() + 30
     while runner.prefix_evictions == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert runner.prefix_evicted_bytes > 0
-    snapshot = runner.engine.prefix_index.snapshot()
-    assert snapshot["bytes"] == 0 and snapshot["disk_entries"] == 1
-    assert runner.engine.prefix_store.disk.flush()
-    assert list((root / str(os.getpid())).glob("*.safetensors"))
-    second = first + tuple(turn_one.tokens) + tuple(tokenizer.encode(" Question two?"))
-    turn_two = run_one(runner, GenerationRequest("t2", second, 12))
-    assert turn_two.cached_tokens >= len(first)
-    assert runner.engine.prefix_index.snapshot()["disk_hits"] == 1
 
-    cold_runner = EngineRunner(SingleEngine(demo_model_dir), max_batch=4)
-    cold_runner.start(LOAD_TIMEOUT_S)
+
+def test_single_an_entry_on_disk_serves_the_next_turn_exactly_also_after_a_restart(
+    demo_model_dir: Path, tmp_path: Path
+):
+    root = tier_root(tmp_path / "prefix-cache", demo_model_dir, "single")
+    runner = started(disk_engine(demo_model_dir, root))
+    try:
+        tokenizer = runner.engine.tokenizer
+        first = tuple(tokenizer.encode(SYSTEM + " Question one: what is a fox?"))
+        turn_one = run_one(runner, GenerationRequest("t1", first, 12))
+        evict_all(runner)
+        snapshot = runner.engine.prefix_index.snapshot()
+        assert snapshot["bytes"] == 0 and snapshot["disk_entries"] == 1
+        assert runner.engine.prefix_store.disk.flush()
+        second = first + tuple(turn_one.tokens) + tuple(tokenizer.encode(" Question two?"))
+        turn_two = run_one(runner, GenerationRequest("t2", second, 12))
+        assert turn_two.cached_tokens >= len(first)
+        assert runner.engine.prefix_index.snapshot()["disk_hits"] == 1
+        evict_all(runner)  # the second turn's entry too (it replaces the first)
+        runner.engine.prefix_store.disk.flush()
+    finally:
+        runner.close()
+
+    cold_runner = started(SingleEngine(demo_model_dir))
     try:
         cold = run_one(cold_runner, GenerationRequest("c2", second, 12))
     finally:
         cold_runner.close()
     assert turn_two.tokens == cold.tokens and len(cold.tokens) == 12
-    runner.close()
-    assert not (root / str(os.getpid())).exists()  # close removes this process's files
+
+    restarted = started(disk_engine(demo_model_dir, root))  # a new engine, same model and share
+    try:
+        assert restarted.engine.prefix_index.snapshot()["disk_entries"] == 1
+        third = second + tuple(turn_two.tokens) + tuple(tokenizer.encode(" And three?"))
+        turn_three = run_one(restarted, GenerationRequest("t3", third, 12))
+        assert turn_three.cached_tokens >= len(second)
+        evict_all(restarted)
+        restarted.engine.prefix_store.disk.flush()
+    finally:
+        restarted.close()
+    cold_runner = started(SingleEngine(demo_model_dir))
+    try:
+        assert turn_three.tokens == run_one(cold_runner, GenerationRequest("c3", third, 12)).tokens
+    finally:
+        cold_runner.close()
+
+    (data,) = root.glob("*.safetensors")  # damage the entry in place: same size, wrong bytes
+    content = bytearray(data.read_bytes())
+    content[-3] ^= 0xFF
+    data.write_bytes(bytes(content))
+    damaged = started(disk_engine(demo_model_dir, root))
+    try:
+        assert damaged.engine.prefix_index.snapshot()["disk_entries"] == 1
+        again = run_one(damaged, GenerationRequest("t3-again", third, 12))
+        snapshot = damaged.engine.prefix_index.snapshot()
+    finally:
+        damaged.close()
+    assert again.cached_tokens == 0 and snapshot["disk_failures"] == 1  # a miss, not an error
+    assert again.tokens == turn_three.tokens

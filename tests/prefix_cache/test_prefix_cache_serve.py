@@ -71,23 +71,24 @@ def test_the_second_turn_hits_the_cache_and_says_what_a_cold_server_says(
     assert snapshot["hits"] == 1 and snapshot["entries"] >= 1
 
 
-def test_entries_on_disk_serve_the_next_turn_and_leave_with_the_server(
+def test_entries_on_disk_serve_the_next_turn_and_the_next_server(
     demo_model_dir: Path, tmp_path: Path, cold_texts: list[str]
 ) -> None:
     """A memory tier too small for any entry: every entry is on disk, and a follow-up turn
-    still starts from it; SIGTERM shuts the server down cleanly and removes its files."""
+    still starts from it; after SIGTERM (a clean shutdown) a new server finds them again."""
     args = ["--parallelism", "single", "--model-id", "demo", "--prefix-cache-bytes", "1M"]
     args += ["--prefix-cache-disk-bytes", "1G"]
-    server = start_serve(tmp_path, demo_model_dir, "tandem-" + "A" * 43, args, name="disk")
-    try:
-        texts, cached = chat_two_turns(server, "demo")
-        status = server.cluster()["engine"]["prefix_cache"]
-        files = list((tmp_path / "cache" / "prefix-cache").rglob("*.safetensors"))
-    finally:
-        code = server.stop()
-    assert texts == cold_texts
-    assert cached[1] > len(SYSTEM) // 10  # the follow-up started from the first turn
-    assert status["disk_hits"] == 1 and status["disk_entries"] >= 1 and status["entries"] == 0
-    assert files
-    assert code == 0, server.log_text()[-2000:]  # SIGTERM: a clean shutdown, not a kill
-    assert not list((tmp_path / "cache" / "prefix-cache").rglob("*.safetensors"))
+    for run in ("first", "restarted"):
+        server = start_serve(tmp_path, demo_model_dir, "tandem-" + "A" * 43, args, name=run)
+        try:
+            texts, cached = chat_two_turns(server, "demo")
+            status = server.cluster()["engine"]["prefix_cache"]
+        finally:
+            code = server.stop()
+        assert code == 0, server.log_text()[-2000:]  # SIGTERM: a clean shutdown, not a kill
+        assert texts == cold_texts
+        assert cached[1] > len(SYSTEM) // 10  # the follow-up started from the first turn
+        assert status["entries"] == 0 and status["disk_entries"] >= 1
+        assert list((tmp_path / "cache" / "prefix-cache").rglob("*.safetensors"))
+    assert cached[0] > len(SYSTEM) // 10  # the restarted server's first turn hit the disk
+    assert status["disk_hits"] == 2
