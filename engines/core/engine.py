@@ -86,6 +86,9 @@ class StepOutput:
     error: str | None = None  # set when the engine refused or dropped this sequence alone
     logprob: float | None = None  # only for a sequence that asked for logprobs
     top_logprobs: TopLogprobs = ()
+    # On a sequence's first output only, when insert() could not say yet (it returned 0
+    # and the sequence waited before joining the batch): its prompt tokens from the cache.
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

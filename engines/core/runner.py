@@ -385,6 +385,8 @@ class EngineRunner:
                 if output.error is not None:
                     self._end(sequence, Ending(Finish.ERROR, output.error, Failure.ENGINE), ended)
                     continue
+                if output.cached_tokens is not None:
+                    sequence.cached_tokens = output.cached_tokens
                 reason = sequence.accept(output)
                 if reason is not None:
                     self._end(sequence, Ending(reason), ended)

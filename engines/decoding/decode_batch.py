@@ -97,6 +97,17 @@ class DecodeBatch:
         for generator_uid in gone:
             del self._from_generator[generator_uid]
 
+    def prompt_cache(self, uid: int) -> tuple[list[Any], list[int]] | None:
+        """A running sequence's caches and the tokens they hold (its prompt, once prefilled),
+        copied out of the batch; None when it is not in the batch."""
+        generator_uid = self._to_generator.get(uid)
+        found = self.generator.extract_cache([generator_uid]).get(generator_uid)
+        if not found or not found[0]:
+            return None
+        caches, tokens = found
+        length = caches[0].offset
+        return (caches, list(tokens)[:length]) if 0 < length <= len(tokens) else None
+
     def step(self) -> list[StepOutput]:
         """One step of the whole batch: a token for every sequence the generator produced."""
         _, responses = self.generator.next()

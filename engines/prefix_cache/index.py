@@ -104,15 +104,7 @@ class PrefixIndex:
         """
         prompt = tuple(prompt)
         self.stats.prompt_tokens += len(prompt)
-        best: PrefixHit | None = None
-        if self.enabled:  # memory first: on a tie, the entry that needs no read wins
-            for tier, on_disk in ((self._entries, False), (self._disk, True)):
-                for entry_id, entry in tier.items():
-                    shared = min(_common_prefix(entry.tokens, prompt), len(prompt) - 1)
-                    if shared < len(entry.tokens) and not self.trimmable:
-                        continue  # the entry cannot be cut back to the shared part
-                    if shared > 0 and (best is None or shared > best.tokens):
-                        best = PrefixHit(entry_id, shared, on_disk)
+        best = self.peek(prompt)
         if best is None:
             self.stats.misses += 1
             return None
@@ -120,6 +112,19 @@ class PrefixIndex:
         self.stats.hits += 1
         self.stats.disk_hits += best.on_disk
         self.stats.hit_tokens += best.tokens
+        return best
+
+    def peek(self, prompt: tuple[int, ...]) -> PrefixHit | None:
+        """What `lookup` would answer, without counting it or touching the LRU order."""
+        best: PrefixHit | None = None
+        if self.enabled:  # memory first: on a tie, the entry that needs no read wins
+            for tier, on_disk in ((self._entries, False), (self._disk, True)):
+                for entry_id, entry in tier.items():
+                    shared = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
+                    if shared < len(entry.tokens) and not self.trimmable:
+                        continue  # the entry cannot be cut back to the shared part
+                    if shared > 0 and (best is None or shared > best.tokens):
+                        best = PrefixHit(entry_id, shared, on_disk)
         return best
 
     def add(self, entry_id: int, tokens: tuple[int, ...] | list[int], nbytes: int) -> list[int]:
@@ -238,7 +243,7 @@ class PrefixIndex:
                 self._spills.remove(entry_id)
 
 
-def _common_prefix(first: tuple[int, ...], second: tuple[int, ...]) -> int:
+def common_prefix(first: tuple[int, ...], second: tuple[int, ...]) -> int:
     """Length of the longest common prefix, by bisection over C-speed tuple comparisons."""
     low, high = 0, min(len(first), len(second))
     while low < high:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ from engines.model.precision import upcast_on_cpu
 from engines.observability.process_memory import parameter_bytes
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.index import PrefixIndex
+from engines.prefix_cache.shared_prefill import PrefillSharing
 from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
 from planner.errors import EngineError
 
@@ -75,6 +77,9 @@ class SingleEngine(Engine):
         self._first_tokens: list[StepOutput] = []  # sampled at insert, reported by the next step
         self._grammars: GrammarCompiler | None = None
         self._samplers = UnseededSamplers()  # a batch without seeds samples in one call
+        self._sharing = PrefillSharing()  # requests waiting for a prompt being prefilled
+        self._late_cached: dict[int, int] = {}  # uid -> tokens reused, for its first output
+        self._private_ids = 0  # entry ids below zero: restored entries and shared prompts
 
     def load(self) -> None:
         try:
@@ -100,6 +105,16 @@ class SingleEngine(Engine):
             raise EngineError("single engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
+        if self.prefix_index.enabled:  # a long prefix still being prefilled: wait for it
+            prompt = tuple(request.prompt_tokens)
+            covered = self.prefix_index.peek(prompt)
+            owner = self._sharing.owner_for(prompt, covered.tokens if covered else 0)
+            if owner is not None:
+                self._sharing.wait(uid, request, owner)
+                return 0  # its first output will say how many tokens it reused
+        return self._insert_now(uid, request)
+
+    def _insert_now(self, uid: int, request: GenerationRequest) -> int:
         sampler = self._samplers.for_request(request)
         processors = make_request_processors(
             request.repetition_penalty, request.presence_penalty, request.frequency_penalty
@@ -123,12 +138,28 @@ class SingleEngine(Engine):
         )  # fmt: skip
         if first is not None:  # reported by the next step, before the batch advances
             self._first_tokens.append(first)
+        elif self.prefix_index.enabled:
+            self._sharing.prefilling(uid, tuple(request.prompt_tokens))
         return hit.tokens if hit is not None else 0
 
     def remove(self, uids: Sequence[int]) -> None:
         self._first_tokens = [output for output in self._first_tokens if output.uid not in uids]
+        self._sharing.forget(uids)
+        for uid in uids:
+            self._late_cached.pop(uid, None)
         if self._batch is not None:
             self._batch.remove(uids)
+
+    def _let_in(self, waiters: list[tuple[int, GenerationRequest]]) -> None:
+        """Waiters join the batch; their first output carries the tokens they reused."""
+        for uid, request in waiters:
+            self._late_cached[uid] = self._insert_now(uid, request)
+
+    def _keep_prompt(self, owner: int) -> None:
+        """Keep a just-prefilled prompt's KV as an entry, for the requests waiting for it."""
+        if (found := self._batch.prompt_cache(owner)) is not None:
+            self._private_ids -= 1
+            self._keep_prefix(self._private_ids, *found)
 
     def evict_prefix_cache(self, keep_fraction: float) -> int:
         before = self.prefix_index.nbytes
@@ -153,9 +184,11 @@ class SingleEngine(Engine):
                 self.prefix_index.disk_max_bytes >> 20, max(usable, 0) >> 20, disk.directory,
             )  # fmt: skip
             self.prefix_index.disk_max_bytes = max(usable, 0)
-        for index, stored in enumerate(stored_entries, start=1):
-            disk.adopt(-index, stored)
-            self.prefix_store.drop(self.prefix_index.restore(-index, stored.tokens, stored.nbytes))
+        for stored in stored_entries:
+            self._private_ids -= 1
+            disk.adopt(self._private_ids, stored)
+            dropped = self.prefix_index.restore(self._private_ids, stored.tokens, stored.nbytes)
+            self.prefix_store.drop(dropped)
         if restored := self.prefix_index.snapshot()["disk_entries"]:
             log.info("prefix cache: %d entries found on disk in %s", restored, disk.directory)
 
@@ -167,10 +200,23 @@ class SingleEngine(Engine):
     def step(self) -> list[StepOutput]:
         if self._batch is None:
             raise EngineError("single engine used before load()")
+        self._let_in(self._sharing.released())  # owners gone, or waited long enough
         if self._first_tokens:  # sampled at insert: report them before advancing the batch
             outputs, self._first_tokens = self._first_tokens, []
-            return outputs
-        return self._batch.step()
+        else:
+            outputs = self._batch.step()
+            done = {output.uid for output in outputs if self._sharing.first_token(output.uid)}
+            for owner in done:
+                self._keep_prompt(owner)
+            if done:
+                self._let_in(self._sharing.released(done))
+        if self._late_cached:
+            outputs = [self._with_cached(output) for output in outputs]
+        return outputs
+
+    def _with_cached(self, output: StepOutput) -> StepOutput:
+        cached = self._late_cached.pop(output.uid, None)
+        return output if cached is None else replace(output, cached_tokens=cached)
 
     def memory_held(self) -> dict[str, int]:
         cached = self.prefix_index.snapshot()["bytes"]
@@ -182,7 +228,10 @@ class SingleEngine(Engine):
             "max_batch": self.max_batch,
             "prefill_chunk": self.prefill_chunk,
             "compute_dtype": self.compute_dtype,
-            "prefix_cache": self.prefix_index.snapshot(),
+            "prefix_cache": {
+                **self.prefix_index.snapshot(),
+                "shared_prefills": self._sharing.shared,
+            },
         }
         return EngineInfo(strategy="single", world_size=1, detail=detail)
 
@@ -190,6 +239,7 @@ class SingleEngine(Engine):
         if self._batch is not None:
             self._batch.close()
         self._batch = None
+        self._sharing.clear()
         self.prefix_store.close()
         self.prefix_index.clear()
         self.model = None
