@@ -207,20 +207,19 @@ def plan_cluster(
     plan = _plan_memory(
         choice, shape, nodes, collective, context_tokens, headroom, max_batch, prefix_cache_bytes
     )
+
+    def without(left_out: set[str]) -> ClusterPlan:
+        """The same planning over the nodes but those auto leaves out."""
+        rest = [node for node in nodes if node.node_id not in left_out]
+        return plan_cluster(
+            choice, shape, rest, collective, context_tokens, headroom, max_batch,
+            prefix_cache_bytes, transfer,
+        )  # fmt: skip
+
     if sitter := _member_to_sit_out(choice, plan, nodes):
         fit = next(fit for fit in plan.fits if fit.node_id == sitter)
         need_text, has_text = format_pair(fit.need_bytes, fit.available_bytes)
-        rest = plan_cluster(
-            choice,
-            shape,
-            [node for node in nodes if node.node_id != sitter],
-            collective,
-            context_tokens,
-            headroom,
-            max_batch,
-            prefix_cache_bytes,
-            transfer,
-        )
+        rest = without({sitter})
         if rest.refusal is not None:
             return plan  # the whole cluster's refusal names every node's numbers
         left_out = (
@@ -238,17 +237,7 @@ def plan_cluster(
     short = {need.node_id for need in _disk_needs(plan, nodes, transfer) if not need.fits}
     if Parallelism(choice) is not Parallelism.AUTO or nodes[0].node_id in short:
         return replace(plan, refusal=f"{check.name}: {check.detail}")
-    rest = plan_cluster(
-        choice,
-        shape,
-        [node for node in nodes if node.node_id not in short],
-        collective,
-        context_tokens,
-        headroom,
-        max_batch,
-        prefix_cache_bytes,
-        transfer,
-    )
+    rest = without(short)
     left_out = f"auto without {', '.join(sorted(short))} (too little disk to receive the model)"
     refusal = None if rest.refusal is None else f"{rest.refusal}; and {check.name}: {check.detail}"
     return replace(
