@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from importlib import import_module
 
@@ -13,6 +14,10 @@ from .options import env_default
 
 # Subcommand modules, each with register(subparsers) and run(args) -> int.
 SUBCOMMANDS = ("serve", "join", "peers", "plan", "demo_model", "hostfile", "status")
+# Long-running commands that end once they have closed everything they started: they leave
+# without the interpreter's teardown, during which a garbage-collected mlx object can destroy
+# a native thread still joinable and abort the process (exit -6 after a clean shutdown).
+EXIT_WITHOUT_TEARDOWN = ("serve", "join")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d %(name)s] %(message)s"
 
@@ -38,6 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT, stream=sys.stderr)
+    code = _run(args)
+    if args.command in EXIT_WITHOUT_TEARDOWN:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.run(args) or 0)
     except TandemError as error:
