@@ -139,6 +139,9 @@ class CoordinatorSession:
                 "cache_dir": str(self.agent.config.cache_dir / "models"),
                 "disk_limit": self.agent.config.disk_limit,
             }
+        if payload.get("prefix_cache_disk_bytes") and self.agent.config.cache_dir is not None:
+            # the prefix cache's disk tier lives in this machine's cache, as its models do
+            payload["prefix_cache_dir"] = str(self.agent.config.cache_dir / "prefix-cache")
         try:
             worker.start(payload)
         except OSError as error:

@@ -120,7 +120,11 @@ def _build_tensor_parallel(
         "upcast_float32": _upcast(plan),
         "prefix_cache_bytes": plan.prefix_cache_bytes,
     }
+    if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
+        options["prefix_cache_disk_bytes"] = settings.prefix_cache_disk_bytes
     specs = _group_specs(plan, settings, addresses, rank_addresses, ports, options)
+    if "prefix_cache_disk_bytes" in options:  # rank 0 runs here; an agent names its own dir
+        specs[0]["prefix_cache_dir"] = str(settings.prefix_cache_dir)
     share = _share_cores(plan, addresses, settings.coordinator_address)
     for spec, address in zip(specs, rank_addresses, strict=True):
         spec["blas_threads"] = _threads_at(address, share, settings)

@@ -66,9 +66,10 @@ class DiskTier:
         self._queue: queue.Queue[int | threading.Event | None] = queue.Queue()
         self._writer: threading.Thread | None = None
 
-    def open(self) -> list[StoredEntry]:
+    def open(self, keep_stored: bool = True) -> list[StoredEntry]:
         """Take the directory (or a private one when another process holds it); returns
-        the valid entries a previous run left, for the index to list again."""
+        the valid entries a previous run left, for the index to list again (or, without
+        `keep_stored`, removes them)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_file = open(self.root / ".lock", "w")  # noqa: SIM115 (held until close)
         try:
@@ -82,7 +83,14 @@ class DiskTier:
             self.directory.mkdir()
         self._writer = threading.Thread(target=self._write_loop, name="prefix-disk", daemon=True)
         self._writer.start()
-        return [] if self._private else self._stored_entries()
+        if self._private:
+            return []
+        stored = self._stored_entries()
+        if keep_stored:
+            return stored
+        for entry in stored:
+            self._remove_files(entry.key)
+        return []
 
     def adopt(self, entry_id: int, stored: StoredEntry) -> None:
         """List an entry found by `open` under the id the index gave it."""

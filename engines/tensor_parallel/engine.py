@@ -76,8 +76,10 @@ class TensorParallelEngine(Engine):
         self._prefilling: set[int] = set()  # uids with no token yet
         # The prefix cache: this engine decides hits and evictions, every rank holds its
         # shard of each entry (engines/tensor_parallel/shard_batch.py).
-        self.prefix_index = PrefixIndex(self.spec.prefix_cache_bytes)
+        disk_bytes = self.spec.prefix_cache_disk_bytes if self.spec.prefix_cache_dir else 0
+        self.prefix_index = PrefixIndex(self.spec.prefix_cache_bytes, disk_bytes=disk_bytes)
         self._evicts: list[int] = []  # entries every rank drops with the next step
+        self._spills: list[int] = []  # entries every rank moves to disk with the next step
         self._tokens: dict[int, list[int]] = {}  # uid -> prompt + tokens so far, until kept
         self.step_timing = StepTimes()  # all_sum and compute per step (step_clock.py)
 
@@ -228,8 +230,9 @@ class TensorParallelEngine(Engine):
     def evict_prefix_cache(self, keep_fraction: float) -> int:
         before = self.prefix_index.nbytes
         self._evicts += self.prefix_index.evict(keep_fraction)
-        if self._evicts and not self._active and not self._inserts:
-            self._exchange(advance=False)  # idle: drop them on every rank now
+        self._spills += self.prefix_index.take_spills()
+        if (self._evicts or self._spills) and not self._active and not self._inserts:
+            self._exchange(advance=False)  # idle: drop or spill them on every rank now
         return before - self.prefix_index.nbytes
 
     def _index_kept(self, kept: list[list[int]]) -> None:
@@ -251,6 +254,7 @@ class TensorParallelEngine(Engine):
         inserts, self._inserts = self._inserts, []
         removes, self._removes = self._removes, []
         evicts, self._evicts = self._evicts, []
+        spills, self._spills = self._spills + self.prefix_index.take_spills(), []
         self._active |= {entry["uid"] for entry in inserts}
         # Prefill is chunked, but a step that prefills still takes far longer than a decode.
         slow = advance and bool(self._prefilling)
@@ -260,6 +264,7 @@ class TensorParallelEngine(Engine):
                 "insert": inserts,
                 "remove": removes,
                 "evict": evicts,
+                "spill": spills,
                 "advance": advance,
             }
         )

@@ -44,6 +44,10 @@ class WorkerSpec:
     blas_threads: int = 0  # this rank's share of its machine's cores; 0 keeps the default
     upcast_float32: bool = False  # half-precision weights to float32 when on the CPU
     prefix_cache_bytes: int = 0  # the whole group's prefix-cache budget; 0 keeps no entries
+    # The prefix cache's disk tier: the whole group's budget (0: none) and this machine's
+    # root for it (each rank keeps its shard of every entry under its own share).
+    prefix_cache_disk_bytes: int = 0
+    prefix_cache_dir: str | None = None
     log_level: str = "INFO"
     # Where to fetch the model when this machine lacks it, and the key that channel needs.
     weights: dict[str, Any] | None = None

@@ -75,6 +75,7 @@ class Command:
     advance: bool = True  # False: apply the batch changes only (nothing left to step)
     sync: bool = False  # compare token checksums after this step
     wait_after_s: float = 0.0  # every rank sleeps this long before the next header
+    spills: tuple[int, ...] = ()  # prefix-cache entries every rank moves to its disk tier
 
 
 def _words(fmt: str, value: float | int) -> tuple[int, int]:
@@ -125,14 +126,14 @@ def encode_payload(command: Command) -> list[int]:
             *insert.prompt,
             *grammar,
         ]
-    return words + [len(command.evicts), *command.evicts]
+    return words + [len(command.evicts), *command.evicts, len(command.spills), *command.spills]
 
 
 def decode_payload(
     words: list[int],
-) -> tuple[tuple[int, ...], tuple[Insert, ...], tuple[int, ...]]:
-    """(removed uids, inserts, evicted entries) from a payload; malformed means the ranks are
-    out of step."""
+) -> tuple[tuple[int, ...], tuple[Insert, ...], tuple[int, ...], tuple[int, ...]]:
+    """(removed uids, inserts, evicted entries, spilled entries) from a payload; malformed
+    means the ranks are out of step."""
     try:
         count = words[0]
         removes = tuple(words[1 : 1 + count])
@@ -171,12 +172,14 @@ def decode_payload(
             )
         at += 1
         evicts = tuple(words[at + 1 : at + 1 + words[at]])
-        at += len(evicts)
+        at += len(evicts) + 1
+        spills = tuple(words[at + 1 : at + 1 + words[at]])
+        at += len(spills)
     except (IndexError, ValueError, struct.error) as error:  # UnicodeDecodeError is a ValueError
         raise EngineError(f"malformed lockstep payload ({error}): ranks are out of step") from None
     if at + 1 != len(words):
         raise EngineError("lockstep payload has trailing words: ranks are out of step")
-    return removes, tuple(inserts), evicts
+    return removes, tuple(inserts), evicts, spills
 
 
 def encode_header(command: Command, payload_words: int) -> list[int]:
@@ -253,7 +256,7 @@ class Lockstep:
         received, payload_words = decode_header(self.broadcast(header, HEADER_SIZE))
         if not payload_words:
             return received
-        removes, inserts, evicts = decode_payload(self.broadcast(payload, payload_words))
+        removes, inserts, evicts, spills = decode_payload(self.broadcast(payload, payload_words))
         return Command(
             received.kind,
             inserts,
@@ -262,6 +265,7 @@ class Lockstep:
             received.advance,
             received.sync,
             received.wait_after_s,
+            spills,
         )
 
     def sync(self, checksum: int) -> None:

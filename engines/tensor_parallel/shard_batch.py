@@ -9,6 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engines.core.engine import DEFAULT_PREFILL_CHUNK, StepOutput
 from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.sampling import make_request_processors, make_request_sampler
+from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.store import PrefixStore, reusable
 from engines.tensor_parallel.lockstep import Command, update_checksum
 from engines.tensor_parallel.rank_grammar import RankGrammars
@@ -39,12 +40,13 @@ class ShardBatch:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         keep_prefixes: bool = False,
         grammars: RankGrammars | None = None,
+        disk: DiskTier | None = None,
     ):
         self._grammars = grammars
         self.checksum = 0
         # every rank decides alike: same model, same caches
         self.keep_prefixes = keep_prefixes and reusable(make_prompt_cache(model))
-        self.prefixes = PrefixStore()
+        self.prefixes = PrefixStore(disk if self.keep_prefixes else None)
         self._kept: list[list[int]] = []  # [uid, tokens held, bytes] since the last drain
         keep = self._keep if self.keep_prefixes else None
         self._batch = DecodeBatch(model, max_batch, prefill_chunk, keep)
@@ -68,7 +70,10 @@ class ShardBatch:
                 processors.append(self._grammars.processor(insert.grammar))
             caches, prefix = None, []
             if insert.entry >= 0:
-                caches, prefix = self.prefixes.take_prefix(insert.entry, insert.cached)
+                try:
+                    caches, prefix = self.prefixes.take_prefix(insert.entry, insert.cached)
+                except DiskUnreadable as error:  # this rank alone: the ranks would diverge
+                    raise EngineError(f"prefix-cache disk tier: {error}") from error
             top = insert.logprobs if insert.logprobs >= 0 else None
             first = self._batch.insert(
                 insert.uid, insert.prompt, insert.max_tokens, sampler, processors, top,
@@ -77,6 +82,7 @@ class ShardBatch:
             if first is not None:  # the rest and the first token in one pass, on every rank
                 first_tokens.append(self._reported(first))
         self.prefixes.drop(command.evicts)  # after the inserts: one may start from an evictee
+        self.prefixes.spill(command.spills)
         if first_tokens:  # reported before the batch advances, as the single engine does
             return first_tokens
         if not command.advance or not len(self._batch):
@@ -102,5 +108,5 @@ class ShardBatch:
             self._kept.append([uid, len(tokens), nbytes])
 
     def close(self) -> None:
-        self.prefixes.clear()
+        self.prefixes.close()
         self._batch.close()

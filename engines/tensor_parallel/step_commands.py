@@ -104,10 +104,16 @@ def parse_step(
             inserts.append(parse_insert(entry, vocab_size, grammars))
         except (TypeError, ValueError) as error:
             refused.append((uid, str(error)))
-    evicts = message.get("evict", [])
-    if not isinstance(evicts, list) or not all(
-        isinstance(entry, int) and 0 <= entry < 2**31 for entry in evicts
-    ):
-        raise ValueError("evict must be a list of prefix-cache entry ids")
+    evicts, spills = _entry_ids(message, "evict"), _entry_ids(message, "spill")
     advance = bool(message.get("advance", True))
-    return Command(STEP, tuple(inserts), tuple(removes), tuple(evicts), advance), refused
+    command = Command(STEP, tuple(inserts), tuple(removes), evicts, advance, spills=spills)
+    return command, refused
+
+
+def _entry_ids(message: dict[str, Any], name: str) -> tuple[int, ...]:
+    ids = message.get(name, [])
+    if not isinstance(ids, list) or not all(
+        isinstance(entry, int) and 0 <= entry < 2**31 for entry in ids
+    ):
+        raise ValueError(f"{name} must be a list of prefix-cache entry ids")
+    return tuple(ids)

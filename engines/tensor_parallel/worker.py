@@ -31,6 +31,7 @@ from mlx_lm.utils import load_model
 from discovery.json_child import ProtocolOutput, open_protocol_output
 from engines.core import blas
 from engines.model.precision import upcast_on_cpu
+from engines.prefix_cache.disk_tier import DiskTier, tier_root
 from engines.tensor_parallel.group import WorkerSpec, group_environment
 from engines.tensor_parallel.lockstep import (
     COMMAND_NAMES,
@@ -273,6 +274,7 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
             spec.prefill_chunk,
             keep_prefixes=spec.prefix_cache_bytes > 0,
             grammars=grammars,
+            disk=rank_disk_tier(spec),
         )
         rank = Rank(spec, lockstep, batch, vocab_size, output, watchdog, grammars)
         if spec.rank == 0:
@@ -282,6 +284,18 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
     except Exception as error:  # a lost peer, a divergence: the group is unusable
         fail(f"{type(error).__name__}: {error}")
     return 0
+
+
+def rank_disk_tier(spec: WorkerSpec) -> DiskTier | None:
+    """This rank's share of the prefix cache's disk tier, or None. Entries are named by the
+    coordinator of one run, so a previous run's files are removed, not listed."""
+    if not spec.prefix_cache_disk_bytes or not spec.prefix_cache_dir:
+        return None
+    share = f"tp-{spec.rank}of{spec.world_size}"
+    root = tier_root(Path(spec.prefix_cache_dir), Path(spec.model_path), share)
+    disk = DiskTier(root, identity=str(root))
+    disk.open(keep_stored=False)
+    return disk
 
 
 def main() -> int:

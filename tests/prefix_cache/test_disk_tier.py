@@ -184,11 +184,12 @@ def started(engine: SingleEngine) -> EngineRunner:
 
 
 def evict_all(runner: EngineRunner) -> None:
+    before, freed = runner.prefix_evictions, runner.prefix_evicted_bytes
     runner.request_prefix_eviction(0.0)  # memory pressure: all of memory's entries go
     deadline = time.monotonic() + 30
-    while runner.prefix_evictions == 0 and time.monotonic() < deadline:
+    while runner.prefix_evictions == before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert runner.prefix_evicted_bytes > 0
+    assert runner.prefix_evicted_bytes > freed
 
 
 def test_single_an_entry_on_disk_serves_the_next_turn_exactly_also_after_a_restart(
@@ -249,3 +250,47 @@ def test_single_an_entry_on_disk_serves_the_next_turn_exactly_also_after_a_resta
         damaged.close()
     assert again.cached_tokens == 0 and snapshot["disk_failures"] == 1  # a miss, not an error
     assert again.tokens == turn_three.tokens
+
+
+# -- tensor parallel ------------------------------------------------------------------------
+
+
+def test_tp_every_rank_spills_its_shard_and_a_disk_hit_equals_a_cold_engine(
+    demo_model_dir: Path, tmp_path: Path
+):
+    from engines.tensor_parallel.engine import TensorParallelEngine
+    from engines.tensor_parallel.group import loopback_ring_specs
+    from tests.helpers.tensor_parallel import start_rank, stop_processes
+
+    disk = {"prefix_cache_disk_bytes": 1 << 28, "prefix_cache_dir": str(tmp_path / "tiers")}
+    specs = loopback_ring_specs(2, demo_model_dir, prefix_cache_bytes=1 << 28, **disk)
+    ranks = [start_rank(spec) for spec in specs[1:]]
+    engine = TensorParallelEngine(demo_model_dir, specs[0], load_timeout_s=LOAD_TIMEOUT_S)
+    runner = EngineRunner(engine, max_batch=4)
+    try:
+        runner.start(LOAD_TIMEOUT_S)
+        tokenizer = engine.tokenizer
+        first = tuple(tokenizer.encode(SYSTEM + " Question one: what is a fox?"))
+        turn_one = run_one(runner, GenerationRequest("t1", first, 12))
+        evict_all(runner)  # spill orders reach every rank while idle
+        snapshot = engine.info().detail["prefix_cache"]
+        assert snapshot["bytes"] == 0 and snapshot["disk_entries"] == 1
+        deadline = time.monotonic() + 30
+        shares = ("tp-0of2", "tp-1of2")
+        while time.monotonic() < deadline and not all(
+            list((tmp_path / "tiers").rglob(f"{share}/*.json")) for share in shares
+        ):
+            time.sleep(0.05)
+        assert all(list((tmp_path / "tiers").rglob(f"{share}/*.json")) for share in shares)
+        second = first + tuple(turn_one.tokens) + tuple(tokenizer.encode(" Question two?"))
+        turn_two = run_one(runner, GenerationRequest("t2", second, 12))
+        assert turn_two.cached_tokens >= len(first)
+        assert engine.info().detail["prefix_cache"]["disk_hits"] == 1
+    finally:
+        runner.close()
+        stop_processes(ranks)
+    cold_runner = started(SingleEngine(demo_model_dir))
+    try:
+        assert turn_two.tokens == run_one(cold_runner, GenerationRequest("c2", second, 12)).tokens
+    finally:
+        cold_runner.close()

@@ -499,7 +499,9 @@ def test_step_commands_round_trip_exact_floats_and_large_seeds():
             for size, text in enumerate(("x", "{}", '\u00e9"', "\u20ac\U0001f600", GRAMMAR))
         ),
     )
-    command = Command(STEP, inserts, (2, 4), (5, 9), advance=False, sync=True, wait_after_s=0.032)
+    command = Command(
+        STEP, inserts, (2, 4), (5, 9), advance=False, sync=True, wait_after_s=0.032, spills=(7,)
+    )
     payload = encode_payload(command)
     header, words = decode_header(encode_header(command, len(payload)))
     assert words == len(payload)
@@ -509,7 +511,7 @@ def test_step_commands_round_trip_exact_floats_and_large_seeds():
         True,
         0.032,
     )
-    assert decode_payload(payload) == ((2, 4), inserts, (5, 9))
+    assert decode_payload(payload) == ((2, 4), inserts, (5, 9), (7,))
     with pytest.raises(EngineError, match="out of step"):
         decode_payload(payload + [0])
     assert grammar_words("\u20ac") == (3, [0x00AC82E2])  # UTF-8 E2 82 AC, zero-padded
