@@ -90,6 +90,10 @@ class PrefixIndex:
     def on_disk(self, entry_id: int) -> bool:
         return entry_id in self._disk
 
+    @property
+    def spills_pending(self) -> bool:
+        return bool(self._spills)
+
     def take_spills(self) -> list[int]:
         """The entries moved from memory to disk since the last call: every store must now
         write its part of them to disk and let go of the memory."""

@@ -196,6 +196,8 @@ class TensorParallelEngine(Engine):
         if self._removes and not self._active and not self._inserts:
             # Nothing left to step: tell the ranks now so their KV caches are freed.
             self._exchange(advance=False)
+            if self.prefix_index.spills_pending:  # what they just kept goes to disk now too
+                self._exchange(advance=False)
 
     def step(self) -> list[StepOutput]:
         """One lockstep step of the whole batch: send its changes, read its tokens."""

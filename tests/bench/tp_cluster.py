@@ -21,7 +21,11 @@ LOAD_TIMEOUT_S = 180.0
 
 @contextlib.contextmanager
 def open_tensor_parallel_runner(
-    model_path: Path, world_size: int, max_batch: int = 16, prefix_cache_bytes: int = 0
+    model_path: Path,
+    world_size: int,
+    max_batch: int = 16,
+    prefix_cache_bytes: int = 0,
+    **options: object,
 ) -> Iterator[EngineRunner]:
     # Every rank shares this machine: each gets its share of the cores, as launch.py does.
     threads = max(1, (os.cpu_count() or 1) // world_size)
@@ -31,6 +35,7 @@ def open_tensor_parallel_runner(
         max_batch=max_batch,
         blas_threads=threads,
         prefix_cache_bytes=prefix_cache_bytes,
+        **options,
     )
     ranks: list[subprocess.Popen[bytes]] = []
     runner: EngineRunner | None = None
