@@ -291,7 +291,9 @@ def test_an_agent_that_joins_later_is_adopted(
     servers.append(server)
     assert server.cluster()["strategy"] == "single"
     agent = pool.start("late", real_roles=True)
-    wait_for(lambda: server.cluster()["strategy"] == "pp", 45, "the late agent to be planned in")
+    # Rediscovery browses zeroconf for 1 s every 2 s while idle; on a loaded loopback the late
+    # agent has taken from 10 to over 45 s to show up in a browse (not yet understood).
+    wait_for(lambda: server.cluster()["strategy"] == "pp", 90, "the late agent to be planned in")
     wait_for(lambda: server.get("/health")[1].get("status") == "ok", 60, "serving again")
     stages = server.cluster()["plan"]["stages"]
     assert [stage["node_id"] for stage in stages][-1] == agent.node_id
