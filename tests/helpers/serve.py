@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.cluster.launch import free_port
 from tests.helpers.cluster import LOOPBACK, REPO_ROOT, child_env
 
 READY_TIMEOUT_S = 90.0
@@ -69,6 +70,25 @@ class ServeProcess:
         return self.process.wait(timeout=timeout_s)
 
 
+def http_port(host: str) -> int:
+    """A free port below the kernel's ephemeral range: the server binds it only once its
+    engine is up, and meanwhile a port handed out by the OS (a pipeline's return listener,
+    any client) must not be able to take it."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(max(low // 2, 1024), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} on {host}")
+
+
 def start_serve(
     tmp: Path,
     model: Path,
@@ -79,7 +99,7 @@ def start_serve(
     name: str = "serve",
 ) -> ServeProcess:
     """`tandem serve` on loopback with its own state dir; waits for /health unless told not to."""
-    port = free_port(LOOPBACK)
+    port = http_port(LOOPBACK)
     log_path = tmp / f"{name}.log"
     command = [
         sys.executable,
