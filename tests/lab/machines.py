@@ -1,5 +1,5 @@
-"""Lab machines: network namespaces on one bridge in 198.18.0.0/24, each with its own HOME (the
-others' hidden by a private mount namespace), cores, optional CPU quota and memory limit
+"""Lab machines: network namespaces on one bridge in a /24 of 198.18.0.0/15, each with its own
+HOME (the others' hidden by a private mount namespace), cores, optional CPU quota and memory limit
 (cgroup v1) and optional capped link (tbf). Needs root and `ip`; everything it makes — processes,
 namespaces, the bridge, cgroups, directories — goes away on close(), also after a failure.
 
@@ -7,7 +7,8 @@ namespaces, the bridge, cgroups, directories — goes away on close(), also afte
         server = lab.machines[0].popen(["tandem", "serve", ...])
 
 Nothing leaves the lab: the machines have no default route; the host reaches them through the
-bridge's own address (198.18.0.254) only.
+bridge's own address (the lab's .254) only. Each lab takes a /24 no other lab on this host
+holds, so two labs (a test and a benchmark) can run side by side.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUBNET = "198.18.0"  # RFC 2544's benchmarking range: never routed anywhere
-HOST_ADDRESS = f"{SUBNET}.254"
+NETWORK = "198.18"  # RFC 2544's benchmarking range (198.18.0.0/15): never routed anywhere
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 STOP_WAIT_S = 10.0
 
@@ -122,6 +122,8 @@ class Lab:
             raise RuntimeError(problem)
         self.tag = f"tdm{os.getpid() % 100000}"
         self.bridge = f"{self.tag}br"
+        self.subnet = _free_subnet()
+        self.host_address = f"{self.subnet}.254"
         self.root = Path(tempfile.mkdtemp(prefix=f"{self.tag}-lab-"))
         self.machines: list[Machine] = []
         self._specs = specs or [MachineSpec() for _ in range(count)]
@@ -141,14 +143,14 @@ class Lab:
 
     def _build(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{HOST_ADDRESS}/24", "dev", self.bridge)
+        _ip("addr", "add", f"{self.host_address}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for index, spec in enumerate(self._specs):
             self.machines.append(self._machine(index, spec))
 
     def _machine(self, index: int, spec: MachineSpec) -> Machine:
         namespace, outside = f"{self.tag}-m{index}", f"{self.tag}v{index}"
-        address = f"{SUBNET}.{index + 1}"
+        address = f"{self.subnet}.{index + 1}"
         home = self.root / f"m{index}"
         (home / ".cache").mkdir(parents=True)
         machine = Machine(self, index, spec, namespace, address, home)
@@ -207,6 +209,18 @@ class Lab:
                     pass
         _ip("link", "delete", self.bridge, check=False)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _free_subnet() -> str:
+    """A /24 of 198.18.0.0/15 whose host address no bridge of this host has yet."""
+    taken = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=True
+    ).stdout
+    for third in range(256):
+        subnet = f"{NETWORK}.{third}"
+        if f"inet {subnet}.254/" not in taken:
+            return subnet
+    raise RuntimeError("every /24 of 198.18.0.0/16 is taken by another lab")
 
 
 def _ip(*args: str, check: bool = True) -> None:
