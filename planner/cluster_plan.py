@@ -30,6 +30,7 @@ from planner.memory import (
     tp_need_per_rank,
 )
 from planner.plan_data import ClusterPlan, NodeResources, StageAssignment
+from planner.speed import ClusterSpeeds, split_by_speed
 
 JACCL = "jaccl"
 RING = "ring"
@@ -97,6 +98,8 @@ class _Sizing:
     nodes: tuple[NodeResources, ...]
     context_tokens: int  # KV tokens to hold: one context per sequence of a full batch
     headroom: float
+    batch: int = 1  # sequences decoded together: a pipeline's micro-batches share them
+    speeds: ClusterSpeeds | None = None  # measured: pipeline layers split by speed
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -110,7 +113,9 @@ def _plan_pp(decision: Decision, checks: tuple[RuleCheck, ...], sizing: _Sizing)
         too_many = f"pp needs at least one layer per stage: {detail}; use fewer nodes"
         check = RuleCheck("pp memory", False, detail)
         return ClusterPlan(decision, (*checks, check), sizing.node_ids, (), (), too_many)
-    ranges = allocate_layers(shape.num_layers, [node.memory_bytes for node in nodes])
+    ranges, split = _speed_split(sizing)
+    if ranges is None:
+        ranges, split = allocate_layers(shape.num_layers, [n.memory_bytes for n in nodes]), "memory"
     last = len(nodes) - 1
     stages = tuple(
         StageAssignment(
@@ -129,9 +134,39 @@ def _plan_pp(decision: Decision, checks: tuple[RuleCheck, ...], sizing: _Sizing)
         for s in stages
     )
     fit_all = all(fit.fits for fit in fits)
-    check = RuleCheck("pp memory", fit_all, f"layers split by memory: {_list_fits(fits)}")
+    check = RuleCheck("pp memory", fit_all, f"layers split by {split}: {_list_fits(fits)}")
     refusal = None if fit_all else f"pipeline stages do not fit: {_list_fits(fits)}"
     return ClusterPlan(decision, (*checks, check), sizing.node_ids, stages, fits, refusal)
+
+
+def _speed_split(sizing: _Sizing) -> tuple[list[range] | None, str]:
+    """Layer ranges that make the slowest stage fastest within every node's memory, when every
+    node's speed was measured; (None, "") otherwise."""
+    shape, nodes, speeds = sizing.shape, sizing.nodes, sizing.speeds
+    if speeds is None or not speeds.covers(sizing.node_ids):
+        return None, ""
+    last = len(nodes) - 1
+    capacities = []
+    for index, node in enumerate(nodes):
+        fitting = [
+            count
+            for count in range(1, shape.num_layers + 1)
+            if stage_need(
+                shape, range(count), index == 0, index == last, sizing.context_tokens,
+                sizing.headroom,
+            ) <= node.memory_bytes
+        ]  # fmt: skip
+        capacities.append(max(fitting, default=0))
+    rows = sizing.batch / min(len(nodes), sizing.batch)
+    costs = [speeds.nodes[node.node_id].layer.at(rows) for node in nodes]
+    head = speeds.nodes[nodes[-1].node_id].head.at(rows)
+    counts = split_by_speed(shape.num_layers, costs, capacities, head)
+    if counts is None:
+        return None, ""
+    starts = [sum(counts[:index]) for index in range(len(counts))]
+    return [range(start, start + count) for start, count in zip(starts, counts, strict=True)], (
+        "measured speed within memory"
+    )
 
 
 def _plan_tp(
@@ -193,6 +228,7 @@ def plan_cluster(
     max_batch: int = 1,
     prefix_cache_bytes: int | None = 0,
     transfer: TransferSizes | None = None,
+    speeds: ClusterSpeeds | None = None,
 ) -> ClusterPlan:
     """Decide the strategy for these nodes (rank order) and check it fits every node's memory.
 
@@ -202,18 +238,20 @@ def plan_cluster(
     the memory the tightest node has left. With `transfer` (weights are sent to nodes
     that lack them), a node that lacks its part must also have the disk to receive it:
     auto leaves such a node out and plans the rest, an explicit choice is refused. A plan
-    that does not fit comes back with `refusal` set; PlanError means invalid input.
+    that does not fit comes back with `refusal` set; PlanError means invalid input. With
+    `speeds` (every node measured), a pipeline's layers are split by speed within memory.
     """
     plan = _plan_memory(
-        choice, shape, nodes, collective, context_tokens, headroom, max_batch, prefix_cache_bytes
-    )
+        choice, shape, nodes, collective, context_tokens, headroom, max_batch, prefix_cache_bytes,
+        speeds,
+    )  # fmt: skip
 
     def without(left_out: set[str]) -> ClusterPlan:
         """The same planning over the nodes but those auto leaves out."""
         rest = [node for node in nodes if node.node_id not in left_out]
         return plan_cluster(
             choice, shape, rest, collective, context_tokens, headroom, max_batch,
-            prefix_cache_bytes, transfer,
+            prefix_cache_bytes, transfer, speeds,
         )  # fmt: skip
 
     if sitter := _member_to_sit_out(choice, plan, nodes):
@@ -297,10 +335,11 @@ def _plan_memory(
     headroom: float,
     max_batch: int,
     prefix_cache_bytes: int | None,
+    speeds: ClusterSpeeds | None = None,
 ) -> ClusterPlan:
     if prefix_cache_bytes is None:
         plan = _plan_memory(
-            choice, shape, nodes, collective, context_tokens, headroom, max_batch, 0
+            choice, shape, nodes, collective, context_tokens, headroom, max_batch, 0, speeds
         )
         prefix_cache_bytes = _spare_prefix_cache_bytes(plan, shape) if plan.refusal is None else 0
     if prefix_cache_bytes < 0:
@@ -327,7 +366,9 @@ def _plan_memory(
         checks.append(check)
         if check.name == GROUP_RULE:
             checks.append(backend_check)  # right after the rule it explains
-    sizing = _Sizing(shape, tuple(nodes), context_tokens * max_batch + cached_tokens, headroom)
+    sizing = _Sizing(
+        shape, tuple(nodes), context_tokens * max_batch + cached_tokens, headroom, max_batch, speeds
+    )
     if decision.chosen is Parallelism.TP:
         plan = _plan_tp(choice, decision, tuple(checks), sizing, backend)
     elif decision.chosen is Parallelism.PP:

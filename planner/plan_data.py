@@ -11,6 +11,7 @@ from typing import Any
 
 from planner.decision import Decision, RuleCheck
 from planner.memory import NodeFit, format_bytes, format_pair
+from planner.speed import Prediction
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,9 @@ class ClusterPlan:
     context_tokens: int = 0  # the KV budget of one sequence
     compute_dtype: str = "as stored"  # "float32" when half-precision weights are upcast
     prefix_cache_bytes: int = 0  # KV kept for reuse, whole model; each node holds its share
+    # From measured speeds (planner/speed.py): this plan's prediction first, then every other
+    # candidate auto weighed; () when the members' speeds were not measured.
+    predictions: tuple[Prediction, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; layer ranges become [start, stop]."""
@@ -100,6 +104,7 @@ class ClusterPlan:
             ],
             "refusal": self.refusal,
             "backend": self.backend,
+            "predictions": [prediction.to_dict() for prediction in self.predictions],
         }
 
     def describe(self) -> list[str]:
@@ -127,6 +132,8 @@ class ClusterPlan:
         else:
             for rank, fit in enumerate(self.fits):
                 lines.append(f"rank {rank} {fit.describe()}")
+        for index, prediction in enumerate(self.predictions):
+            lines.append(f"{'predicted' if index == 0 else 'candidate'}: {prediction.describe()}")
         if self.refusal is not None:
             lines.append(f"refused: {self.refusal}")
         return lines

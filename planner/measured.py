@@ -1,0 +1,102 @@
+"""Auto by measurement: every plan the decision rules allow, over every group of members that
+keeps the coordinator, predicted from measured speeds (planner/speed.py); the fastest serves.
+
+The rules stay the floor: tp is a candidate only where its capabilities hold, and an explicit
+--parallelism is planned exactly as asked (it only gains its prediction). Fastest means the
+highest predicted decode speed of one stream, then of a full batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from itertools import combinations
+
+from planner.cluster_plan import plan_cluster
+from planner.decision import Decision, Parallelism
+from planner.disk import TransferSizes
+from planner.memory import DEFAULT_CONTEXT_TOKENS, DEFAULT_HEADROOM, ModelShape
+from planner.plan_data import ClusterPlan, NodeResources
+from planner.speed import ClusterSpeeds, Prediction, predict_pp, predict_single, predict_tp
+
+RUNNERS_UP_IN_REASON = 2
+
+
+def predict(plan: ClusterPlan, shape: ModelShape, speeds: ClusterSpeeds) -> Prediction | None:
+    """The plan's predicted speed; None when it is refused or a node's speed is missing."""
+    if plan.refusal is not None or not speeds.covers(plan.ranks):
+        return None
+    batch = plan.batch_capacity
+    chosen = plan.decision.chosen
+    if chosen is Parallelism.SINGLE:
+        return predict_single(shape, speeds.nodes[plan.ranks[0]], batch)
+    if chosen is Parallelism.TP:
+        return predict_tp(shape, speeds, plan.ranks, batch)
+    stages = [(stage.node_id, len(stage.layers)) for stage in plan.stages]
+    return predict_pp(shape, speeds, stages, batch)
+
+
+def _groups(nodes: Sequence[NodeResources]) -> Iterator[tuple[NodeResources, ...]]:
+    """The coordinator with every combination of the others, in their order."""
+    coordinator, others = nodes[0], list(nodes[1:])
+    for size in range(len(others) + 1):
+        for group in combinations(others, size):
+            yield (coordinator, *group)
+
+
+def plan_measured(
+    choice: Parallelism,
+    shape: ModelShape,
+    nodes: Sequence[NodeResources],
+    speeds: ClusterSpeeds,
+    collective: str | None = None,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+    headroom: float = DEFAULT_HEADROOM,
+    max_batch: int = 1,
+    prefix_cache_bytes: int | None = 0,
+    transfer: TransferSizes | None = None,
+) -> ClusterPlan:
+    """plan_cluster with measured speeds: under auto the fastest predicted candidate, else the
+    plan asked for; either way with its prediction (and under auto every candidate's)."""
+
+    def plan(strategy: Parallelism, group: Sequence[NodeResources]) -> ClusterPlan:
+        return plan_cluster(
+            strategy, shape, group, collective, context_tokens, headroom, max_batch,
+            prefix_cache_bytes, transfer, speeds,
+        )  # fmt: skip
+
+    floor = plan(choice, nodes)
+    if Parallelism(choice) is not Parallelism.AUTO or not speeds.covers(
+        [node.node_id for node in nodes]
+    ):
+        prediction = predict(floor, shape, speeds)
+        return floor if prediction is None else replace(floor, predictions=(prediction,))
+    candidates: list[tuple[ClusterPlan, Prediction]] = []
+    for group in _groups(nodes):
+        strategies = (Parallelism.SINGLE,) if len(group) == 1 else (Parallelism.TP, Parallelism.PP)
+        for strategy in strategies:
+            candidate = plan(strategy, group)
+            prediction = predict(candidate, shape, speeds)
+            if candidate.decision.chosen is strategy and prediction is not None:
+                candidates.append((candidate, prediction))
+    if not candidates:
+        return floor
+    candidates.sort(key=lambda pair: (-pair[1].decode_tps, -pair[1].batch_tps))
+    best, prediction = candidates[0]
+    runners_up = "; ".join(
+        f"{other.label} on {len(other.nodes)} predicted {other.decode_tps:.1f} tok/s"
+        for _, other in candidates[1 : 1 + RUNNERS_UP_IN_REASON]
+    )
+    reason = (
+        f"auto -> {prediction.label}: fastest of {len(candidates)} measured candidates, "
+        f"predicted {prediction.decode_tps:.1f} tok/s at 1 stream ({prediction.dominant})"
+        + (f"; {runners_up}" if runners_up else "")
+    )
+    left_out = [node.node_id for node in nodes if node.node_id not in best.ranks]
+    if left_out:
+        reason += f"; sitting out: {', '.join(left_out)}"
+    return replace(
+        best,
+        decision=Decision(Parallelism(prediction.strategy), reason),
+        predictions=tuple(p for _, p in candidates),
+    )

@@ -1,0 +1,299 @@
+"""The cost model: a plan's predicted decode speed and time to first token, from the measured
+time of one decoder layer on each machine and the links between them. Pure arithmetic over
+measurements (engines/model/speed_probe.py measures them); no clock of its own.
+
+    single: a token costs layers x layer(rows) + head(rows)
+    tp:     the slowest rank's layers x shard(rows) + head(rows), plus 2 all_sums a layer
+            (a ring's 2(n-1) steps of latency + its share of a hidden state), plus rank 0's
+            step command to the others
+    pp:     one stream pays every stage and every hop; a full pipeline keeps one micro-batch
+            per stage in flight, so a cycle is the slowest stage times the micro-batches, or
+            one trip around the ring, whichever is longer
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from planner.errors import PlanError
+from planner.memory import ModelShape
+
+PREDICTION_PROMPT_TOKENS = 512  # the prompt a predicted time to first token is for
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """Seconds as a function of rows, measured at a few row counts; linear between them and
+    along the last segment beyond them."""
+
+    points: tuple[tuple[int, float], ...]  # (rows, seconds), rows ascending
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise PlanError("a speed curve needs at least one measured point")
+        rows = [row for row, _ in self.points]
+        if rows != sorted(set(rows)) or rows[0] < 1:
+            raise PlanError(f"a speed curve's rows {rows} must be distinct, ascending and >= 1")
+        if any(not (math.isfinite(s) and s > 0) for _, s in self.points):
+            raise PlanError(f"a speed curve's times {self.points} must be finite and > 0")
+
+    def at(self, rows: float) -> float:
+        points = self.points
+        if len(points) == 1 or rows <= points[0][0]:
+            return points[0][1] * (rows / points[0][0] if rows > points[0][0] else 1.0)
+        for (low, low_s), (high, high_s) in zip(points, points[1:], strict=False):
+            if rows <= high:
+                return low_s + (high_s - low_s) * (rows - low) / (high - low)
+        (low, low_s), (high, high_s) = points[-2], points[-1]
+        return high_s + max(high_s - low_s, 0.0) / (high - low) * (rows - high)
+
+    def to_dict(self) -> dict[str, float]:
+        return {str(rows): seconds for rows, seconds in self.points}
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpeed:
+    """One machine's measured speed for the model being served."""
+
+    node_id: str
+    layer: Curve  # one decoder layer's decode step, by rows (sequences decoded together)
+    head: Curve  # the final norm and output projection, by rows
+    prefill_layer_s: float  # one decoder layer over one prefill chunk
+    prefill_chunk: int  # the tokens of that chunk
+    shards: tuple[tuple[int, Curve], ...] = ()  # (tp ranks, one layer's 1/ranks shard)
+
+    def shard(self, ranks: int) -> Curve | None:
+        return next((curve for size, curve in self.shards if size == ranks), None)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSpeed:
+    """The link between the coordinator and one member, as measured over the control channel."""
+
+    node_id: str
+    latency_s: float  # one way
+    bytes_per_s: float
+
+    def transfer_s(self, size: float) -> float:
+        return self.latency_s + size / self.bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What a plan is predicted to do: decode tok/s at 1 stream and at `batch`, and TTFT."""
+
+    strategy: str  # "single", "tp" or "pp"
+    nodes: tuple[str, ...]
+    decode_tps: float  # one stream
+    batch: int
+    batch_tps: float  # every stream of a full batch together
+    ttft_s: float  # a PREDICTION_PROMPT_TOKENS prompt
+    dominant: str  # what most of a token's time goes to, with the numbers
+
+    @property
+    def label(self) -> str:
+        return self.strategy if self.strategy == "single" else f"{self.strategy}={len(self.nodes)}"
+
+    def describe(self) -> str:
+        return (
+            f"{self.label} on {', '.join(self.nodes)}: {self.decode_tps:.1f} tok/s at 1 stream, "
+            f"{self.batch_tps:.1f} at {self.batch}, TTFT {self.ttft_s * 1000:.0f} ms "
+            f"({self.dominant})"
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "strategy": self.strategy,
+            "label": self.label,
+            "nodes": list(self.nodes),
+            "decode_tps": round(self.decode_tps, 2),
+            "batch": self.batch,
+            "batch_tps": round(self.batch_tps, 2),
+            "ttft_ms": round(self.ttft_s * 1000, 1),
+            "dominant": self.dominant,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpeeds:
+    """Every member's measured speed and link; the coordinator has no link of its own."""
+
+    nodes: Mapping[str, NodeSpeed]
+    links: Mapping[str, LinkSpeed]
+
+    def covers(self, node_ids: Sequence[str]) -> bool:
+        coordinator = node_ids[0] if node_ids else ""
+        return all(
+            node in self.nodes and (node == coordinator or node in self.links) for node in node_ids
+        )
+
+    def hop(self, source: str, target: str) -> LinkSpeed:
+        """The link from `source` to `target`: measured where one end is the coordinator; between
+        two members, the slower of their links (a LAN's switch sits between all of them)."""
+        ends = [self.links[node] for node in (source, target) if node in self.links]
+        if not ends:
+            return LinkSpeed(target, 0.0, math.inf)
+        return LinkSpeed(
+            target,
+            max(end.latency_s for end in ends),
+            min(end.bytes_per_s for end in ends),
+        )
+
+
+def _chunks(prompt_tokens: int, chunk: int) -> int:
+    return max(1, math.ceil(prompt_tokens / chunk))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f} ms" if seconds < 0.01 else f"{seconds * 1000:.1f} ms"
+
+
+def predict_single(
+    shape: ModelShape, speed: NodeSpeed, batch: int, prompt_tokens: int = PREDICTION_PROMPT_TOKENS
+) -> Prediction:
+    def step(rows: float) -> float:
+        return shape.num_layers * speed.layer.at(rows) + speed.head.at(rows)
+
+    prefill = _chunks(prompt_tokens, speed.prefill_chunk) * shape.num_layers
+    dominant = f"{shape.num_layers} layers x {_ms(speed.layer.at(1))}"
+    return Prediction(
+        "single",
+        (speed.node_id,),
+        1 / step(1),
+        batch,
+        batch / step(batch),
+        prefill * speed.prefill_layer_s + step(1),
+        dominant,
+    )
+
+
+def all_sum_s(ranks: int, size: float, links: Sequence[LinkSpeed]) -> float:
+    """One ring all_sum of `size` bytes: 2(ranks-1) steps, each a latency and a 1/ranks share."""
+    if ranks < 2:
+        return 0.0
+    latency = max(link.latency_s for link in links)
+    rate = min(link.bytes_per_s for link in links)
+    return 2 * (ranks - 1) * (latency + size / ranks / rate)
+
+
+def predict_tp(
+    shape: ModelShape,
+    speeds: ClusterSpeeds,
+    node_ids: Sequence[str],
+    batch: int,
+    prompt_tokens: int = PREDICTION_PROMPT_TOKENS,
+) -> Prediction | None:
+    """None when a rank's shard speed was not measured for this many ranks."""
+    ranks = len(node_ids)
+    curves = [speeds.nodes[node].shard(ranks) for node in node_ids]
+    if any(curve is None for curve in curves):
+        return None
+    links = [speeds.links[node] for node in node_ids[1:]]
+    row_bytes = shape.hidden_size * shape.dtype_bytes
+    command = max(link.latency_s for link in links)  # rank 0 tells every rank what to run
+
+    def compute(rows: float) -> float:
+        return max(
+            shape.num_layers * curve.at(rows) + speeds.nodes[node].head.at(rows)
+            for node, curve in zip(node_ids, curves, strict=True)
+            if curve is not None
+        )
+
+    def collectives(rows: float) -> float:
+        return 2 * shape.num_layers * all_sum_s(ranks, rows * row_bytes, links)
+
+    def step(rows: float) -> float:
+        return compute(rows) + collectives(rows) + command
+
+    slowest = max(speeds.nodes[node].prefill_layer_s for node in node_ids)
+    chunk = speeds.nodes[node_ids[0]].prefill_chunk
+    shard_share = max(
+        curve.at(1) / speeds.nodes[node].layer.at(1)
+        for node, curve in zip(node_ids, curves, strict=True)
+        if curve is not None
+    )
+    chunks = _chunks(prompt_tokens, chunk)
+    prefill = chunks * (shape.num_layers * slowest * shard_share + collectives(chunk)) + step(1)
+    count = 2 * shape.num_layers
+    dominant = (
+        f"compute {_ms(compute(1))}, {count} all_sum of {_ms(all_sum_s(ranks, row_bytes, links))}"
+        f" = {_ms(collectives(1))}"
+    )
+    return Prediction(
+        "tp", tuple(node_ids), 1 / step(1), batch, batch / step(batch), prefill, dominant
+    )
+
+
+def predict_pp(
+    shape: ModelShape,
+    speeds: ClusterSpeeds,
+    stages: Sequence[tuple[str, int]],
+    batch: int,
+    prompt_tokens: int = PREDICTION_PROMPT_TOKENS,
+) -> Prediction:
+    """`stages`: (node id, layer count) in pipeline order, the coordinator first."""
+    nodes = [node for node, _ in stages]
+    row_bytes = shape.hidden_size * shape.dtype_bytes
+    hops = [speeds.hop(node, nodes[(index + 1) % len(nodes)]) for index, node in enumerate(nodes)]
+
+    def stage_s(index: int, rows: float) -> float:
+        node, layers = stages[index]
+        head = speeds.nodes[node].head.at(rows) if index == len(stages) - 1 else 0.0
+        return layers * speeds.nodes[node].layer.at(rows) + head
+
+    def trip(rows: float) -> float:
+        # the last hop carries only sampled tokens back to the coordinator
+        carried = [rows * row_bytes] * (len(hops) - 1) + [rows * 8]
+        return sum(stage_s(i, rows) for i in range(len(stages))) + sum(
+            hop.transfer_s(size) for hop, size in zip(hops, carried, strict=True)
+        )
+
+    micro = min(len(stages), batch)
+    rows = batch / micro
+    slowest = max(range(len(stages)), key=lambda i: stage_s(i, rows))
+    cycle = max(micro * stage_s(slowest, rows), trip(rows))
+    chunk = speeds.nodes[nodes[0]].prefill_chunk
+    prefill = sum(layers * speeds.nodes[node].prefill_layer_s for node, layers in stages) * _chunks(
+        prompt_tokens, chunk
+    )
+    transfers = sum(hop.transfer_s(chunk * row_bytes) for hop in hops[:-1])
+    node, layers = stages[slowest]
+    dominant = (
+        f"slowest stage {node}: {layers} layers x {_ms(speeds.nodes[node].layer.at(rows))} at "
+        f"{rows:g} rows; hops {_ms(trip(1) - sum(stage_s(i, 1) for i in range(len(stages))))}"
+    )
+    return Prediction(
+        "pp",
+        tuple(nodes),
+        1 / trip(1),
+        batch,
+        batch / cycle,
+        prefill + transfers + trip(1),
+        dominant,
+    )
+
+
+def split_by_speed(
+    total_layers: int, layer_costs: Sequence[float], capacities: Sequence[int], last_extra: float
+) -> list[int] | None:
+    """Layer counts per stage (pipeline order) that make the slowest stage as fast as it can
+    be: every stage at least one layer and at most its memory's `capacities`; the last stage
+    also pays `last_extra` (the output head). None when the capacities cannot hold the model.
+
+    Greedy is exact here: each stage's time grows linearly with its layers, so giving the next
+    layer to the stage that would finish it soonest never raises the maximum needlessly.
+    """
+    stages = len(layer_costs)
+    if stages == 0 or stages > total_layers or any(cap < 1 for cap in capacities):
+        return None
+    if sum(min(cap, total_layers) for cap in capacities) < total_layers:
+        return None
+    counts = [1] * stages
+    extra = [0.0] * (stages - 1) + [last_extra]
+    for _ in range(total_layers - stages):
+        open_stages = [i for i in range(stages) if counts[i] < capacities[i]]
+        best = min(open_stages, key=lambda i: ((counts[i] + 1) * layer_costs[i] + extra[i], i))
+        counts[best] += 1
+    return counts

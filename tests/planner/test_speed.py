@@ -1,0 +1,205 @@
+"""The cost model and the measured auto choice, against hand-computed numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner import NodeResources, Parallelism, PlanError, plan_cluster
+from planner.measured import plan_measured
+from planner.speed import (
+    ClusterSpeeds,
+    Curve,
+    LinkSpeed,
+    NodeSpeed,
+    all_sum_s,
+    predict_pp,
+    predict_single,
+    predict_tp,
+    split_by_speed,
+)
+from tests.helpers.planning import MB, SHAPE
+
+MS = 1e-3
+GIGABIT = 125e6  # bytes per second
+AUTO, TP, PP, SINGLE = Parallelism.AUTO, Parallelism.TP, Parallelism.PP, Parallelism.SINGLE
+ROW_BYTES = SHAPE.hidden_size * SHAPE.dtype_bytes  # 1024: one hidden state
+
+
+def speed(node_id: str, slowdown: float = 1.0) -> NodeSpeed:
+    """1 ms a layer at one row, 2 ms at 8; the head 2 ms and 4 ms; a 2-rank shard 0.6 of it."""
+    return NodeSpeed(
+        node_id,
+        layer=Curve(((1, 1 * MS * slowdown), (8, 2 * MS * slowdown))),
+        head=Curve(((1, 2 * MS * slowdown), (8, 4 * MS * slowdown))),
+        prefill_layer_s=10 * MS * slowdown,
+        prefill_chunk=256,
+        shards=((2, Curve(((1, 0.6 * MS * slowdown), (8, 1.2 * MS * slowdown)))),),
+    )
+
+
+def cluster(*nodes: NodeSpeed, latency_s: float = 50e-6, rate: float = GIGABIT) -> ClusterSpeeds:
+    links = {node.node_id: LinkSpeed(node.node_id, latency_s, rate) for node in nodes[1:]}
+    return ClusterSpeeds({node.node_id: node for node in nodes}, links)
+
+
+def member(node_id: str, memory_mb: float = 1024) -> NodeResources:
+    return NodeResources(node_id, "198.18.0.1", int(memory_mb * MB), ("ring",))
+
+
+# ---- the curve ----------------------------------------------------------------------------
+
+
+def test_curve_interpolates_and_extends_its_last_segment() -> None:
+    curve = Curve(((1, 1 * MS), (8, 4 * MS)))
+    assert curve.at(1) == pytest.approx(1 * MS)
+    assert curve.at(4.5) == pytest.approx(2.5 * MS)
+    assert curve.at(16) == pytest.approx(4 * MS + 3 / 7 * 8 * MS)
+
+
+@pytest.mark.parametrize(
+    "points", [(), ((2, 1.0), (1, 2.0)), ((1, 0.0),), ((1, float("nan")),), ((0, 1.0),)]
+)
+def test_curve_refuses_what_was_not_measured(points: tuple) -> None:
+    with pytest.raises(PlanError):
+        Curve(points)
+
+
+# ---- predictions --------------------------------------------------------------------------
+
+
+def test_single_is_its_layers_and_head() -> None:
+    prediction = predict_single(SHAPE, speed("a"), batch=8)
+    assert prediction.decode_tps == pytest.approx(1 / (32 * MS + 2 * MS))  # 29.4 tok/s
+    assert prediction.batch_tps == pytest.approx(8 / (32 * 2 * MS + 4 * MS))  # 117.6
+    assert prediction.ttft_s == pytest.approx(2 * 32 * 10 * MS + 34 * MS)  # 2 chunks of 256
+
+
+def test_a_ring_all_sum_is_two_steps_a_rank_of_latency_and_share() -> None:
+    link = LinkSpeed("b", 50e-6, GIGABIT)
+    assert all_sum_s(1, ROW_BYTES, [link]) == 0.0
+    assert all_sum_s(2, ROW_BYTES, [link]) == pytest.approx(2 * (50e-6 + 512 / GIGABIT))
+    assert all_sum_s(4, ROW_BYTES, [link] * 3) == pytest.approx(6 * (50e-6 + 256 / GIGABIT))
+
+
+def test_tp_pays_its_shard_two_all_sums_a_layer_and_a_step_command() -> None:
+    speeds = cluster(speed("a"), speed("b"))
+    prediction = predict_tp(SHAPE, speeds, ["a", "b"], batch=8)
+    assert prediction is not None
+    compute = 32 * 0.6 * MS + 2 * MS
+    collectives = 64 * 2 * (50e-6 + 512 / GIGABIT)
+    assert prediction.decode_tps == pytest.approx(1 / (compute + collectives + 50e-6))
+    assert "64 all_sum" in prediction.dominant
+
+
+def test_tp_over_a_slow_link_is_bound_by_its_all_sums() -> None:
+    fast = predict_tp(SHAPE, cluster(speed("a"), speed("b")), ["a", "b"], 8)
+    capped = predict_tp(SHAPE, cluster(speed("a"), speed("b"), rate=20e6 / 8), ["a", "b"], 8)
+    assert fast is not None and capped is not None
+    # 20 Mbit: 64 all_sums of 2 x (50 us + 512 B / 2.5 MB/s) = 32.6 ms more a token
+    assert 1 / capped.decode_tps - 1 / fast.decode_tps == pytest.approx(
+        64 * 2 * (512 / 2.5e6 - 512 / GIGABIT), rel=1e-6
+    )
+
+
+def test_tp_without_a_measured_shard_is_not_predicted() -> None:
+    three = cluster(speed("a"), speed("b"), speed("c"))
+    assert predict_tp(SHAPE, three, ["a", "b", "c"], 8) is None
+
+
+def test_pp_one_stream_pays_every_stage_and_hop_a_full_batch_the_slowest_stage() -> None:
+    speeds = cluster(speed("a"), speed("b"))
+    prediction = predict_pp(SHAPE, speeds, [("a", 16), ("b", 16)], batch=8)
+    hops_1 = (50e-6 + ROW_BYTES / GIGABIT) + (50e-6 + 8 / GIGABIT)
+    assert prediction.decode_tps == pytest.approx(1 / (16 * MS + 16 * MS + 2 * MS + hops_1))
+    # 2 micro-batches of 4 rows: a layer 1 + 3/7 ms, the head 2 + 6/7 ms; the last stage
+    # (16 layers + head = 25.71 ms) runs twice a cycle
+    last_stage = 16 * (1 + 3 / 7) * MS + (2 + 6 / 7) * MS
+    assert prediction.batch_tps == pytest.approx(8 / (2 * last_stage))
+    assert prediction.dominant.startswith("slowest stage b: 16 layers")
+
+
+# ---- the speed-weighted split -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("costs", "capacities", "extra", "expected"),
+    [
+        ([1.0, 1.0], [32, 32], 0.0, [16, 16]),
+        ([1.0, 3.0], [32, 32], 0.0, [24, 8]),  # max(24 x 1, 8 x 3) = 24
+        ([1.0, 3.0], [20, 32], 0.0, [20, 12]),  # memory first
+        ([1.0, 1.0], [32, 32], 4.0, [18, 14]),  # the head weighs on the last stage
+        ([1.0, 1.0, 2.0], [32, 32, 32], 0.0, [13, 13, 6]),
+        ([1.0, 1.0], [10, 10], 0.0, None),  # does not fit at all
+        ([1.0, 1.0], [0, 32], 0.0, None),  # a node that holds no layer
+    ],
+)
+def test_split_by_speed(costs, capacities, extra, expected) -> None:
+    assert split_by_speed(32, costs, capacities, extra) == expected
+
+
+def test_a_pipeline_over_unequal_machines_is_split_by_speed_within_memory() -> None:
+    speeds = cluster(speed("a"), speed("b", slowdown=3.0))
+    nodes = [member("a"), member("b")]
+    by_memory = plan_cluster(PP, SHAPE, nodes, context_tokens=512)
+    by_speed = plan_cluster(PP, SHAPE, nodes, context_tokens=512, speeds=speeds)
+    assert [len(stage.layers) for stage in by_memory.stages] == [16, 16]
+    # b: 3 ms a layer plus its 6 ms head; 26 x 1 ms on a against 6 x 3 + 6 ms on b
+    assert [len(stage.layers) for stage in by_speed.stages] == [26, 6]
+    assert "split by measured speed" in by_speed.checks[-1].detail
+    slow = predict_pp(SHAPE, speeds, [("a", 16), ("b", 16)], 2).batch_tps
+    fast = predict_pp(SHAPE, speeds, [("a", 26), ("b", 6)], 2).batch_tps
+    assert fast > slow
+
+
+# ---- auto by measurement ------------------------------------------------------------------
+
+
+def measured(choice: Parallelism, speeds: ClusterSpeeds, *nodes: NodeResources):
+    return plan_measured(
+        choice, SHAPE, list(nodes), speeds, collective="ring", context_tokens=512, max_batch=8
+    )
+
+
+def test_auto_picks_tp_when_it_is_predicted_fastest_and_names_the_numbers() -> None:
+    plan = measured(AUTO, cluster(speed("a"), speed("b")), member("a"), member("b"))
+    assert plan.decision.chosen is TP and plan.refusal is None
+    assert plan.decision.reason.startswith("auto -> tp=2: fastest of 3 measured candidates")
+    assert [p.label for p in plan.predictions] == ["tp=2", "single", "pp=2"]
+    assert "predicted" in plan.describe()[-3]
+
+
+def test_auto_stays_single_when_the_second_machine_is_slow() -> None:
+    speeds = cluster(speed("a"), speed("b", slowdown=4.0))
+    plan = measured(AUTO, speeds, member("a"), member("b"))
+    assert plan.decision.chosen is SINGLE
+    assert plan.ranks == ("a",) and "sitting out: b" in plan.decision.reason
+
+
+def test_auto_leaves_tp_when_the_link_is_slow() -> None:
+    speeds = cluster(speed("a"), speed("b"), rate=20e6 / 8)
+    plan = measured(AUTO, speeds, member("a"), member("b"))
+    assert plan.decision.chosen is not TP
+    tp = next(p for p in plan.predictions if p.strategy == "tp")
+    assert tp.decode_tps < plan.predictions[0].decode_tps
+
+
+def test_auto_by_measurement_still_needs_memory_and_sits_a_tiny_member_out() -> None:
+    speeds = cluster(speed("a"), speed("b"), speed("c"))
+    # weights 34 MB + the KV of 8 x 512 tokens (256 MB): a alone cannot hold it, a and b
+    # together can, and 16 heads do not split over 3 ranks
+    plan = measured(AUTO, speeds, member("a", 200), member("b", 200), member("c", 8))
+    assert plan.refusal is None and "c" not in plan.ranks
+    assert plan.decision.chosen is TP and "sitting out: c" in plan.decision.reason
+
+
+def test_explicit_choices_are_planned_as_asked_with_their_prediction() -> None:
+    speeds = cluster(speed("a"), speed("b", slowdown=4.0))
+    plan = measured(TP, speeds, member("a"), member("b"))
+    assert plan.decision.chosen is TP and plan.ranks == ("a", "b")
+    assert [p.label for p in plan.predictions] == ["tp=2"]
+
+
+def test_auto_without_every_speed_falls_back_to_the_rules() -> None:
+    speeds = cluster(speed("a"))
+    plan = measured(AUTO, speeds, member("a"), member("b"))
+    assert plan.decision.chosen is TP and plan.predictions == ()
