@@ -137,6 +137,7 @@ def open_membership(
 def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan, list[Any]]:
     """`tandem plan` without --world-size: discover, verify, and plan as `serve` would (same
     planning function and choices, weights sent to agents that lack them); nothing starts."""
+    from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
     from engines.cluster.supervisor import PlanSettings, plan_nodes
     from engines.weights.source import WeightSource
 
@@ -147,24 +148,32 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     )
     nodes = [coordinator_resources(f"{socket.gethostname()}-coordinator", args.memory_limit)]
     members: list[Any] = []
+    verified: list[Any] = []
+    speeds = None
     if key is not None:
         membership = open_membership(key, args.interface, args.discovery_timeout, args.hostfile)
         try:
             members = membership.members()
+            # An agent busy with the running `serve` is still verified: plan as if it were free
+            # (it cannot run a speed probe, so it is planned by the rules alone).
+            verified = [m for m in members if m.verified and m.hello is not None]
+            nodes += [
+                NodeResources(
+                    m.node_id,
+                    m.address,
+                    m.memory_available,
+                    tuple(m.hello.backends),
+                    disk_free_bytes=m.model_cache.free_bytes if m.model_cache else None,
+                )
+                for m in verified
+            ]
+            if wants_measuring(args.measure_speeds, nodes):
+                survey = SpeedSurvey(membership, nodes[0].node_id)
+                speeds = survey.for_plan(facts, nodes, args.max_batch)
+                for line in survey.describe():
+                    print(line)
         finally:
             membership.close()
-    # An agent busy with the running `serve` is still verified: plan as if it were free.
-    verified = [m for m in members if m.verified and m.hello is not None]
-    nodes += [
-        NodeResources(
-            m.node_id,
-            m.address,
-            m.memory_available,
-            tuple(m.hello.backends),
-            disk_free_bytes=m.model_cache.free_bytes if m.model_cache else None,
-        )
-        for m in verified
-    ]
     settings = PlanSettings(
         Parallelism(args.parallelism),
         args.collective,
@@ -173,6 +182,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
         args.max_batch,
         cpu_float32=args.cpu_float32 == "auto",
         prefix_cache_bytes=prefix_cache_bytes_from(args.prefix_cache_bytes),
+        measure=args.measure_speeds,
     )
     for member in members:
         status = "verified" if member.verified else f"unverified: {member.reason}"
@@ -180,7 +190,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     weights = None
     if key is not None and verified:  # never serves here: it only sizes (and maybe hashes)
         weights = WeightSource(facts.path, key, "127.0.0.1", args.cache_dir)
-    return plan_nodes(facts, settings, nodes, verified, weights), members
+    return plan_nodes(facts, settings, nodes, verified, weights, speeds), members
 
 
 def open_request_log(config: ServeConfig, service: Any) -> Any:
@@ -208,6 +218,7 @@ def serve(config: ServeConfig) -> int:
     from engines.api.app import create_app
     from engines.cluster.launch import LaunchSettings
     from engines.cluster.pressure import watch_memory
+    from engines.cluster.speed_survey import SpeedSurvey
     from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
     from engines.core import blas
     from engines.core.service import Service, ServiceLimits
@@ -252,6 +263,7 @@ def serve(config: ServeConfig) -> int:
             config.rediscover_interval_s,
             config.cpu_float32,
             config.prefix_cache_bytes,
+            measure=config.measure_speeds,
         ),
         launch_settings=None,  # set below, once the members (and so our address) are known
         coordinator=lambda: coordinator,
@@ -267,6 +279,7 @@ def serve(config: ServeConfig) -> int:
             supervisor,
         )
         supervisor.membership = membership
+        supervisor.survey = SpeedSurvey(membership, node_id)
     address = coordinator_address(config.interface, membership.members() if membership else [])
     weights = None
     if membership is not None and key is not None and config.send_weights:

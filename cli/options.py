@@ -99,6 +99,14 @@ def add_planning_flags(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "off"],
         help="on the CPU, compute half-precision models in float32 where the memory allows",
     )
+    add_flag(
+        parser,
+        "--measure-speeds",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="measure every machine's speed and link (a few seconds per new member) so that "
+        "auto serves the fastest predicted plan; auto: when a member is another machine",
+    )
 
 
 def prefix_cache_bytes_from(value: str) -> int | None:

@@ -191,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefix_cache_bytes=prefix_cache_bytes,
         prefix_cache_disk_bytes=prefix_cache_disk_bytes,
         cpu_float32=args.cpu_float32 == "auto",
+        measure_speeds=args.measure_speeds,
         max_tokens_cap=args.max_tokens_cap,
         request_timeout_s=args.request_timeout,
         api_key=args.api_key,

@@ -49,3 +49,4 @@ class ServeConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     http: HttpLimits = field(default_factory=HttpLimits)
     prefix_cache_disk_bytes: int = 0  # the prefix cache's disk tier; 0: none
+    measure_speeds: str = "auto"  # auto | on | off (engines/cluster/speed_survey.py)

@@ -15,6 +15,7 @@ from discovery.handshake_gate import DEFAULT_DEADLINE_S
 DEFAULT_ROLE_MODULES: Mapping[str, str] = {
     "tp_rank": "engines.tensor_parallel.worker",
     "pp_stage": "engines.pipeline.stage_worker",
+    "speed_probe": "engines.model.speed_probe",
 }
 
 

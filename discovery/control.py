@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 
 CONTROL_PURPOSE = b"control"
 CONTROL_MAX_BYTES = 1024 * 1024  # control messages are small; a bigger frame is an attack
+MAX_PING_PADDING = 256 * 1024  # a link probe's payload, well inside CONTROL_MAX_BYTES
 LISTEN_BACKLOG = 16
 ERROR_DETAIL_CHARS = 300
 
@@ -68,7 +69,7 @@ class AssignRole(_Message):
     """Coordinator -> agent: start a worker as a tensor-parallel rank or a pipeline stage."""
 
     type: Literal["assign_role"] = "assign_role"
-    role: Literal["tp_rank", "pp_stage"]
+    role: Literal["tp_rank", "pp_stage", "speed_probe"]
     assignment_id: str
     payload: dict[str, Any]
 
@@ -130,8 +131,25 @@ class Release(_Message):
     reason: str
 
 
+class Ping(_Message):
+    """Coordinator -> agent: answer at once with a Pong of the same nonce and padding (the
+    padding, sent both ways, measures the link's bandwidth; discovery/link_probe.py)."""
+
+    type: Literal["ping"] = "ping"
+    nonce: int = Field(ge=0)
+    padding: str = Field(default="", max_length=MAX_PING_PADDING)
+
+
+class Pong(_Message):
+    """Agent -> coordinator: the answer to a Ping."""
+
+    type: Literal["pong"] = "pong"
+    nonce: int = Field(ge=0)
+    padding: str = Field(default="", max_length=MAX_PING_PADDING)
+
+
 Message = Annotated[
-    Hello | AssignRole | Ready | Failed | Heartbeat | Release | Progress,
+    Hello | AssignRole | Ready | Failed | Heartbeat | Release | Progress | Ping | Pong,
     Field(discriminator="type"),
 ]
 _MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)

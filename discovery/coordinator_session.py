@@ -19,6 +19,8 @@ from discovery.control import (
     Failed,
     Heartbeat,
     Hello,
+    Ping,
+    Pong,
     Progress,
     Ready,
     Release,
@@ -93,6 +95,8 @@ class CoordinatorSession:
                 self._assign(message)
             elif isinstance(message, Release):
                 self._release(message)
+            elif isinstance(message, Ping):  # a link probe: answer before anything else
+                self._send_quietly(Pong(nonce=message.nonce, padding=message.padding))
             elif not isinstance(message, Heartbeat):
                 logger.warning("unexpected %s from coordinator %s", message.type, self.peer)
         return "agent stopping"

@@ -25,12 +25,14 @@ from discovery.control import (
     Failed,
     Heartbeat,
     Hello,
+    Pong,
     Progress,
     Ready,
     Release,
     dial_control,
 )
 from discovery.framing import ChannelTimeout
+from discovery.link_probe import LinkProbes
 from discovery.members import BUSY, CLOSED, CONNECTED, LOST, UNVERIFIED, Link, Member
 from discovery.zeroconf_service import PeerRecord, browse_records, open_zeroconf
 from planner import NodeResources
@@ -66,7 +68,7 @@ def browse_peers(interface: str | None, timeout_s: float) -> list[PeerRecord]:
         zeroconf.close()
 
 
-class Membership(AssignmentWaits):
+class Membership(AssignmentWaits, LinkProbes):
     """Verified connections to the cluster's agents, kept alive by heartbeats both ways."""
 
     def __init__(
@@ -92,6 +94,7 @@ class Membership(AssignmentWaits):
         self.coordinator_id = coordinator_id
         self._links: dict[str, Link] = {}
         self._pending: dict[str, _Pending] = {}
+        self._pings: dict[int, threading.Event] = {}  # link probes awaiting their Pong
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -229,6 +232,8 @@ class Membership(AssignmentWaits):
                 self._settle(message.assignment_id, detail=dict(message.detail))
             elif isinstance(message, Failed):
                 self._assignment_failed(link, message)
+            elif isinstance(message, Pong):
+                self._pong(message)
             elif isinstance(message, Release):
                 self._declare_lost(link, f"the agent released us: {message.reason}")
                 return

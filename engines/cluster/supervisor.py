@@ -10,9 +10,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from discovery.capabilities import PORT_ACTIVE
+from engines.cluster.cluster_status import engine_status, members_status, resources_status
 from engines.cluster.exclusions import MemberExclusions
 from engines.cluster.launch import LaunchSettings, build_engine
 from engines.cluster.replan_history import ReplanHistory
+from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
 from engines.core.engine import Engine
 from engines.core.memory_release import release_freed_memory
 from engines.core.runner import EngineRunner
@@ -22,6 +24,8 @@ from engines.model.precision import on_cpu
 from engines.observability.process_memory import process_memory
 from planner import ClusterPlan, NodeResources, Parallelism, TransferSizes, plan_cluster
 from planner.errors import PlanError, TandemError
+from planner.measured import plan_measured
+from planner.speed import ClusterSpeeds
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,9 @@ class PlanSettings:
     rediscover_interval_s: float = 10.0  # 0 disables looking for agents that join later
     cpu_float32: bool = True  # upcast half-precision weights on the CPU when that fits
     prefix_cache_bytes: int | None = 0  # None: the planner derives it from the memory left
+    # Measure every node's speed and link and let auto pick the fastest plan (speed_survey.py):
+    # "auto" when a member is another machine, "on", or "off" (the decision rules alone).
+    measure: str = "off"
 
 
 def plan_nodes(
@@ -53,12 +60,14 @@ def plan_nodes(
     nodes: list[NodeResources],
     members: list[Any],
     weights: Any | None = None,
+    speeds: ClusterSpeeds | None = None,
 ) -> ClusterPlan:
     """The plan `serve` runs (and `tandem plan` prints) for `nodes`, the coordinator first.
 
     With `weights` (a WeightSource: agents may receive the model), what each member holds
     and the disk it needs to receive its part join the plan. On the CPU, half-precision
     weights are upcast to float32 when that plan fits; otherwise the model's own precision.
+    With measured `speeds`, auto picks the fastest predicted plan (planner/measured.py).
     """
     transfer = None
     if weights is not None and members:
@@ -68,9 +77,16 @@ def plan_nodes(
         transfer = TransferSizes(facts.to_shape(), weights.model_bytes())
 
     def plan(float32: bool) -> ClusterPlan:
+        shape = facts.to_shape(float32=float32)
+        if speeds is not None:
+            return plan_measured(
+                settings.choice, shape, nodes, speeds, settings.collective,
+                settings.context_tokens, max_batch=settings.max_batch,
+                prefix_cache_bytes=settings.prefix_cache_bytes, transfer=transfer,
+            )  # fmt: skip
         return plan_cluster(
             settings.choice,
-            facts.to_shape(float32=float32),
+            shape,
             nodes,
             collective=settings.collective,
             context_tokens=settings.context_tokens,
@@ -112,6 +128,7 @@ class ClusterSupervisor:
         self.launch_settings = launch_settings
         self.coordinator = coordinator
         self.membership = membership
+        self.survey: SpeedSurvey | None = None  # set by whoever opens the membership
         self.plan: ClusterPlan | None = None
         self.replans = 0
         self.last_replan_reason = ""
@@ -133,7 +150,14 @@ class ClusterSupervisor:
         nodes = self._candidates()
         members = self.membership.members() if self.membership is not None else []
         weights = self.launch_settings.weights if self.launch_settings is not None else None
-        return plan_nodes(self.facts, self.plan_settings, nodes, members, weights)
+        speeds = self._speeds(nodes)
+        return plan_nodes(self.facts, self.plan_settings, nodes, members, weights, speeds)
+
+    def _speeds(self, nodes: list[NodeResources]) -> ClusterSpeeds | None:
+        """The measured speeds of `nodes` (measuring those not measured yet), when wanted."""
+        if self.survey is None or not wants_measuring(self.plan_settings.measure, nodes):
+            return None
+        return self.survey.for_plan(self.facts, nodes, self.plan_settings.max_batch)
 
     def _candidates(self) -> list[NodeResources]:
         nodes = [self.coordinator()]
@@ -326,10 +350,11 @@ class ClusterSupervisor:
             "strategy": plan.decision.chosen.value if plan else None,
             "reason": plan.decision.reason if plan else None,
             "world_size": 1 + len(self.membership.to_resources()) if self.membership else 1,
-            "engine": _engine_info(runner),
-            "coordinator": _resources_dict(self.coordinator())
+            "engine": engine_status(runner),
+            "speeds": self.survey.status() if self.survey is not None else None,
+            "coordinator": resources_status(self.coordinator())
             | {"memory_accounting": process_memory(runner.engine if runner else None)},
-            "members": self._members(),
+            "members": members_status(self.membership),
             "model": self.facts.to_dict(),
         }
         pressure = self.service.pressure
@@ -337,31 +362,6 @@ class ClusterSupervisor:
             body["coordinator"] |= pressure.coordinator_memory()
             body["memory_pressure"] = pressure.describe()
         return body
-
-    def _members(self) -> list[dict[str, Any]]:
-        if self.membership is None:
-            return []
-        return [
-            {
-                "node_id": m.node_id,
-                "address": f"{m.address}:{m.port}",
-                "state": m.state,
-                "verified": m.verified,
-                "reason": m.reason,
-                "memory_available": m.memory_available,
-                "memory_total": m.hello.memory_total if m.hello else None,
-                "memory_bound": m.hello.memory_bound if m.hello else None,
-                "backends": list(m.hello.backends) if m.hello else [],
-                "last_heartbeat_age_s": m.last_heartbeat_age_s,
-                "worker_state": m.worker_state,
-                "worker_pid": m.worker_pid,
-                "memory_tier": m.memory.tier if m.memory else None,
-                "memory": m.memory.model_dump() if m.memory else None,
-                "disk_free_bytes": m.model_cache.free_bytes if m.model_cache else None,
-                "transfer": _transfer(m),
-            }
-            for m in self.membership.members()
-        ]
 
     def close(self) -> None:
         """Stop watching (waiting for a launch in progress), then close the engine."""
@@ -408,33 +408,3 @@ def _assignment(plan: ClusterPlan | None) -> tuple[Any, ...]:
         return ()
     stages = tuple((s.node_id, s.layers.start, s.layers.stop) for s in plan.stages)
     return (plan.decision.chosen, tuple(plan.ranks), stages)
-
-
-def _transfer(member: Any) -> dict[str, Any] | None:
-    """The member's last model transfer progress (engines/weights/fetch.py), if any."""
-    progress = member.transfer
-    if progress is None:
-        return None
-    return {
-        "done_bytes": progress.done_bytes,
-        "total_bytes": progress.total_bytes,
-        "age_s": member.transfer_age_s,
-    }
-
-
-def _engine_info(runner: EngineRunner | None) -> dict[str, Any] | None:
-    if runner is None:
-        return None
-    info = runner.engine.info()
-    batch = {"active": runner.active, "capacity": runner.max_batch, "queued": runner.queued}
-    return {"strategy": info.strategy, "world_size": info.world_size, "batch": batch, **info.detail}
-
-
-def _resources_dict(node: NodeResources) -> dict[str, Any]:
-    return {
-        "node_id": node.node_id,
-        "address": node.address,
-        "memory_available": node.memory_bytes,
-        "memory_bound": node.memory_bound or "machine",
-        "backends": list(node.backends),
-    }

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from discovery.cluster_key import cluster_id, generate_key
 from discovery.control import (
+    MAX_PING_PADDING,
     AssignRole,
     ControlConnection,
     Failed,
@@ -20,6 +21,8 @@ from discovery.control import (
     HeldModel,
     Hello,
     ModelCache,
+    Ping,
+    Pong,
     Progress,
     Ready,
     Release,
@@ -72,6 +75,8 @@ MESSAGES = [
     Release(assignment_id="as-1", reason="re-plan"),
     Release(reason="coordinator shutting down"),
     Progress(assignment_id="as-1", done_bytes=10, total_bytes=40),
+    Ping(nonce=7, padding="x" * MAX_PING_PADDING),
+    Pong(nonce=7),
     HELLO.model_copy(
         update={
             "model_cache": ModelCache(
@@ -130,6 +135,14 @@ def accept_control(listener: socket.socket, key: bytes, timeout_s: float) -> Con
     except TimeoutError:
         raise ChannelTimeout(f"no control connection arrived within {timeout_s} s") from None
     return prove_control(sock, key, timeout_s)
+
+
+def test_a_ping_larger_than_a_link_probe_is_refused() -> None:
+    data = encode(Ping(nonce=1)).replace(
+        b'"padding":""', b'"padding":"' + b"x" * (2**18 + 1) + b'"'
+    )
+    with pytest.raises(ChannelError, match="padding"):
+        decode(data)
 
 
 def test_hello_port_out_of_range_is_refused() -> None:

@@ -1,0 +1,210 @@
+"""Measuring the cluster for the planner: every node's speed for the model (an agent runs the
+`speed_probe` role, the coordinator the same module in a child process) and the link to every
+member (pings over its control channel), all at once, each bounded, cached per node.
+
+A node that cannot be measured in time is named in `problems` and left out of the speeds, so
+auto plans by the decision rules alone rather than on a guess; nothing here blocks for longer
+than PROBE_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from discovery.json_child import ChildNotReady, JsonChild
+from engines.core.engine import DEFAULT_PREFILL_CHUNK
+from engines.model.info import ModelFacts, read_config
+from engines.model.precision import on_cpu
+from planner import NodeResources
+from planner.decision import can_shard
+from planner.errors import PeerError
+from planner.speed import ClusterSpeeds, Curve, LinkSpeed, NodeSpeed
+
+log = logging.getLogger(__name__)
+
+PROBE_MODULE = "engines.model.speed_probe"
+PROBE_TIMEOUT_S = 60.0  # a node's probe; the first one on a machine also imports mlx
+RELEASE_WAIT_S = 5.0
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+MEASURE_CHOICES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSpec:
+    """What every node measures: the model's config, batch sizes, tp sizes, precision."""
+
+    config: dict[str, Any]
+    rows: tuple[int, ...]
+    tp_sizes: tuple[int, ...]
+    float32: bool
+
+    def payload(self, blas_threads: int = 0) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "rows": list(self.rows),
+            "tp_sizes": list(self.tp_sizes),
+            "prefill_chunk": DEFAULT_PREFILL_CHUNK,
+            "float32": self.float32,
+            "blas_threads": blas_threads,
+        }
+
+
+def probe_spec(facts: ModelFacts, world_size: int, max_batch: int, float32: bool) -> ProbeSpec:
+    rows = tuple(sorted({1, *(r for r in (4, 8, 16) if r < max_batch), max_batch}))
+    tp_sizes = tuple(
+        ranks
+        for ranks in range(2, world_size + 1)
+        if can_shard(facts.attention_heads, ranks)
+        and can_shard(facts.kv_heads, ranks)
+        and (facts.intermediate_size == 0 or facts.intermediate_size % ranks == 0)
+    )
+    return ProbeSpec(read_config(facts.path), rows, tp_sizes, float32)
+
+
+def wants_measuring(measure: str, nodes: list[NodeResources]) -> bool:
+    """Whether to measure `nodes` (the coordinator first) for the planner: never alone or when
+    the operator said "off"; under "auto" only when a member is another machine (members on
+    this machine's loopback share its cores, and what they measure says nothing of a cluster).
+    """
+    if len(nodes) < 2 or measure == "off":
+        return False
+    return measure == "on" or not all(_on_loopback(node.address) for node in nodes[1:])
+
+
+def _on_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def node_speed(node_id: str, measured: dict[str, Any]) -> NodeSpeed:
+    """The probe's JSON as the planner reads it; ValueError (via PlanError) when malformed."""
+
+    def curve(points: list[list[float]]) -> Curve:
+        return Curve(tuple((int(rows), float(seconds)) for rows, seconds in points))
+
+    return NodeSpeed(
+        node_id,
+        curve(measured["layer"]),
+        curve(measured["head"]),
+        float(measured["prefill_layer_s"]),
+        int(measured["prefill_chunk"]),
+        tuple((int(ranks), curve(points)) for ranks, points in measured.get("shards", [])),
+    )
+
+
+class SpeedSurvey:
+    """The measured speeds of the nodes seen so far, and why any could not be measured."""
+
+    def __init__(self, membership: Any, coordinator_id: str) -> None:
+        self.membership = membership
+        self.coordinator_id = coordinator_id
+        self._nodes: dict[str, NodeSpeed] = {}
+        self._links: dict[str, LinkSpeed] = {}
+        self.problems: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def for_plan(
+        self, facts: ModelFacts, nodes: list[NodeResources], max_batch: int
+    ) -> ClusterSpeeds:
+        """The speeds of `nodes` for planning `facts` at `max_batch` (float32 on the CPU)."""
+        return self.speeds(nodes, probe_spec(facts, len(nodes), max_batch, on_cpu()))
+
+    def speeds(self, nodes: list[NodeResources], spec: ProbeSpec) -> ClusterSpeeds:
+        """Measure every node of `nodes` not measured yet (at once), then what is known."""
+        missing = [node.node_id for node in nodes if node.node_id not in self._nodes]
+        if missing:
+            log.info("measuring %s for the planner", ", ".join(missing))
+            with ThreadPoolExecutor(max_workers=len(missing)) as pool:
+                for node_id in missing:
+                    pool.submit(self._measure, node_id, spec)
+        with self._lock:
+            return ClusterSpeeds(dict(self._nodes), dict(self._links))
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "nodes": {
+                    node_id: {
+                        "layer_ms": {r: round(s * 1000, 3) for r, s in speed.layer.points},
+                        "head_ms": {r: round(s * 1000, 3) for r, s in speed.head.points},
+                        "prefill_layer_ms": round(speed.prefill_layer_s * 1000, 2),
+                    }
+                    for node_id, speed in self._nodes.items()
+                },
+                "links": {
+                    node_id: {
+                        "latency_us": round(link.latency_s * 1e6, 1),
+                        "mbit_per_s": round(link.bytes_per_s * 8 / 1e6, 1),
+                    }
+                    for node_id, link in self._links.items()
+                },
+                "problems": dict(self.problems),
+            }
+
+    def describe(self) -> list[str]:
+        """Human lines for `tandem plan`: what was measured, and what could not be."""
+        status = self.status()
+        lines = [
+            f"measured {node_id}: a layer {speed['layer_ms']} ms by rows, head "
+            f"{speed['head_ms']} ms, a prefill chunk {speed['prefill_layer_ms']} ms a layer"
+            for node_id, speed in status["nodes"].items()
+        ]
+        lines += [
+            f"measured link to {node_id}: {link['latency_us']} us one way, "
+            f"{link['mbit_per_s']} Mbit/s"
+            for node_id, link in status["links"].items()
+        ]
+        lines += [f"not measured {node_id}: {why}" for node_id, why in status["problems"].items()]
+        return lines
+
+    def _measure(self, node_id: str, spec: ProbeSpec) -> None:
+        try:
+            if node_id == self.coordinator_id:
+                speed = node_speed(node_id, measure_here(spec))
+                link = None
+            else:
+                measurement = self.membership.measure_link(node_id)
+                link = LinkSpeed(node_id, measurement.latency_s, measurement.bytes_per_s)
+                speed = node_speed(node_id, self._measure_member(node_id, spec))
+        except Exception as error:  # noqa: BLE001 - any failure leaves this node unmeasured
+            log.warning("could not measure %s: %s", node_id, error)
+            with self._lock:
+                self.problems[node_id] = str(error)
+            return
+        with self._lock:
+            self._nodes[node_id] = speed
+            if link is not None:
+                self._links[node_id] = link
+            self.problems.pop(node_id, None)
+
+    def _measure_member(self, node_id: str, spec: ProbeSpec) -> dict[str, Any]:
+        assignment = self.membership.assign(node_id, "speed_probe", spec.payload())
+        try:
+            result = self.membership.wait_ready(assignment, PROBE_TIMEOUT_S)
+        finally:
+            self.membership.release(node_id, "speed measured", wait_s=RELEASE_WAIT_S)
+        measured = result.detail.get("speed")
+        if not isinstance(measured, dict):
+            raise PeerError(f"node {node_id}'s speed probe answered no measurement")
+        return measured
+
+
+def measure_here(spec: ProbeSpec) -> dict[str, Any]:
+    """This machine's speed, measured in a child process (as a worker would run)."""
+    child = JsonChild([sys.executable, "-m", PROBE_MODULE], name="speed probe", cwd=PROJECT_ROOT)
+    try:
+        child.start(spec.payload())
+        return child.wait_ready(PROBE_TIMEOUT_S)["speed"]
+    except ChildNotReady as error:
+        raise PeerError(f"the coordinator's speed probe failed: {error}") from None
+    finally:
+        child.stop(5.0, ask=child.close_stdin)

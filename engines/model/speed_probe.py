@@ -1,0 +1,156 @@
+"""How fast this machine runs the model being served: one decoder layer's decode step at a few
+batch sizes, the same layer sharded for tp, the output head and one prefill chunk.
+
+Measured on one- and three-layer models of the model's own architecture (mlx-lm's class, built
+from its config, with random weights), so a machine that has not received the model yet can be
+measured; a layer's time is half the difference, the rest of the one-layer model is the head.
+`python -m engines.model.speed_probe` runs it as an agent's `speed_probe` role: a JSON spec on
+stdin ({"config": ..., "rows": [...], "tp_sizes": [...], ...}), one ready line with the
+measurement on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from engines.core import blas
+
+blas.activate()  # before mlx loads: the BLAS the engines run on
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm.utils import _get_classes  # noqa: E402
+
+from discovery.json_child import open_protocol_output  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+PROBE_ROWS = (1, 4, 8, 16)  # sequences decoded together
+CONTEXT_TOKENS = 32  # already in the KV cache when a decode step is timed
+REPEATS = 9  # timed steps per point; the fastest is kept
+SMALLEST_S = 1e-7  # a difference of two timings is never below this
+LONG_MODEL_LAYERS = 5
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def _with(config: dict[str, Any], layers: int, ranks: int = 1) -> dict[str, Any]:
+    """`config` with `layers` layers and, for a tp shard, 1/ranks of the heads and MLP."""
+    changed = dict(config)
+    for key in LAYER_KEYS:
+        if key in changed:
+            changed[key] = layers
+    if ranks > 1:
+        heads = int(config["num_attention_heads"])
+        changed["head_dim"] = int(config.get("head_dim") or config["hidden_size"] // heads)
+        changed["num_attention_heads"] = heads // ranks
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        changed["num_key_value_heads"] = max(kv_heads // ranks, 1)
+        changed["intermediate_size"] = int(config["intermediate_size"]) // ranks
+    return changed
+
+
+def _build(config: dict[str, Any], float32: bool) -> nn.Module:
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    quantization = config.get("quantization")
+    if isinstance(quantization, dict):
+        nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"])
+    elif not float32:
+        model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    return model
+
+
+def _fastest_s(step: Any) -> float:
+    step()  # warm-up: the first call compiles and allocates
+    times = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def _decode_s(model: nn.Module, rows: int) -> float:
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((rows, CONTEXT_TOKENS), dtype=mx.int32), cache=cache))
+    token = mx.ones((rows, 1), dtype=mx.int32)
+    return _fastest_s(lambda: mx.eval(model(token, cache=cache)))
+
+
+def _prefill_s(model: nn.Module, chunk: int) -> float:
+    tokens = mx.ones((1, chunk), dtype=mx.int32)
+    return _fastest_s(lambda: mx.eval(model(tokens, cache=make_prompt_cache(model))))
+
+
+def _layer_and_rest(config: dict[str, Any], ranks: int, rows: tuple[int, ...], float32: bool):
+    """Per rows: (one layer's seconds, the rest's seconds), from one- and five-layer models."""
+    one, long = (_build(_with(config, n, ranks), float32) for n in (1, LONG_MODEL_LAYERS))
+    points = []
+    layer_floor = rest_floor = SMALLEST_S
+    for count in rows:
+        short_s, long_s = _decode_s(one, count), _decode_s(long, count)
+        # more rows never cost less: a dip is noise, so each point is at least the last
+        layer_floor = max((long_s - short_s) / (LONG_MODEL_LAYERS - 1), layer_floor)
+        rest_floor = max(short_s - layer_floor, rest_floor)
+        points.append((count, layer_floor, rest_floor))
+    return one, long, points
+
+
+def measure(
+    config: dict[str, Any],
+    rows: tuple[int, ...] = PROBE_ROWS,
+    tp_sizes: tuple[int, ...] = (),
+    prefill_chunk: int = 256,
+    float32: bool = True,
+) -> dict[str, Any]:
+    """This machine's speed for `config` as planner/speed.py's NodeSpeed reads it."""
+    started = time.monotonic()
+    one, long, points = _layer_and_rest(config, 1, rows, float32)
+    difference = _prefill_s(long, prefill_chunk) - _prefill_s(one, prefill_chunk)
+    prefill = max(difference / (LONG_MODEL_LAYERS - 1), SMALLEST_S)
+    shards = []
+    for ranks in tp_sizes:
+        _, _, shard_points = _layer_and_rest(config, ranks, rows, float32)
+        shards.append([ranks, [[count, layer] for count, layer, _ in shard_points]])
+    return {
+        "layer": [[count, layer] for count, layer, _ in points],
+        "head": [[count, rest] for count, _, rest in points],
+        "prefill_layer_s": prefill,
+        "prefill_chunk": prefill_chunk,
+        "shards": shards,
+        "probe_s": round(time.monotonic() - started, 3),
+        "blas": blas.status().describe(),
+    }
+
+
+def run() -> int:
+    """The speed_probe role: the spec on stdin, one ready (or failed) line on stdout."""
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+    output = open_protocol_output()
+    try:
+        spec = json.loads(sys.stdin.buffer.readline() or b"null")
+        blas.set_threads(int(spec.get("blas_threads", 0)))
+        result = measure(
+            spec["config"],
+            tuple(int(r) for r in spec.get("rows", PROBE_ROWS)),
+            tuple(int(n) for n in spec.get("tp_sizes", ())),
+            int(spec.get("prefill_chunk", 256)),
+            bool(spec.get("float32", True)),
+        )
+    except (TypeError, KeyError, ValueError, AttributeError) as error:
+        output.write({"event": "failed", "reason": f"speed probe failed: {error}"})
+        return 1
+    output.write({"event": "ready", "speed": result})
+    # Stay until released, as every role does: the agent reads an early exit as a failure.
+    sys.stdin.buffer.read()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

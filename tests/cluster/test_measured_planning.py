@@ -1,0 +1,70 @@
+"""The measured planner end to end: the speed probe on a real model's architecture, link pings
+over a real control channel, and `tandem serve` with an agent choosing by measurement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from engines.cluster.speed_survey import node_speed, wants_measuring
+from engines.model.speed_probe import measure
+from planner import NodeResources
+from tests.helpers.cluster import AgentPool
+from tests.helpers.serve import ServeProcess, start_serve
+
+pytestmark = pytest.mark.cluster
+
+
+def test_the_probe_measures_a_layer_its_shard_and_the_head(demo_model_dir: Path) -> None:
+    config = json.loads((demo_model_dir / "config.json").read_text())
+    measured = measure(config, rows=(1, 4), tp_sizes=(2,), prefill_chunk=64)
+    speed = node_speed("here", measured)  # the planner accepts it: positive, ascending rows
+    assert [rows for rows, _ in speed.layer.points] == [1, 4]
+    assert speed.shard(2) is not None and speed.shard(4) is None
+    assert 0 < speed.layer.at(1) < 1.0 and 0 < speed.prefill_layer_s < 5.0
+    assert measured["probe_s"] < 60
+
+
+@pytest.mark.parametrize(
+    ("choice", "addresses", "expected"),
+    [
+        ("auto", ["127.0.0.1", "127.0.0.1"], False),  # every member shares this machine
+        ("auto", ["198.18.0.1", "198.18.0.2"], True),
+        ("on", ["127.0.0.1", "127.0.0.1"], True),
+        ("off", ["198.18.0.1", "198.18.0.2"], False),
+        ("on", ["198.18.0.1"], False),  # alone: nothing to choose between
+    ],
+)
+def test_when_speeds_are_measured(choice: str, addresses: list[str], expected: bool) -> None:
+    nodes = [NodeResources(f"n{i}", a, 2**30, ("ring",)) for i, a in enumerate(addresses)]
+    assert wants_measuring(choice, nodes) is expected
+
+
+def test_serve_measures_its_agent_and_serves_the_fastest_predicted_plan(
+    demo_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
+) -> None:
+    pool.start("measured", real_roles=True)
+    server = start_serve(
+        tmp_path, demo_model_dir, pool.cluster_key,
+        ["--parallelism", "auto", "--model-id", "demo", "--measure-speeds", "on",
+         "--collective", "ring", "--max-batch", "4"],
+    )  # fmt: skip
+    servers.append(server)
+    cluster = server.cluster()
+    speeds = cluster["speeds"]
+    assert len(speeds["nodes"]) == 2 and len(speeds["links"]) == 1, speeds
+    assert not speeds["problems"]
+    [link] = speeds["links"].values()
+    assert link["latency_us"] > 0 and link["mbit_per_s"] > 0
+    plan = cluster["plan"]
+    labels = [p["label"] for p in plan["predictions"]]
+    assert sorted(labels) == ["pp=2", "single", "tp=2"], labels
+    chosen = plan["predictions"][0]
+    assert cluster["reason"].startswith(f"auto -> {chosen['label']}: fastest of 3 measured")
+    assert chosen["decode_tps"] == max(p["decode_tps"] for p in plan["predictions"])
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
+    reply = client.completions.create(model="demo", prompt="Hi", max_tokens=4, temperature=0)
+    assert reply.choices[0].text is not None and reply.usage.completion_tokens == 4
