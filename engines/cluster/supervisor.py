@@ -22,6 +22,7 @@ from engines.core.service import Service
 from engines.model.info import ModelFacts
 from engines.model.precision import on_cpu
 from engines.observability.process_memory import process_memory
+from engines.observability.served_speed import ServedSpeed
 from planner import ClusterPlan, NodeResources, Parallelism, TransferSizes, plan_cluster
 from planner.errors import PlanError, TandemError
 from planner.measured import plan_measured
@@ -129,6 +130,8 @@ class ClusterSupervisor:
         self.coordinator = coordinator
         self.membership = membership
         self.survey: SpeedSurvey | None = None  # set by whoever opens the membership
+        self.served_speed = ServedSpeed()  # beside the plan's prediction in /v1/cluster
+        service.request_listeners.append(self.served_speed.observe)
         self.plan: ClusterPlan | None = None
         self.replans = 0
         self.last_replan_reason = ""
@@ -209,6 +212,7 @@ class ClusterSupervisor:
         with self._lock:
             if not self._closed.is_set():
                 self.service.tokenizer = engine.tokenizer
+                self.served_speed.reset()
                 self.service.swap_runner(runner, "ok", decision.reason)
                 runner = None
         if runner is not None:  # closed while launching: nobody may serve from it
@@ -352,6 +356,8 @@ class ClusterSupervisor:
             "world_size": 1 + len(self.membership.to_resources()) if self.membership else 1,
             "engine": engine_status(runner),
             "speeds": self.survey.status() if self.survey is not None else None,
+            "predicted": plan.predictions[0].to_dict() if plan and plan.predictions else None,
+            "served": self.served_speed.describe(),
             "coordinator": resources_status(self.coordinator())
             | {"memory_accounting": process_memory(runner.engine if runner else None)},
             "members": members_status(self.membership),

@@ -68,3 +68,6 @@ def test_serve_measures_its_agent_and_serves_the_fastest_predicted_plan(
     client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
     reply = client.completions.create(model="demo", prompt="Hi", max_tokens=4, temperature=0)
     assert reply.choices[0].text is not None and reply.usage.completion_tokens == 4
+    after = server.cluster()  # what the plan was predicted to do, beside what it did
+    assert after["predicted"] == chosen
+    assert after["served"]["requests"] == 1 and after["served"]["decode_tps_per_stream"] > 0
