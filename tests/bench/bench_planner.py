@@ -1,0 +1,168 @@
+"""Does the measured planner pick the fastest plan? Predicted against measured, in the lab.
+
+Run from the project root, as root: `python -m tests.bench.bench_planner` (about fifteen
+minutes). Four lab configurations (tests/lab/machines.py, one BLAS thread per process, the
+scaling benchmark's 16-layer hidden-1024 model): two equal machines of one core on a free link;
+the same with the link capped; two unequal machines (the second with a CPU quota); three
+machines, the third slow. In each, `tandem serve --parallelism auto --measure-speeds on` says
+what it predicts for every candidate and which it picks; then every candidate over all the
+machines is forced (`--parallelism single|tp|pp`, measured again, so each run carries its own
+prediction) and timed through the OpenAI API like bench_scaling: 1-stream decode tok/s, TTFT,
+8-stream aggregate. On the unequal pair, a pipeline split by measured speed is set against the
+memory-proportional split (`--measure-speeds off`). Writes "## Measured planner" in
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.bench import bench_scaling as scaling
+from tests.bench.common import markdown_table, write_section
+from tests.lab.machines import Lab, MachineSpec, lab_unavailable
+
+ROUNDS = 3
+AGGREGATE_ROUNDS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    name: str
+    specs: tuple[MachineSpec, ...]
+
+
+SETUPS = (
+    Setup("equal pair, free link", (MachineSpec(cores="0"), MachineSpec(cores="1"))),
+    Setup(
+        "equal pair, 20 Mbit link",
+        (MachineSpec(cores="0", link_rate="20mbit"), MachineSpec(cores="1", link_rate="20mbit")),
+    ),
+    Setup(
+        "unequal pair (second at 0.4 core)",
+        (MachineSpec(cores="0"), MachineSpec(cores="1", cpu_quota=0.4)),
+    ),
+    Setup(
+        "three, third at 0.3 core",
+        (
+            MachineSpec(cores="0", cpu_quota=0.5),
+            MachineSpec(cores="1", cpu_quota=0.5),
+            MachineSpec(cores="1", cpu_quota=0.3),
+        ),
+    ),
+)
+
+
+def run(
+    setup: Setup, parallelism: str, model_args: list[str], measure: str = "on"
+) -> dict[str, Any]:
+    """One fresh cluster of `setup`'s machines serving `parallelism`: predicted and measured."""
+    config = scaling.Config(setup.name, parallelism, len(setup.specs))
+    extra = ["--measure-speeds", measure]
+    with Lab(len(setup.specs), list(setup.specs)) as lab:
+        url = scaling.start(config, lab, [*model_args, *extra])
+        status = scaling.cluster(url)
+        scaling.one_stream(url)  # warm-up
+        singles = [scaling.one_stream(url) for _ in range(ROUNDS)]
+        aggregate = statistics.median(scaling.many_streams(url) for _ in range(AGGREGATE_ROUNDS))
+    plan = status.get("plan") or {}
+    predictions = plan.get("predictions") or []
+    return {
+        "strategy": status.get("strategy"),
+        "ranks": len(plan.get("ranks") or []),
+        "reason": status.get("reason"),
+        "layers": [stage["layers"] for stage in plan.get("stages") or []],
+        "predictions": predictions,
+        "predicted": predictions[0] if predictions else None,
+        "decode": statistics.median(rate for rate, _ in singles),
+        "ttft": statistics.median(ttft for _, ttft in singles),
+        "aggregate": aggregate,
+    }
+
+
+def error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def main() -> None:
+    problem = lab_unavailable()
+    if problem:
+        raise SystemExit(f"bench_planner: {problem}")
+    from engines.model.demo import ensure_demo_model
+    from engines.model.demo_spec import DemoSpec
+
+    only = sys.argv[1:]  # names of setups to run (default: all)
+    model = ensure_demo_model(
+        Path("/tmp/tandem-bench"), DemoSpec(layers=scaling.LAYERS, hidden=scaling.HIDDEN)
+    )
+    model_args = ["--model", str(model)]
+    rows, picks, errors = [], [], []
+    for setup in SETUPS:
+        if only and not any(name in setup.name for name in only):
+            continue
+        auto = run(setup, "auto", model_args)
+        forced = {p: run(setup, p, model_args) for p in ("single", "tp", "pp")}
+        measured = {f"{r['strategy']}" + (f"={r['ranks']}" if r["ranks"] > 1 else ""): r
+                    for r in forced.values() if r["predicted"]}  # fmt: skip
+        fastest = max(measured.values(), key=lambda r: r["decode"])
+        for label, result in measured.items():
+            predicted = result["predicted"]
+            decode_error = error(predicted["decode_tps"], result["decode"])
+            batch_error = error(predicted["batch_tps"], result["aggregate"])
+            errors.append(abs(decode_error))
+            rows.append([
+                setup.name, label + (" (auto's pick)" if auto["predicted"] and label ==
+                                     auto["predicted"]["label"] else ""),
+                f"{predicted['decode_tps']:.1f}", f"{result['decode']:.1f}",
+                f"{100 * decode_error:+.0f}%", f"{predicted['batch_tps']:.1f}",
+                f"{result['aggregate']:.1f}", f"{100 * batch_error:+.0f}%",
+                f"{predicted['ttft_ms']:.0f}", f"{1000 * result['ttft']:.0f}",
+            ])  # fmt: skip
+        pick = auto["predicted"]["label"] if auto["predicted"] else str(auto["strategy"])
+        share = auto["decode"] / fastest["decode"]
+        picks.append(
+            f"- {setup.name}: auto chose {pick} ({auto['decode']:.1f} tok/s measured), the "
+            f"fastest forced plan ran {fastest['decode']:.1f}: **{share:.2f}x** of it. "
+            f"Reason: `{auto['reason']}`"
+        )
+        if setup.name.startswith("unequal"):
+            by_memory = run(setup, "pp", model_args, measure="off")
+            by_speed = forced["pp"]
+            picks.append(
+                f"- {setup.name}, pp=2 split by speed {by_speed['layers']}: "
+                f"{by_speed['aggregate']:.1f} tok/s at {scaling.STREAMS} streams, "
+                f"{by_speed['decode']:.1f} at 1; split by memory {by_memory['layers']}: "
+                f"{by_memory['aggregate']:.1f} and {by_memory['decode']:.1f} "
+                f"(**{by_speed['aggregate'] / by_memory['aggregate']:.2f}x** at "
+                f"{scaling.STREAMS} streams)"
+            )
+    table = markdown_table(
+        ["setup", "plan", "predicted 1-stream tok/s", "measured", "error",
+         f"predicted {scaling.STREAMS}-stream tok/s", "measured", "error",
+         "predicted TTFT ms", "measured TTFT ms"],
+        rows,
+    )  # fmt: skip
+    summary = (
+        f"Decode prediction error at 1 stream: median {100 * statistics.median(errors):.0f}%, "
+        f"worst {100 * max(errors):.0f}% (targets 10% and 20%)."
+        if errors
+        else ""
+    )
+    body = "\n".join([table, "", summary, "", *picks])
+    print(body)
+    write_section(
+        "## Measured planner",
+        "`python -m tests.bench.bench_planner` (as root): four lab setups, one BLAS thread per "
+        f"process, the scaling benchmark's {scaling.LAYERS}-layer hidden-{scaling.HIDDEN} model; "
+        "every plan over all the machines forced in turn (each run measures and predicts "
+        f"itself), {ROUNDS} greedy 1-stream rounds of {scaling.MAX_TOKENS} tokens (median) and "
+        f"{AGGREGATE_ROUNDS} rounds of {scaling.STREAMS} streams, through the OpenAI API. The "
+        "8-stream prediction is the cost model's at a batch of 8 (`--max-batch 8`).\n\n" + body,
+    )
+
+
+if __name__ == "__main__":
+    main()
