@@ -159,13 +159,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     from discovery.capabilities import parse_memory_size
+    from engines.core.request import MAX_TOKENS
 
     if args.queue_size < 1:
         raise ConfigError(f"--queue-size must be at least 1, got {args.queue_size}")
     if args.max_batch < 1:
         raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}")
-    if args.max_tokens_cap < 1:
-        raise ConfigError(f"--max-tokens-cap must be at least 1, got {args.max_tokens_cap}")
+    if not 1 <= args.max_tokens_cap <= MAX_TOKENS:
+        raise ConfigError(
+            f"--max-tokens-cap must be between 1 and {MAX_TOKENS}, got {args.max_tokens_cap}"
+        )
     if args.max_body_bytes < 1:
         raise ConfigError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
     if args.http_header_timeout <= 0:

@@ -42,3 +42,17 @@ class OverloadedError(EngineError):
 
 class ConfigError(TandemError):
     """A flag, environment variable, or file given by the operator is invalid."""
+
+
+class RequestError(TandemError):
+    """A generation request's field is missing or outside its limits (API: a 400 naming it)."""
+
+    SHOWN_CHARS = 40  # of the offending value, in the message
+
+    def __init__(self, field: str, value: object, expected: str) -> None:
+        shown = repr(value)
+        if len(shown) > self.SHOWN_CHARS:
+            shown = shown[: self.SHOWN_CHARS] + "..."
+        super().__init__(f"{field} must be {expected}, got {shown}")
+        self.field = field
+        self.value = value

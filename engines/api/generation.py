@@ -6,15 +6,17 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engines.api.errors import APIError, engine_unavailable, generation_timeout, model_not_found
 from engines.api.fields import check_fields, top_logprobs
 from engines.api.logprobs import TokenScore
 from engines.api.schemas import SamplingFields
-from engines.core.engine import Failure, GenerationRequest, TokenEvent
+from engines.core.engine import Failure, TokenEvent
+from engines.core.request import GenerationRequest
 from engines.core.runner import Submission
 from engines.core.service import Service, ServiceLimits
+from planner.errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,10 @@ TIMEOUT_MARGIN_S = 1.0
 DISCONNECT_POLL_S = 0.25
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when the field is omitted
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"
+# request fields build_request makes itself; the others are copied from the body by name
+BUILT_FIELDS = frozenset(
+    {"request_id", "prompt_tokens", "max_tokens", "stop", "timeout_s", "logprobs", "grammar"}
+)
 
 
 class GenerationTimeout(Exception):
@@ -66,32 +72,54 @@ def build_request(
     context_tokens: int,
     grammar: str | None = None,
 ) -> GenerationRequest:
-    """The engine-agnostic request; prompt + max_tokens must fit the context the KV cache was
-    planned for (an absent max_tokens shrinks to what is left); a request the running engine
-    would refuse on its own (Engine.refusal) is a 400 here, before it queues."""
+    """The engine-agnostic request, checked; prompt + max_tokens must fit the context the KV
+    cache was planned for (an absent max_tokens shrinks to what is left); a request the running
+    engine would refuse on its own (Engine.refusal) is a 400 here, before it queues."""
+    given = {name: getattr(body, name) for name in _fields_by_name(body)}
+    given = {name: value for name, value in given.items() if value is not None}
+    given.setdefault("temperature", DEFAULT_TEMPERATURE)
     request = GenerationRequest(
         request_id=request_id,
         prompt_tokens=prompt_tokens,
         max_tokens=resolve_max_tokens(body, service.limits, context_tokens - len(prompt_tokens)),
-        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
         stop=body.stop_sequences(),
-        seed=body.seed,
         timeout_s=service.limits.request_timeout_s,
-        repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
         logprobs=top_logprobs(body),
         grammar=grammar,
+        **given,
     )
+    try:
+        request.check()
+    except RequestError as error:
+        param = _param_of(error.field, body)
+        raise APIError(400, str(error), param=param, code="invalid_value") from None
     runner = service.runner
     refusal = runner.engine.refusal(request) if runner is not None else None
     if refusal is not None:
-        param = None
-        if grammar is not None:
-            param = "response_format" if getattr(body, "response_format", None) else "tool_choice"
+        param = _param_of("grammar", body) if grammar is not None else None
         raise APIError(400, refusal, param=param, code="invalid_value")
     return request
+
+
+def _fields_by_name(body: SamplingFields) -> list[str]:
+    """The request's fields the body carries under the same name and meaning: copied as they
+    are (an absent one keeps the request's default)."""
+    return [
+        field.name
+        for field in fields(GenerationRequest)
+        if field.name in type(body).model_fields and field.name not in BUILT_FIELDS
+    ]
+
+
+def _param_of(field: str, body: SamplingFields) -> str:
+    """The body's field a request field came from, for the 400 that names it."""
+    if field == "grammar":
+        return "response_format" if getattr(body, "response_format", None) else "tool_choice"
+    if field == "prompt_tokens":
+        return "messages" if hasattr(body, "messages") else "prompt"
+    if field == "logprobs" and hasattr(body, "top_logprobs"):
+        return "top_logprobs"
+    return field
 
 
 def resolve_max_tokens(body: SamplingFields, limits: ServiceLimits, room: int) -> int:

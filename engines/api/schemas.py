@@ -13,13 +13,20 @@ from pydantic import (
     model_serializer,
 )
 
-MAX_STOP_SEQUENCES = 4
-MAX_STOP_CHARS = 256  # each stop sequence; held-back text is bounded by the longest
-MAX_SEED = 2**53  # the largest integer every JSON client reads exactly (a double)
+from engines.core.request import (
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+)
+
 MAX_MESSAGES = 1024
 MAX_TOOLS = 128
-MAX_TOP_LOGPROBS = 20  # chat; OpenAI's own bound
-MAX_COMPLETION_LOGPROBS = 5  # completions; OpenAI's own bound
+MAX_COMPLETION_LOGPROBS = 5  # completions: OpenAI's bound, below the request's MAX_TOP_LOGPROBS
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -139,7 +146,7 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 
 class SamplingFields(RequestModel):
@@ -152,7 +159,7 @@ class SamplingFields(RequestModel):
     model: str
     max_tokens: Integer | None = None
     max_completion_tokens: Integer | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: (
         Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -171,7 +178,9 @@ class SamplingFields(RequestModel):
     user: str | None = None  # an end-user id: logged with the request, never used otherwise
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)  # mlx-lm's extension
+    repetition_penalty: float | None = Field(  # mlx-lm's extension
+        default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     logit_bias: dict[str, float] | None = Field(default=None, max_length=0)  # unsupported
 
     @field_validator("stop", mode="before")

@@ -8,28 +8,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from engines.core.request import GenerationRequest
+
 DEFAULT_MAX_BATCH = 16  # sequences decoded together
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per step: bounds how long a newcomer stalls others
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """One generation, engine-agnostic: the same value reaches every engine."""
-
-    request_id: str
-    prompt_tokens: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    timeout_s: float = 300.0
-    # mlx-lm's logits processors; None / 0 turn each off
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int | None = None  # None: off; k >= 0: the token's logprob and the top k others
-    grammar: str | None = None  # an llguidance grammar (JSON) the output must match; None: free
 
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first

@@ -21,9 +21,9 @@ from engines.core.engine import (
     Engine,
     Failure,
     Finish,
-    GenerationRequest,
     TokenEvent,
 )
+from engines.core.request import GenerationRequest
 from engines.core.sequence import ActiveSequence, Ending
 from planner.errors import EngineError, QueueFullError
 

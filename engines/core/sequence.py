@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engines.core.engine import Failure, Finish, GenerationRequest, StepOutput, TokenEvent
+from engines.core.engine import Failure, Finish, StepOutput, TokenEvent
+from engines.core.request import GenerationRequest
 from engines.decoding.stop_text import StopTextFilter
 
 

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.core.engine import GenerationRequest, TokenEvent
+from engines.core.engine import TokenEvent
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner, Submission
 from engines.observability.request_timing import RequestRecord, record_of
 from planner.errors import EngineError

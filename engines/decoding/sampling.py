@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 
-from engines.core.engine import GenerationRequest, TopLogprobs
+from engines.core.engine import TopLogprobs
+from engines.core.request import GenerationRequest
 
 Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]  # (tokens so far, logits) -> logits
 SEED_BITS = 31
+# the request fields a sampler reads: unseeded requests alike in these share one
+SAMPLER_FIELDS = ("temperature", "top_p")
 MASK64 = 2**64 - 1
 
 
@@ -33,18 +37,23 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def make_request_sampler(temperature: float, top_p: float, seed: int) -> Sampler:
-    """A sampler with its own random stream: the n-th draw uses key (seed, n).
+def make_request_sampler(request: GenerationRequest, seed: int | None = None) -> Sampler:
+    """A sampler with its own random stream: the n-th draw uses key (seed, n), the seed being
+    `seed` or else the request's own (a greedy request needs none).
 
     mlx-lm's samplers draw from mlx's global RNG, so a sequence's tokens would depend on
     which other sequences share its batch; a per-request key keeps a seeded request
     reproducible inside any batch, and identical on every tensor-parallel rank.
     """
-    if temperature <= 0:
+    if request.temperature <= 0:
         return greedy
+    seed = request.seed if seed is None else seed
+    if seed is None:
+        raise ValueError(f"request {request.request_id} samples without a seed")
     draws = 0
-    scale = 1.0 / temperature
-    nucleus = 0.0 < top_p < 1.0  # OpenAI's default 1.0 (and 0) mean "off"
+    scale = 1.0 / request.temperature
+    top_p = request.top_p
+    nucleus = 0.0 < top_p < 1.0  # OpenAI's default 1.0 means "off"
 
     def sample(logprobs: mx.array) -> mx.array:  # (B, V) -> (B,)
         nonlocal draws
@@ -58,7 +67,7 @@ def make_request_sampler(temperature: float, top_p: float, seed: int) -> Sampler
 
 
 class UnseededSamplers:
-    """One sampler per (temperature, top_p) for the requests that name no seed.
+    """One sampler per setting of SAMPLER_FIELDS for the requests that name no seed.
 
     A request without a seed needs no stream of its own: sharing one lets mlx-lm sample a
     batch whose rows all share it in one call instead of one call per row (its
@@ -68,28 +77,32 @@ class UnseededSamplers:
     """
 
     def __init__(self) -> None:
-        self._samplers: dict[tuple[float, float], Sampler] = {}
+        self._samplers: dict[tuple[Any, ...], Sampler] = {}
 
     def for_request(self, request: GenerationRequest) -> Sampler:
         if request.seed is not None or request.temperature <= 0:
-            return make_request_sampler(request.temperature, request.top_p, request_seed(request))
-        settings = (request.temperature, request.top_p)
+            return make_request_sampler(request)
+        settings = tuple(getattr(request, name) for name in SAMPLER_FIELDS)
         sampler = self._samplers.get(settings)
         if sampler is None:
-            sampler = make_request_sampler(*settings, secrets.randbits(SEED_BITS))
+            sampler = make_request_sampler(request, secrets.randbits(SEED_BITS))
             self._samplers[settings] = sampler
         return sampler
 
 
 def make_request_processors(
-    repetition_penalty: float | None, presence_penalty: float, frequency_penalty: float
+    request: GenerationRequest, grammar: Processor | None = None
 ) -> list[Processor]:
-    """mlx-lm's logits processors for the request's penalties (an empty list when none)."""
-    return make_logits_processors(
-        repetition_penalty=repetition_penalty or None,
-        presence_penalty=presence_penalty or None,
-        frequency_penalty=frequency_penalty or None,
+    """The request's logits processors, in the order every engine applies them: mlx-lm's for
+    its penalties, then its compiled `grammar`, last, so that no penalty lifts its mask."""
+    processors = make_logits_processors(
+        repetition_penalty=request.repetition_penalty or None,
+        presence_penalty=request.presence_penalty or None,
+        frequency_penalty=request.frequency_penalty or None,
     )
+    if grammar is not None:
+        processors.append(grammar)
+    return processors
 
 
 def token_logprobs(logprobs: mx.array, token: int, top: int) -> tuple[float, TopLogprobs]:

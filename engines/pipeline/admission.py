@@ -1,45 +1,41 @@
-"""What the pipeline's wire can carry for a request: its sampling document, checked before
-the request queues (Engine.refusal) so that the API answers a 400 instead of a failed insert."""
+"""What the pipeline's wire carries for a request: the request as its last stage samples it,
+checked before the request queues (Engine.refusal) so that the API answers a 400 instead of a
+failed insert."""
 
 from __future__ import annotations
 
-from engines.core.engine import GenerationRequest
+from dataclasses import replace
+
+from engines.core.request import GenerationRequest
 from engines.decoding.sampling import request_seed
 from engines.pipeline import wire
-from engines.pipeline.sequence_documents import MAX_UID, PENALTY_CONTEXT, Sampling
+from engines.pipeline.sequence_documents import MAX_UID, PENALTY_CONTEXT, PREFIX_ENTRY
 from engines.pipeline.wire import Kind
+from planner.errors import RequestError
 
 
-def sampling_of(request: GenerationRequest) -> Sampling:
-    """What the last stage needs to sample this request's tokens."""
-    return Sampling(
-        request.temperature,
-        request.top_p,
-        request_seed(request),
-        request.request_id,
-        request.repetition_penalty,
-        request.presence_penalty,
-        request.frequency_penalty,
-        request.prompt_tokens[-PENALTY_CONTEXT:],
-        request.logprobs,
-        request.grammar,
-    )
+def sampling_of(request: GenerationRequest) -> GenerationRequest:
+    """The request a BEGIN carries to the last stage: its seed set, and of its prompt only the
+    tail the penalties look at."""
+    tail = request.prompt_tokens[-PENALTY_CONTEXT:]
+    return replace(request, prompt_tokens=tail, seed=request_seed(request))
 
 
-def wire_refusal(request: GenerationRequest, sampling: Sampling) -> str | None:
-    """Why the wire cannot carry `request`: a grammar too large for a BEGIN frame, or
-    sampling values the last stage would refuse (Sampling.of); None when it can."""
-    if request.grammar is not None:
-        begin = {**sampling.document(), "prefix_entry": MAX_UID}  # its largest BEGIN
-        try:
-            wire.document_frame(Kind.BEGIN, 0, begin)
-        except wire.WireError as error:
-            return (
-                f"the output grammar of {len(request.grammar)} characters does not fit in "
-                f"a pipeline BEGIN frame ({error}); use a smaller schema"
-            )
+def wire_refusal(request: GenerationRequest, sampling: GenerationRequest) -> str | None:
+    """Why the wire cannot carry `request`: a request out of its limits, or a BEGIN document
+    (a grammar, mostly) too large for a frame; None when it can."""
     try:
-        Sampling.of(sampling.document())
-    except wire.WireError as error:
+        sampling.check()
+    except RequestError as error:
         return f"request {request.request_id}: {error}"
+    begin = {**sampling.document(), PREFIX_ENTRY: MAX_UID}  # its largest BEGIN
+    try:
+        wire.document_frame(Kind.BEGIN, 0, begin)
+    except wire.WireError as error:
+        if request.grammar is None:
+            return f"request {request.request_id} does not fit in a pipeline BEGIN frame ({error})"
+        return (
+            f"the output grammar of {len(request.grammar)} characters does not fit in "
+            f"a pipeline BEGIN frame ({error}); use a smaller schema"
+        )
     return None

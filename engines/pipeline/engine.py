@@ -19,13 +19,13 @@ from engines.core.engine import (
     DEFAULT_PREFILL_CHUNK,
     Engine,
     EngineInfo,
-    GenerationRequest,
     StepOutput,
 )
+from engines.core.request import GenerationRequest
 from engines.decoding.grammar import GrammarCompiler
 from engines.observability.process_memory import parameter_bytes
 from engines.observability.step_timing import StepTimes
-from engines.pipeline import sequence_documents, wire
+from engines.pipeline import wire
 from engines.pipeline.admission import sampling_of, wire_refusal
 from engines.pipeline.batches import StageBatches
 from engines.pipeline.chain import Chain
@@ -63,7 +63,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
     ended sequences to keep and which entries to drop. Entries live as long as the session.
     """
 
-    # all at the last stage (sequence_documents.Sampling); a grammar is checked here first
+    # all at the last stage (the request BEGIN carries); a grammar is checked here first
     features = frozenset({"penalties", "logprobs", "grammar"})
 
     def __init__(
@@ -117,7 +117,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         self._chain: Chain | None = None
         self._schedule = MicroBatchSchedule(groups, prefill_chunk, 1 + len(stages))
         self._local: StageBatches | None = None  # stage 0's caches
-        self._sampling: dict[int, sequence_documents.Sampling] = {}
+        self._sampling: dict[int, GenerationRequest] = {}  # as BEGIN carries it
         self._grammars: GrammarCompiler | None = None  # checks grammars before the chain does
         self._awaiting: deque[wire.Frame] = deque()  # the answers due, in the order sent
         self._number = 0  # the last frame number sent down this session
@@ -293,7 +293,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         return cached
 
     def refusal(
-        self, request: GenerationRequest, sampling: sequence_documents.Sampling | None = None
+        self, request: GenerationRequest, sampling: GenerationRequest | None = None
     ) -> str | None:
         return wire_refusal(request, sampling or sampling_of(request))
 

@@ -15,11 +15,12 @@ import mlx.core as mx
 from discovery.framing import connect
 from discovery.handshake_gate import HandshakeGate
 from discovery.secure_channel import SecureChannel
+from engines.core.request import GenerationRequest
 from engines.decoding.grammar import GrammarCompiler
 from engines.decoding.sampling import make_request_sampler, token_logprobs
 from engines.pipeline import sequence_documents, wire
 from engines.pipeline.stage_model import StageModel
-from engines.pipeline.stage_session import _Scoring, _Session
+from engines.pipeline.stage_session import _Scoring, _Session, scores
 from engines.pipeline.stage_spec import StageSpec
 from engines.pipeline.wire import PURPOSE, Kind, WireError
 from planner.errors import ChannelError, EngineError
@@ -223,20 +224,18 @@ class EncryptedPipelineServer:
             self._roll_call(session, frame, setup=False)
         elif frame.kind is Kind.BEGIN:
             document = frame.document()
-            sampling = sequence_documents.Sampling.of(document)
+            request = sequence_documents.begin_request(document)
             row = frame.rows[0]
             session.batches.begin(
                 row.uid, row.position, sequence_documents.prefix_entry_of(document)
             )
             if last:
-                session.samplers[row.uid] = make_request_sampler(
-                    sampling.temperature, sampling.top_p, sampling.seed
-                )
-                if sampling.scored:
-                    session.scoring[row.uid] = self._scoring(row.uid, sampling)
+                session.samplers[row.uid] = make_request_sampler(request)
+                if scores(request):
+                    session.scoring[row.uid] = self._scoring(row.uid, request)
             else:
                 wire.send(session.outbound, frame, me)
-            log.debug("sequence %d (%s) began", frame.rows[0].uid, sampling.label)
+            log.debug("sequence %d (%s) began", frame.rows[0].uid, request.request_id)
         elif frame.kind is Kind.END:
             orders = sequence_documents.EndOrders.of(frame)
             held = session.batches.active
@@ -253,20 +252,20 @@ class EncryptedPipelineServer:
         else:
             self._run_hidden(session, frame)
 
-    def _scoring(self, uid: int, sampling: sequence_documents.Sampling) -> _Scoring:
+    def _scoring(self, uid: int, request: GenerationRequest) -> _Scoring:
         """A sequence's scoring; a grammar that does not compile refuses this sequence alone
         (its next TOKEN row says why) rather than the session."""
-        if sampling.grammar is None:
-            return _Scoring(sampling)
+        if request.grammar is None:
+            return _Scoring(request)
         if self.grammars is None:
             refusal = "this stage has no tokenizer to apply an output grammar with"
         else:
             try:
-                return _Scoring(sampling, self.grammars.processor(sampling.grammar))
+                return _Scoring(request, self.grammars.processor(request.grammar))
             except EngineError as error:
                 refusal = str(error)[: wire.MAX_REFUSAL_CHARS]
-        log.warning("sequence %d (%s) refused: %s", uid, sampling.label, refusal)
-        return _Scoring(sampling, refusal=refusal)
+        log.warning("sequence %d (%s) refused: %s", uid, request.request_id, refusal)
+        return _Scoring(request, refusal=refusal)
 
     def _run_hidden(self, session: _Session, frame: wire.Frame) -> None:
         """Run a HIDDEN frame through this stage's layers; pass it on, or answer with tokens."""

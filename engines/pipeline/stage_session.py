@@ -12,14 +12,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from engines.core.request import GenerationRequest
 from engines.decoding.grammar import LogitsProcessor
 from engines.decoding.sampling import Sampler, make_request_processors
-from engines.pipeline import sequence_documents
 from engines.pipeline.batches import StageBatches
 from engines.pipeline.frame_clock import StageMeter
 from engines.pipeline.stage_model import StageModel
-
-HISTORY_TOKENS = 64  # more than the penalties' window (sequence_documents.PENALTY_CONTEXT)
 
 
 class _Session:
@@ -56,43 +54,44 @@ class _Session:
 
 
 class _Scoring:
-    """A sequence's logits processors (with the tokens they look at), its grammar, its
-    logprobs count, or why it was refused (its grammar did not compile here)."""
+    """A sequence's logits processors (decoding/sampling.py's chain, as every engine's) with
+    the tokens they look at, its logprobs count, or why it was refused (its grammar did not
+    compile here)."""
 
     def __init__(
         self,
-        sampling: sequence_documents.Sampling,
+        request: GenerationRequest,
         grammar: LogitsProcessor | None = None,
         refusal: str | None = None,
     ) -> None:
-        self.processors = make_request_processors(
-            sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty
-        )
-        self.history = list(sampling.context)  # the prompt's tail, then every sampled token
-        self.grammar = grammar
-        self.generated: list[int] = []  # what the grammar has seen: every sampled token
-        self.logprobs = sampling.logprobs
+        self.processors = make_request_processors(request, grammar)
+        # what mlx-lm's BatchGenerator passes them: the prompt (its tail here), then every
+        # sampled token; the grammar takes its first call's length as the prompt's
+        self.tokens = list(request.prompt_tokens)
+        self.logprobs = request.logprobs
         self.refusal = refusal
 
     @property
     def processes(self) -> bool:
-        return bool(self.processors) or self.grammar is not None
+        return bool(self.processors)
 
     def process(self, logits: mx.array) -> mx.array:
-        """One row's raw logits (1, V) through the penalties, then the grammar: last, so that
-        no penalty lifts its mask (as SingleEngine orders them)."""
-        if self.processors:
-            context = mx.array(self.history[-HISTORY_TOKENS:], dtype=mx.int32)
-            for processor in self.processors:
-                logits = processor(context, logits)
-        if self.grammar is not None:
-            # the grammar counts the tokens since its first call, which sees none
-            logits = self.grammar(mx.array(self.generated, dtype=mx.int32), logits)
+        """One row's raw logits (1, V) through the request's processors, in their order."""
+        tokens = mx.array(self.tokens, dtype=mx.int32)
+        for processor in self.processors:
+            logits = processor(tokens, logits)
         return logits
 
     def sampled(self, token: int) -> None:
         if self.processors:
-            self.history.append(token)
-            del self.history[:-HISTORY_TOKENS]
-        if self.grammar is not None:
-            self.generated.append(token)
+            self.tokens.append(token)
+
+
+def scores(request: GenerationRequest) -> bool:
+    """Whether the last stage does more than sample `request`: logits processors (its grammar
+    among them) or logprobs."""
+    return (
+        request.grammar is not None
+        or request.logprobs is not None
+        or bool(make_request_processors(request))
+    )

@@ -35,12 +35,14 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from engines.core.request import MAX_TOP_LOGPROBS
 from planner.errors import ChannelError
 
 # 5: BEGIN carries an output grammar (a v4 last stage would ignore it and sample freely)
-VERSION = 5
+# 6: BEGIN carries the request's document (a v5 last stage would ignore its penalties)
+VERSION = 6
 PURPOSE = b"pipeline"  # the SecureChannel purpose of every pipeline hop
-AD_LABEL = b"tandem pipeline v5"
+AD_LABEL = b"tandem pipeline v6"
 HEADER = struct.Struct(">BBBBBQHIH")
 DIM = struct.Struct(">I")
 ROW = struct.Struct(">QI")
@@ -61,7 +63,6 @@ MAX_TIMED_STAGES = 255
 PREFILL_GROUP = 0xFFFF  # the group of prefill chunks; decode micro-batches are 0, 1, ...
 # SETUP is the first frame of a session: nobody knows the sender's range yet.
 SETUP_SENDER = range(0, 0)
-MAX_TOP_LOGPROBS = 20
 MAX_REFUSAL_CHARS = 512  # a TOKEN row's refusal message
 
 

@@ -17,9 +17,9 @@ from engines.core.engine import (
     DEFAULT_PREFILL_CHUNK,
     Engine,
     EngineInfo,
-    GenerationRequest,
     StepOutput,
 )
+from engines.core.request import GenerationRequest
 from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.grammar import GrammarCompiler
 from engines.decoding.sampling import UnseededSamplers, make_request_processors
@@ -116,11 +116,8 @@ class SingleEngine(Engine):
 
     def _insert_now(self, uid: int, request: GenerationRequest) -> int:
         sampler = self._samplers.for_request(request)
-        processors = make_request_processors(
-            request.repetition_penalty, request.presence_penalty, request.frequency_penalty
-        )
-        if request.grammar is not None:  # last: penalties must not lift the grammar's mask
-            processors.append(self._grammars.processor(request.grammar))
+        grammar = None if request.grammar is None else self._grammars.processor(request.grammar)
+        processors = make_request_processors(request, grammar)
         prompt = list(request.prompt_tokens)
         hit = self.prefix_index.lookup(prompt)
         caches, prefix = None, []

@@ -8,13 +8,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from mlx_lm.utils import load_config, load_tokenizer
 
 from discovery.json_child import ChildNotReady, JsonChild
-from engines.core.engine import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.core.engine import Engine, EngineInfo, StepOutput
+from engines.core.request import GenerationRequest
 from engines.decoding.sampling import request_seed
 from engines.observability.step_timing import StepTimes
 from engines.prefix_cache.index import PrefixIndex
@@ -161,21 +163,16 @@ class TensorParallelEngine(Engine):
         cached = hit.tokens if hit is not None else 0
         if self.prefix_index.enabled:
             self._tokens[uid] = list(request.prompt_tokens)
+        # every rank prefills the rest of the prompt and samples with the same seed
+        rest = replace(
+            request, prompt_tokens=request.prompt_tokens[cached:], seed=request_seed(request)
+        )
         self._inserts.append(
             {
                 "uid": uid,
                 "entry": hit.entry_id if hit is not None else -1,
                 "cached": cached,
-                "prompt": list(request.prompt_tokens[cached:]),
-                "max_tokens": request.max_tokens,
-                "temperature": request.temperature,
-                "top_p": request.top_p,
-                "seed": request_seed(request),
-                "repetition_penalty": request.repetition_penalty,
-                "presence_penalty": request.presence_penalty,
-                "frequency_penalty": request.frequency_penalty,
-                "logprobs": request.logprobs,
-                "grammar": request.grammar,
+                "request": rest.document(),
             }
         )
         self._prefilling.add(uid)

@@ -2,14 +2,16 @@
 
 A broadcast is an `all_sum` to which rank 0 contributes the values and every other rank
 zeros. Before every step rank 0 sends one header and, when the batch changes, a payload
-listing the removed uids and the inserted sequences (prompt, sampling parameters, output
-grammar); every rank then makes the same calls on its own shard, so every rank holds the same
-batch. All collectives run on mlx-lm's generation stream, so they stay ordered with the `all_sum`s
-inside the sharded layers that the batch generator has already queued.
+listing the removed uids and the inserted sequences (each its GenerationRequest's document, as
+JSON bytes packed in the words); every rank then makes the same calls on its own shard, so every
+rank holds the same batch. All collectives run on mlx-lm's generation stream, so they stay
+ordered with the `all_sum`s inside the sharded layers that the batch generator has already
+queued.
 """
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 from dataclasses import dataclass
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from planner.errors import EngineError
+from engines.core.request import GenerationRequest
+from planner.errors import EngineError, RequestError
 
 STEP = 1
 PING = 2
@@ -26,13 +29,12 @@ COMMAND_NAMES = {STEP: "step", PING: "ping", SHUTDOWN: "shutdown"}
 
 # [kind, payload words, advance (step the batch) 0/1, sync after this step 0/1, wait_after_us]
 HEADER_SIZE = 5
-# per inserted sequence: uid, prompt length, max_tokens, seed lo/hi, temperature lo/hi,
-# top_p lo/hi, repetition / presence / frequency penalty lo/hi each, logprobs (-1 = off),
-# prefix-cache entry (-1 = none), cached tokens taken from it, the grammar's length in UTF-8
-# bytes (0 = none), then the prompt's token ids (only those after the cached prefix), then the
-# grammar's bytes, 4 to a word (little-endian, the last word zero-padded)
-INSERT_FIELDS = 19
-GRAMMAR_BYTES_PER_WORD = 4
+# per inserted sequence: uid, prefix-cache entry (-1 = none), cached tokens taken from it, the
+# length in bytes of its request's JSON document, then that document, 4 bytes to a word
+# (little-endian, the last word zero-padded); the request's prompt holds only the tokens after
+# the cached prefix, and its seed is set
+INSERT_FIELDS = 4
+BYTES_PER_WORD = 4
 # Idle ranks must not wait inside a collective: mlx's ring (and JACCL) backends busy-poll
 # there, one core per idle rank. Every rank instead sleeps `wait_after` between headers,
 # starting short after real work and doubling up to the heartbeat while idle.
@@ -50,18 +52,9 @@ class Insert:
     """A sequence joining the batch, exactly as every rank must insert it."""
 
     uid: int
-    prompt: tuple[int, ...]
-    max_tokens: int
-    seed: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    repetition_penalty: float = 0.0  # 0 = off
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int = -1  # -1 = off; k >= 0: the token's logprob and the top k
+    request: GenerationRequest  # its prompt: only the tokens after the cached prefix
     entry: int = -1  # start from this prefix-cache entry (-1: from nothing) ...
-    cached: int = 0  # ... its first `cached` tokens; `prompt` holds only the rest
-    grammar: str | None = None  # llguidance grammar the output must match (None: free)
+    cached: int = 0  # ... its first `cached` tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,54 +71,28 @@ class Command:
     spills: tuple[int, ...] = ()  # prefix-cache entries every rank moves to its disk tier
 
 
-def _words(fmt: str, value: float | int) -> tuple[int, int]:
-    """A 64-bit value as two int32 words, so floats cross ranks bit-exact."""
-    low, high = struct.unpack("<ii", struct.pack(fmt, value))
-    return low, high
+def request_words(request: GenerationRequest) -> tuple[int, list[int]]:
+    """(byte length, int32 words) of the request's JSON document: 4 bytes to a word, the last
+    zero-padded. JSON numbers round-trip exactly, so floats cross ranks bit-exact."""
+    data = json.dumps(request.document(), separators=(",", ":")).encode()
+    padded = data + bytes(-len(data) % BYTES_PER_WORD)
+    return len(data), list(struct.unpack(f"<{len(padded) // BYTES_PER_WORD}i", padded))
 
 
-def _value(fmt: str, low: int, high: int) -> float | int:
-    return struct.unpack(fmt, struct.pack("<ii", low, high))[0]
-
-
-def grammar_words(grammar: str | None) -> tuple[int, list[int]]:
-    """(byte length, int32 words) of a grammar's UTF-8 text: 4 bytes to a word, zero-padded."""
-    data = (grammar or "").encode()
-    padded = data + bytes(-len(data) % GRAMMAR_BYTES_PER_WORD)
-    return len(data), list(struct.unpack(f"<{len(padded) // GRAMMAR_BYTES_PER_WORD}i", padded))
-
-
-def grammar_text(length: int, words: list[int]) -> str | None:
-    """The grammar `grammar_words` encoded; None for length 0."""
-    if not length:
-        return None
-    count = -(-length // GRAMMAR_BYTES_PER_WORD)
-    if length < 0 or len(words) != count:
-        raise ValueError(f"a {length}-byte grammar needs {count} words, got {len(words)}")
-    return struct.pack(f"<{count}i", *words)[:length].decode()
+def request_of(length: int, words: list[int]) -> GenerationRequest:
+    """The request `request_words` encoded, checked (ValueError or RequestError if not one)."""
+    count = -(-length // BYTES_PER_WORD)
+    if length <= 0 or len(words) != count:
+        raise ValueError(f"a {length}-byte request document needs {count} words, got {len(words)}")
+    data = struct.pack(f"<{count}i", *words)[:length]
+    return GenerationRequest.from_document(json.loads(data))
 
 
 def encode_payload(command: Command) -> list[int]:
     words = [len(command.removes), *command.removes, len(command.inserts)]
     for insert in command.inserts:
-        grammar_length, grammar = grammar_words(insert.grammar)
-        words += [
-            insert.uid,
-            len(insert.prompt),
-            insert.max_tokens,
-            *_words("<Q", insert.seed),
-            *_words("<d", insert.temperature),
-            *_words("<d", insert.top_p),
-            *_words("<d", insert.repetition_penalty),
-            *_words("<d", insert.presence_penalty),
-            *_words("<d", insert.frequency_penalty),
-            insert.logprobs,
-            insert.entry,
-            insert.cached,
-            grammar_length,
-            *insert.prompt,
-            *grammar,
-        ]
+        length, document = request_words(insert.request)
+        words += [insert.uid, insert.entry, insert.cached, length, *document]
     return words + [len(command.evicts), *command.evicts, len(command.spills), *command.spills]
 
 
@@ -140,42 +107,19 @@ def decode_payload(
         at = 1 + count
         inserts = []
         for _ in range(words[at]):
-            fields = words[at + 1 : at + 1 + INSERT_FIELDS]
-            uid, length, max_tokens, logprobs = fields[0], fields[1], fields[2], fields[15]
-            entry, cached, grammar_length = fields[16], fields[17], fields[18]
-            seed = int(_value("<Q", *fields[3:5]))
-            temperature, top_p, repetition, presence, frequency = (
-                float(_value("<d", *fields[index : index + 2])) for index in range(5, 15, 2)
-            )
+            uid, entry, cached, length = words[at + 1 : at + 1 + INSERT_FIELDS]
             at += INSERT_FIELDS
-            prompt = tuple(words[at + 1 : at + 1 + length])
-            at += length
-            grammar_count = -(-grammar_length // GRAMMAR_BYTES_PER_WORD)
-            grammar = grammar_text(grammar_length, words[at + 1 : at + 1 + grammar_count])
-            at += grammar_count
-            inserts.append(
-                Insert(
-                    uid,
-                    prompt,
-                    max_tokens,
-                    seed,
-                    temperature,
-                    top_p,
-                    repetition,
-                    presence,
-                    frequency,
-                    logprobs,
-                    entry,
-                    cached,
-                    grammar,
-                )
-            )
+            count = -(-length // BYTES_PER_WORD)
+            request = request_of(length, words[at + 1 : at + 1 + count])
+            at += count
+            inserts.append(Insert(uid, request, entry, cached))
         at += 1
         evicts = tuple(words[at + 1 : at + 1 + words[at]])
         at += len(evicts) + 1
         spills = tuple(words[at + 1 : at + 1 + words[at]])
         at += len(spills)
-    except (IndexError, ValueError, struct.error) as error:  # UnicodeDecodeError is a ValueError
+    # UnicodeDecodeError and json's JSONDecodeError are ValueErrors
+    except (IndexError, ValueError, RequestError, struct.error) as error:
         raise EngineError(f"malformed lockstep payload ({error}): ranks are out of step") from None
     if at + 1 != len(words):
         raise EngineError("lockstep payload has trailing words: ranks are out of step")

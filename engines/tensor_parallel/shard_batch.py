@@ -60,24 +60,23 @@ class ShardBatch:
         self._batch.remove(command.removes)
         first_tokens: list[tuple[Any, ...]] = []  # sampled at insert
         for insert in command.inserts:
-            sampler = make_request_sampler(insert.temperature, insert.top_p, insert.seed)
-            processors = make_request_processors(
-                insert.repetition_penalty, insert.presence_penalty, insert.frequency_penalty
-            )
-            if insert.grammar is not None:  # last: penalties must not lift the grammar's mask
+            request = insert.request
+            grammar = None
+            if request.grammar is not None:
                 if self._grammars is None:
                     raise EngineError("a sequence with a grammar reached a batch without grammars")
-                processors.append(self._grammars.processor(insert.grammar))
+                grammar = self._grammars.processor(request.grammar)
+            sampler = make_request_sampler(request)
+            processors = make_request_processors(request, grammar)
             caches, prefix = None, []
             if insert.entry >= 0:
                 try:
                     caches, prefix = self.prefixes.take_prefix(insert.entry, insert.cached)
                 except DiskUnreadable as error:  # this rank alone: the ranks would diverge
                     raise EngineError(f"prefix-cache disk tier: {error}") from error
-            top = insert.logprobs if insert.logprobs >= 0 else None
             first = self._batch.insert(
-                insert.uid, insert.prompt, insert.max_tokens, sampler, processors, top,
-                caches, prefix,
+                insert.uid, request.prompt_tokens, request.max_tokens, sampler, processors,
+                request.logprobs, caches, prefix,
             )  # fmt: skip
             if first is not None:  # the rest and the first token in one pass, on every rank
                 first_tokens.append(self._reported(first))

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from engines.core.request import MAX_TOKEN_ID, GenerationRequest
 from engines.tensor_parallel.lockstep import STEP, Command, Insert
 from engines.tensor_parallel.rank_grammar import RankGrammars
-from planner.errors import EngineError
+from planner.errors import EngineError, RequestError
 
 
 def parse_insert(
@@ -17,37 +18,22 @@ def parse_insert(
 ) -> Insert:
     """Validate one inserted sequence before any rank sees it (a refusal keeps ranks in step).
 
-    A grammar is compiled here, on rank 0, so one that fails is refused for its sequence
-    instead of failing a rank after the broadcast.
+    Its request is checked as every request is (GenerationRequest.check); here its prompt is
+    checked against the model's vocabulary, its seed must be set (every rank samples with it),
+    and a grammar is compiled, on rank 0, so one that fails is refused for its sequence instead
+    of failing a rank after the broadcast.
     """
     if not isinstance(message, dict):
         raise ValueError("an insert must be a JSON object")
-    prompt = message.get("prompt")
-    if not isinstance(prompt, list) or not prompt:
-        raise ValueError("prompt must be a non-empty list of token ids")
-    limit = vocab_size if isinstance(vocab_size, int) else 2**31
-    if not all(isinstance(token, int) and 0 <= token < limit for token in prompt):
+    try:
+        request = GenerationRequest.from_document(message.get("request"))
+    except RequestError as error:
+        raise ValueError(str(error)) from None
+    limit = vocab_size if isinstance(vocab_size, int) else MAX_TOKEN_ID + 1
+    if not all(token < limit for token in request.prompt_tokens):
         raise ValueError(f"prompt token ids must be integers in [0, {limit})")
-    max_tokens = message.get("max_tokens")
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens < 2**31:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    temperature = float(message.get("temperature", 0.0))
-    top_p = float(message.get("top_p", 1.0))
-    seed = message.get("seed", 0)
-    if temperature < 0 or not 0 <= top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 <= top_p <= 1, got {temperature}, {top_p}")
-    if not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    penalties = [
-        float(message.get(name) or 0.0)
-        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")
-    ]
-    if penalties[0] < 0:
-        raise ValueError(f"repetition_penalty must be >= 0, got {penalties[0]}")
-    logprobs = message.get("logprobs")
-    logprobs = -1 if logprobs is None else logprobs
-    if not isinstance(logprobs, int) or not -1 <= logprobs <= 20:
-        raise ValueError(f"logprobs must be an integer in [0, 20] or null, got {logprobs!r}")
+    if request.seed is None:
+        raise ValueError("an insert's seed must be set: every rank samples with it")
     entry, cached = message.get("entry", -1), message.get("cached", 0)
     if not isinstance(entry, int) or not isinstance(cached, int) or not -1 <= entry < 2**31:
         raise ValueError(f"entry and cached must be integers, got {entry!r}, {cached!r}")
@@ -55,29 +41,13 @@ def parse_insert(
         raise ValueError(
             f"a prefix-cache start needs an entry and cached > 0, got {entry}, {cached}"
         )
-    grammar = message.get("grammar")
-    if grammar is not None:
-        check_grammar(grammar, grammars)
-    return Insert(
-        message["uid"],
-        tuple(prompt),
-        max_tokens,
-        seed,
-        temperature,
-        top_p,
-        *penalties,
-        logprobs,
-        entry,
-        cached,
-        grammar,
-    )
+    if request.grammar is not None:
+        check_grammar(request.grammar, grammars)
+    return Insert(message["uid"], request, entry, cached)
 
 
-def check_grammar(grammar: Any, grammars: RankGrammars | None) -> None:
-    """ValueError unless `grammar` is text that compiles against this model's tokenizer."""
-    if not isinstance(grammar, str) or not grammar:
-        raise ValueError("grammar must be a non-empty string or null")
-    grammar.encode()  # a lone surrogate cannot cross the lockstep: UnicodeEncodeError
+def check_grammar(grammar: str, grammars: RankGrammars | None) -> None:
+    """ValueError unless `grammar` compiles against this model's tokenizer."""
     if grammars is None:
         raise ValueError("this rank has no grammar compiler")
     try:

@@ -1,8 +1,8 @@
 """One tensor-parallel rank as a process: `python -m engines.tensor_parallel.worker`.
 
 stdin:  line 1 is the JSON WorkerSpec; rank 0 then reads commands, one JSON object per line:
-        {"cmd": "step", "remove": [uid, ...], "insert": [{"uid", "prompt", "max_tokens",
-        "temperature", "top_p", "seed", "grammar", ...}, ...], "advance": true|false},
+        {"cmd": "step", "remove": [uid, ...], "insert": [{"uid", "entry", "cached", "request":
+        GenerationRequest.document()}, ...], "advance": true|false},
         {"cmd": "shutdown"}.
 stdout: JSON lines only: {"event": "ready", ...} or {"event": "failed", "reason"} once loaded;
         rank 0 then answers every step with {"tokens": [[uid, token], ...], "refused":

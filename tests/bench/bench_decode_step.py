@@ -19,7 +19,7 @@ import time
 
 from engines.api.completions import CompletionChunks
 from engines.api.streaming import encode_event
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.demo import ensure_demo_model
 from engines.single.engine import SingleEngine

@@ -16,7 +16,7 @@ from pathlib import Path
 from llguidance import LLMatcher
 
 from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.demo import ensure_demo_model
 from engines.single.engine import SingleEngine

@@ -23,7 +23,7 @@ from pathlib import Path
 from discovery.cluster_key import generate_key
 from discovery.framing import connect, recv_frame, send_frame
 from discovery.sealing import derive_session_keys
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.demo import write_demo_model
 from engines.model.demo_spec import DemoSpec

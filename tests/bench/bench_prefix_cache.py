@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.demo import ensure_demo_model
 from tests.bench.bench_single import MODEL, MODEL_CACHE, ServerProcess, tandem_command

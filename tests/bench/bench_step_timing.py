@@ -18,7 +18,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.demo import write_demo_model
 from engines.model.demo_spec import DemoSpec

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.model.demo import ensure_demo_model
 from engines.model.demo_spec import DemoSpec
 from engines.single.engine import SingleEngine

@@ -16,7 +16,8 @@ from discovery.control import MemoryReport
 from discovery.members import CONNECTED, LOST
 from discovery.memory_tiers import CRITICAL, OK, WARN
 from engines.cluster.pressure import PressureController, PressureSettings, plan_tiers
-from engines.core.engine import Engine, GenerationRequest, StepOutput
+from engines.core.engine import Engine, StepOutput
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.core.service import Service
 from engines.single.engine import SingleEngine

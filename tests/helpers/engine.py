@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.core.engine import Engine, GenerationRequest
+from engines.core.engine import Engine
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from planner.errors import EngineError
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.cluster_key import format_key
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.stage_worker import StageProcess

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
 from tests.helpers.serve import ServeProcess

@@ -9,7 +9,8 @@ from typing import Any
 
 from engines.cluster.launch import LaunchSettings
 from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
-from engines.core.engine import Engine, EngineInfo, GenerationRequest, StepOutput
+from engines.core.engine import Engine, EngineInfo, StepOutput
+from engines.core.request import GenerationRequest
 from engines.core.service import Service
 from engines.model.info import inspect_model
 from planner import NodeResources, Parallelism

@@ -18,7 +18,7 @@ import pytest
 from cli.status import engine_steps, parse_metrics
 from discovery.cluster_key import generate_key
 from engines.api.dashboard_view import render_requests
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.pipeline import sequence_documents, wire
 from engines.pipeline.engine import EncryptedPipelineEngine
@@ -330,7 +330,8 @@ def test_wrong_cluster_key_is_refused_and_the_session_survives(
 
 def test_out_of_range_sampling_is_refused_before_the_chain(two_stages: Pipeline) -> None:
     refused = run(two_stages.runner, make_request(two_stages.runner, PROMPTS[0], temperature=-1.0))
-    assert refused.finish == "error" and "temperature -1.0" in (refused.error or "")
+    reason = "temperature must be a number in [0, 2], got -1.0"  # GenerationRequest.check
+    assert refused.finish == "error" and reason in (refused.error or ""), refused.error
     assert two_stages.engine.healthy()
     assert_same(two_stages, make_request(two_stages.runner, PROMPTS[0], max_tokens=8))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from llguidance import LLMatcher
 
 from discovery.cluster_key import generate_key
 from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.pipeline import sequence_documents
 from planner import allocate_layers
 from tests.helpers.api import CLOCK, WEATHER, assert_error, chat_body, make_service, open_client
@@ -217,9 +218,10 @@ def test_the_api_honours_constraints_on_the_pipeline(
 
 
 def test_begin_documents_carry_the_grammar() -> None:
-    sampling = sequence_documents.Sampling(0.0, 1.0, 3, "x", logprobs=1, grammar=JSON_OBJECT)
-    assert sequence_documents.Sampling.of(sampling.document()) == sampling
-    assert "grammar" not in sequence_documents.Sampling(0.0, 1.0, 3).document()
+    request = GenerationRequest("x", (1, 2), 4, seed=3, logprobs=1, grammar=JSON_OBJECT)
+    assert sequence_documents.begin_request(request.document()) == request
+    free = replace(request, grammar=None).document()
+    assert sequence_documents.begin_request(free).grammar is None
 
 
 def test_a_schema_too_large_for_the_wire_is_a_400_before_queueing(

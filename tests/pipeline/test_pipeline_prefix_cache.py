@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from discovery.cluster_key import generate_key
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.schedule import MicroBatchSchedule

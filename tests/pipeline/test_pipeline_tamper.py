@@ -22,12 +22,14 @@ from discovery.cluster_key import generate_key
 from discovery.framing import ChannelTimeout
 from discovery.sealing import derive_session_keys
 from discovery.secure_channel import SecureChannel
+from engines.core.request import GenerationRequest
 from engines.pipeline import wire
+from engines.pipeline.admission import sampling_of
 from engines.pipeline.sequence_documents import (
     MAX_EVICT_PER_END,
-    MAX_GRAMMAR_CHARS,
+    PENALTY_CONTEXT,
     EndOrders,
-    Sampling,
+    begin_request,
     end_frame,
     prefix_entry_of,
 )
@@ -47,6 +49,8 @@ JSON_OBJECT = LLMatcher.grammar_from_json_schema(
 )
 # Valid without a tokenizer, but token 999999 is not in the demo model's vocabulary.
 UNKNOWN_TOKEN = LLMatcher.grammar_from_lark('start: "a" <[999999]>')
+# What a BEGIN carries: a request's document (greedy, seeded, the prompt's tail)
+GREEDY = GenerationRequest("tamper", (0,), 1, seed=0).document()
 
 
 class RecordingSocket(socket.socket):
@@ -123,7 +127,7 @@ class Chain:
         self, uid: int, position: int = 0, entry: object = None, grammar: str | None = None
     ) -> None:
         """BEGIN `uid`, from the first `position` tokens of prefix entry `entry` if given."""
-        document = {"id": "tamper", "temperature": 0.0, "top_p": 1.0, "seed": 0}
+        document = dict(GREEDY)
         if entry is not None:
             document["prefix_entry"] = entry
         if grammar is not None:
@@ -522,8 +526,7 @@ def test_frame_bound_to_something_else(
     stage: LiveStage, chain: Chain, number: int, sender: range
 ) -> None:
     def attack() -> None:
-        document = {"id": "x", "temperature": 0.0, "top_p": 1.0, "seed": 0}
-        frame = wire.document_frame(Kind.BEGIN, number, document, [Row(1, 0)])
+        frame = wire.document_frame(Kind.BEGIN, number, GREEDY, [Row(1, 0)])
         chain.out.send(wire.encode(frame), wire.associated_data(number, sender))
 
     reject(stage, chain, attack, "failed authentication")
@@ -587,7 +590,7 @@ def test_an_ended_sequence_cannot_decode(stage: LiveStage, chain: Chain) -> None
 
 
 def begin_with_grammar(grammar: object) -> Frame:
-    document = {"temperature": 0.0, "top_p": 1.0, "seed": 0, "grammar": grammar}
+    document = {**GREEDY, "grammar": grammar}
     return wire.document_frame(Kind.BEGIN, 1, document, [Row(1, 0)])
 
 
@@ -597,9 +600,9 @@ def begin_with_grammar(grammar: object) -> Frame:
         (Frame(Kind.BEGIN, 1, rows=(Row(1, 0),), body=b"{not json"), "not UTF-8 JSON"),
         (Frame(Kind.BEGIN, 1, rows=(Row(1, 0),), body=b'{"temperature": 0}'), "malformed BEGIN"),
         (Frame(Kind.BEGIN, 1, body=b"{}"), "BEGIN frame has no rows"),
-        (begin_with_grammar(123), "BEGIN grammar '123' is not a text"),
-        (begin_with_grammar(""), "BEGIN grammar '' is not a text"),
-        (begin_with_grammar(["start: a"]), "is not a text"),
+        (begin_with_grammar(123), "grammar must be null or a non-empty text, got 123"),
+        (begin_with_grammar(""), "grammar must be null or a non-empty text, got ''"),
+        (begin_with_grammar(["start: a"]), "grammar must be null or a non-empty text"),
         (
             wire.token_frame(1, 0, 1, [Row(1, 0)], [5]),
             "expected a BEGIN or HIDDEN or END or STATUS",
@@ -750,15 +753,32 @@ def test_end_orders_round_trip_and_refusals() -> None:
 
 
 def test_grammars_and_refusals_round_trip_and_malformed_ones_are_refused() -> None:
-    sampling = Sampling(0.5, 0.9, 7, "x", grammar=JSON_OBJECT)
-    assert sampling.scored and Sampling.of(sampling.document()) == sampling
+    request = GenerationRequest("x", tuple(range(30)), 8, 0.5, 0.9, grammar=JSON_OBJECT)
+    sampling = sampling_of(request)  # the prompt's tail, a seed of its own
+    assert sampling.prompt_tokens == tuple(range(30 - PENALTY_CONTEXT, 30))
+    assert sampling.seed is not None and sampling.grammar == JSON_OBJECT
     document = sampling.document()
-    for bad in (None, "", 5, True, ["x"], {"x": 1}, "x" * (MAX_GRAMMAR_CHARS + 1)):
+    assert begin_request({**document, "prefix_entry": 3}) == sampling
+    for bad in (None, "", 5, True, ["x"], {"x": 1}):
         if bad is None:
-            assert Sampling.of({**document, "grammar": None}).grammar is None
+            assert begin_request({**document, "grammar": None}).grammar is None
             continue
-        with pytest.raises(WireError, match="BEGIN grammar"):
-            Sampling.of({**document, "grammar": bad})
+        with pytest.raises(WireError, match="BEGIN document: grammar must be"):
+            begin_request({**document, "grammar": bad})
+    for field, bad, reason in (
+        ("seed", None, "its seed is not set"),
+        ("seed", 2**64 - 1, "seed must be"),
+        ("temperature", 2.5, "temperature must be"),
+        ("top_p", 0, "top_p must be"),
+        ("presence_penalty", float("nan"), "presence_penalty must be"),
+        ("repetition_penalty", 0, "repetition_penalty must be"),
+        ("logprobs", 21, "logprobs must be"),
+        ("prompt_tokens", list(range(PENALTY_CONTEXT + 1)), "more than the penalties'"),
+        ("prompt_tokens", [-1], "prompt_tokens must be"),
+        ("id", "x", "id must be absent"),
+    ):
+        with pytest.raises(WireError, match=reason):
+            begin_request({**document, field: bad})
     rows = [Row(1, 4), Row(2, 9), Row(3, 0)]
     frame = wire.token_frame(5, 0, 1, rows, [11, 12, 13], scores=[None, "refused", (-0.5, ())])
     assert wire.decode(wire.encode(frame)).scores() == [None, "refused", (-0.5, ())]
@@ -827,14 +847,10 @@ PLAINTEXTS = [
     wire.encode(wire.hidden_frame(1, wire.PREFILL_GROUP, 1, [Row(1, 0)], mx.zeros((1, 3, 16)))),
     wire.encode(wire.token_frame(1, 0, 1, [Row(1, 0), Row(2, 3)], [42, 43])),
     wire.encode(wire.token_frame(1, wire.PREFILL_GROUP, 1, [Row(1, 0)], [])),
-    wire.encode(wire.document_frame(Kind.BEGIN, 1, {"seed": 1, "temperature": 0.0}, [Row(1, 0)])),
+    wire.encode(wire.document_frame(Kind.BEGIN, 1, GREEDY, [Row(1, 0)])),
     wire.encode(end_frame(1, [1, 2, 3])),
     wire.encode(end_frame(1, [1, 2], keep=[(1, 40)], evict=[7, 8])),
-    wire.encode(
-        wire.document_frame(
-            Kind.BEGIN, 1, {"seed": 1, "temperature": 0.0, "prefix_entry": 4}, [Row(1, 9)]
-        )
-    ),
+    wire.encode(wire.document_frame(Kind.BEGIN, 1, {**GREEDY, "prefix_entry": 4}, [Row(1, 9)])),
 ]
 
 

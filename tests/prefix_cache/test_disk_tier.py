@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable, tier_root
 from engines.prefix_cache.index import PrefixHit, PrefixIndex

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.prefix_cache.index import PrefixHit, PrefixIndex
 from engines.single.engine import SingleEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.prefix_cache.shared_prefill import PrefillSharing
 from engines.single.engine import SingleEngine

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.core.engine import GenerationRequest
+from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
 from tests.helpers.engine import make_request, run_all, run_one

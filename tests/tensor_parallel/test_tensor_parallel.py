@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from llguidance import LLMatcher
 
 from cli.status import engine_steps, parse_metrics
 from engines.api.constraints import JSON_OPTIONS
-from engines.core.engine import GenerationRequest
+from engines.core.request import MAX_SEED, MAX_TOP_LOGPROBS, GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
 from engines.tensor_parallel import (
@@ -41,11 +42,12 @@ from engines.tensor_parallel.lockstep import (
     decode_payload,
     encode_header,
     encode_payload,
-    grammar_text,
-    grammar_words,
     idle_wait_s,
+    request_of,
+    request_words,
 )
 from engines.tensor_parallel.shard_batch import ShardBatch
+from engines.tensor_parallel.step_commands import parse_insert, parse_step
 from planner.errors import EngineError
 from tests.helpers.api import chat_body, make_service, open_client
 from tests.helpers.engine import (
@@ -490,12 +492,19 @@ def test_an_invalid_spec_is_reported_on_stdout(tmp_path):
 
 
 def test_step_commands_round_trip_exact_floats_and_large_seeds():
+    def sequence(uid: int, prompt: tuple[int, ...], max_tokens: int, **fields: Any) -> Any:
+        return GenerationRequest(f"r{uid}", prompt, max_tokens, **fields)
+
+    full = sequence(
+        7, (5, 6, 7), 99, seed=MAX_SEED, temperature=0.7, top_p=0.95, stop=("\u00e9", "."),
+        repetition_penalty=1.3, presence_penalty=0.25, frequency_penalty=-0.1, logprobs=3,
+    )  # fmt: skip
     inserts = (
-        Insert(7, (5, 6, 7), 99, 2**63 + 11, 0.7, 0.95, 1.3, 0.25, 0.5, 3),
-        Insert(8, (1,), 3, 0, 0.0, 1.0, entry=5, cached=40),
-        # grammars of every length modulo 4 and multi-byte UTF-8 cross in whole words
+        Insert(7, full),
+        Insert(8, sequence(8, (1,), 3, seed=0), entry=5, cached=40),
+        # documents of every length modulo 4 and multi-byte UTF-8 cross in whole words
         *(
-            Insert(9 + size, (2, 3), 4, grammar=text, entry=size, cached=size + 1)
+            Insert(9 + size, sequence(9, (2, 3), 4, grammar=text), entry=size, cached=size + 1)
             for size, text in enumerate(("x", "{}", '\u00e9"', "\u20ac\U0001f600", GRAMMAR))
         ),
     )
@@ -514,11 +523,37 @@ def test_step_commands_round_trip_exact_floats_and_large_seeds():
     assert decode_payload(payload) == ((2, 4), inserts, (5, 9), (7,))
     with pytest.raises(EngineError, match="out of step"):
         decode_payload(payload + [0])
-    assert grammar_words("\u20ac") == (3, [0x00AC82E2])  # UTF-8 E2 82 AC, zero-padded
-    assert grammar_text(*grammar_words(GRAMMAR)) == GRAMMAR
-    one = encode_payload(Command(STEP, (Insert(1, (2,), 3, grammar="abcde"),)))
+    length, document = request_words(full)
+    assert request_of(length, document) == full
+    assert len(document) == -(-length // 4)
+    one = encode_payload(Command(STEP, (Insert(1, sequence(1, (2,), 3, grammar="abcde")),)))
     with pytest.raises(EngineError, match="out of step"):
-        decode_payload(one[:-2] + one[-1:])  # a grammar word lost
+        decode_payload(one[:-2] + one[-1:])  # a document word lost
+    # a document every rank could read but no request may carry: out of step, not inserted
+    bad = encode_payload(Command(STEP, (Insert(1, replace(full, temperature=2.5)),)))
+    with pytest.raises(EngineError, match="temperature must be"):
+        decode_payload(bad)
+
+
+def test_rank_zero_checks_each_insert_and_refuses_it_alone():
+    good = GenerationRequest("g", (1, 2), 4, seed=3)
+    message = {"uid": 1, "entry": -1, "cached": 0, "request": good.document()}
+    assert parse_insert(message, 100) == Insert(1, good)
+    for change, reason in (
+        ({"prompt_tokens": [1, 100]}, "token ids must be integers in \\[0, 100\\)"),
+        ({"seed": None, "temperature": 0.5}, "seed must be set"),
+        ({"seed": MAX_SEED + 1}, "seed must be"),
+        ({"top_p": 0}, "top_p must be"),
+        ({"max_tokens": 0}, "max_tokens must be"),
+        ({"logprobs": MAX_TOP_LOGPROBS + 1}, "logprobs must be"),
+        ({"unknown": 1}, "not a request field"),
+    ):
+        document = {**good.document(), **change}
+        with pytest.raises(ValueError, match=reason):
+            parse_insert({**message, "request": document}, 100)
+    command, refused = parse_step({"insert": [{**message, "request": None}, message]}, 100)
+    assert command.inserts == (Insert(1, good),)
+    assert refused == [(1, "request must be a JSON object, got None")]
 
 
 def test_sync_detects_diverging_ranks():
@@ -537,7 +572,7 @@ def test_a_shard_batch_in_a_group_of_one_equals_single(demo_model_dir, single_ru
     ]
     lockstep = Lockstep(mx.distributed.init())  # a group of one: the same broadcasts
     batch = ShardBatch(engine.model, max_batch=4)
-    inserts = tuple(Insert(i, p, 16) for i, p in enumerate(prompts))
+    inserts = tuple(Insert(i, GenerationRequest(f"s{i}", p, 16)) for i, p in enumerate(prompts))
     got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     command = lockstep.broadcast_command(Command(STEP, inserts))
     while any(len(tokens) < 16 for tokens in got.values()):
@@ -581,13 +616,14 @@ def test_a_shard_batch_keeps_ended_sequences_and_starts_from_them(single_runner)
     follow_up = shared + tuple(engine.tokenizer.encode(" and so on"))
     cold = run_one(single_runner, GenerationRequest("cold", follow_up, 12)).tokens
     batch = ShardBatch(engine.model, max_batch=4, keep_prefixes=True)
-    batch.apply(Command(STEP, (Insert(0, shared, 1),)))
+    batch.apply(Command(STEP, (Insert(0, GenerationRequest("shared", shared, 1)),)))
     batch.apply(Command(STEP, removes=(0,), advance=False))
     ((uid, held, nbytes),) = batch.drain_kept()
     assert uid == 0 and held <= len(shared) and nbytes > 0
     rest = follow_up[held:]
     got: list[int] = []
-    command = Command(STEP, (Insert(1, rest, 12, entry=0, cached=held),), evicts=(0,))
+    resumed = Insert(1, GenerationRequest("rest", rest, 12), entry=0, cached=held)
+    command = Command(STEP, (resumed,), evicts=(0,))
     while len(got) < 12:
         got += [token for _, token in batch.apply(command)]
         command = Command(STEP)

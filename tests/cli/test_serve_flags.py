@@ -1,0 +1,24 @@
+"""`tandem serve`'s flags that bound a request take their limits from the request's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli.main import build_parser
+from cli.serve import config_from_args
+from cli.serve_config import ServeConfig
+from engines.core.request import MAX_TOKENS
+from planner.errors import ConfigError
+
+KEY = ["--cluster-key", "tandem-" + "A" * 43]
+
+
+def serve_config(*flags: str) -> ServeConfig:
+    return config_from_args(build_parser().parse_args(["serve", *KEY, *flags]))
+
+
+def test_max_tokens_cap_stays_within_what_a_request_may_ask() -> None:
+    assert serve_config("--max-tokens-cap", str(MAX_TOKENS)).max_tokens_cap == MAX_TOKENS
+    for bad in (0, MAX_TOKENS + 1):
+        with pytest.raises(ConfigError, match=f"between 1 and {MAX_TOKENS}, got {bad}"):
+            serve_config("--max-tokens-cap", str(bad))
