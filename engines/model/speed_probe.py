@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import sys
 import time
 from typing import Any
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 4, 8, 16)  # sequences decoded together
 CONTEXT_TOKENS = 32  # already in the KV cache when a decode step is timed
-REPEATS = 9  # timed steps per point; the fastest is kept
+REPEATS = 9  # timed steps per point; the median is kept
 SMALLEST_S = 1e-7  # a difference of two timings is never below this
 LONG_MODEL_LAYERS = 5
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -66,26 +67,26 @@ def _build(config: dict[str, Any], float32: bool) -> nn.Module:
     return model
 
 
-def _fastest_s(step: Any) -> float:
+def _median_s(step: Any) -> float:
     step()  # warm-up: the first call compiles and allocates
     times = []
     for _ in range(REPEATS):
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    return min(times)
+    return statistics.median(times)
 
 
 def _decode_s(model: nn.Module, rows: int) -> float:
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((rows, CONTEXT_TOKENS), dtype=mx.int32), cache=cache))
     token = mx.ones((rows, 1), dtype=mx.int32)
-    return _fastest_s(lambda: mx.eval(model(token, cache=cache)))
+    return _median_s(lambda: mx.eval(model(token, cache=cache)))
 
 
 def _prefill_s(model: nn.Module, chunk: int) -> float:
     tokens = mx.ones((1, chunk), dtype=mx.int32)
-    return _fastest_s(lambda: mx.eval(model(tokens, cache=make_prompt_cache(model))))
+    return _median_s(lambda: mx.eval(model(tokens, cache=make_prompt_cache(model))))
 
 
 def _layer_and_rest(config: dict[str, Any], ranks: int, rows: tuple[int, ...], float32: bool):

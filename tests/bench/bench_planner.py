@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from tests.bench import bench_scaling as scaling
 from tests.bench.common import markdown_table, write_section
@@ -27,6 +30,9 @@ from tests.lab.machines import Lab, MachineSpec, lab_unavailable
 
 ROUNDS = 3
 AGGREGATE_ROUNDS = 2
+# ~500 prompt tokens with the demo tokenizer, for the time to first token the cost model
+# predicts (planner/speed.py: PREDICTION_PROMPT_TOKENS)
+LONG_PROMPT = " ".join(f"word{index} and" for index in range(170))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +74,7 @@ def run(
         scaling.one_stream(url)  # warm-up
         singles = [scaling.one_stream(url) for _ in range(ROUNDS)]
         aggregate = statistics.median(scaling.many_streams(url) for _ in range(AGGREGATE_ROUNDS))
+        ttft_long, prompt_tokens = long_prompt_ttft(url)
     plan = status.get("plan") or {}
     predictions = plan.get("predictions") or []
     return {
@@ -78,9 +85,18 @@ def run(
         "predictions": predictions,
         "predicted": predictions[0] if predictions else None,
         "decode": statistics.median(rate for rate, _ in singles),
-        "ttft": statistics.median(ttft for _, ttft in singles),
+        "ttft": ttft_long,
+        "prompt_tokens": prompt_tokens,
         "aggregate": aggregate,
     }
+
+
+def long_prompt_ttft(url: str) -> tuple[float, int]:
+    """(seconds to the one token of a LONG_PROMPT completion, its prompt tokens)."""
+    body = {"model": "demo", "prompt": LONG_PROMPT, "max_tokens": 1, "temperature": 0}
+    started = time.monotonic()
+    reply = httpx.post(url + "/v1/completions", json=body, timeout=300).json()
+    return time.monotonic() - started, int(reply["usage"]["prompt_tokens"])
 
 
 def error(predicted: float, measured: float) -> float:
@@ -105,11 +121,21 @@ def main() -> None:
             continue
         auto = run(setup, "auto", model_args)
         forced = {p: run(setup, p, model_args) for p in ("single", "tp", "pp")}
-        measured = {f"{r['strategy']}" + (f"={r['ranks']}" if r["ranks"] > 1 else ""): r
-                    for r in forced.values() if r["predicted"]}  # fmt: skip
+        # what auto predicted for each plan over all the machines (single: the coordinator)
+        everyone = len(setup.specs)
+        candidates = {
+            p["label"]: p
+            for p in auto["predictions"]
+            if p["strategy"] == "single" or len(p["nodes"]) == everyone
+        }
+        measured = {
+            label: r
+            for r in forced.values()
+            if (label := r["strategy"] + (f"={r['ranks']}" if r["ranks"] > 1 else "")) in candidates
+        }
         fastest = max(measured.values(), key=lambda r: r["decode"])
         for label, result in measured.items():
-            predicted = result["predicted"]
+            predicted = candidates[label]
             decode_error = error(predicted["decode_tps"], result["decode"])
             batch_error = error(predicted["batch_tps"], result["aggregate"])
             errors.append(abs(decode_error))
@@ -119,7 +145,8 @@ def main() -> None:
                 f"{predicted['decode_tps']:.1f}", f"{result['decode']:.1f}",
                 f"{100 * decode_error:+.0f}%", f"{predicted['batch_tps']:.1f}",
                 f"{result['aggregate']:.1f}", f"{100 * batch_error:+.0f}%",
-                f"{predicted['ttft_ms']:.0f}", f"{1000 * result['ttft']:.0f}",
+                f"{predicted['ttft_ms']:.0f}",
+                f"{1000 * result['ttft']:.0f} ({result['prompt_tokens']} tokens)",
             ])  # fmt: skip
         pick = auto["predicted"]["label"] if auto["predicted"] else str(auto["strategy"])
         share = auto["decode"] / fastest["decode"]
@@ -142,7 +169,7 @@ def main() -> None:
     table = markdown_table(
         ["setup", "plan", "predicted 1-stream tok/s", "measured", "error",
          f"predicted {scaling.STREAMS}-stream tok/s", "measured", "error",
-         "predicted TTFT ms", "measured TTFT ms"],
+         "predicted TTFT ms (512 tokens)", "measured TTFT ms"],
         rows,
     )  # fmt: skip
     summary = (
