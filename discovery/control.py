@@ -31,11 +31,13 @@ class RdmaDevice(_Message):
 
 
 class HeldModel(_Message):
-    """A verified copy in an agent's model cache; a pipeline share names its model and layers."""
+    """A verified copy in an agent's model cache; a share names its model and its layers
+    (a pipeline stage's) or its rank (a tp rank's)."""
 
     content_hash: str
-    share_of: str = ""  # the whole model's content hash, for a stage's share
-    layers: list[int] = Field(default_factory=list)  # [start, stop) of a share
+    share_of: str = ""  # the whole model's content hash, for a share
+    layers: list[int] = Field(default_factory=list)  # [start, stop) of a stage's share
+    tp_rank: list[int] = Field(default_factory=list)  # [rank, world size] of a tp rank's share
 
 
 class ModelCache(_Message):

@@ -131,9 +131,9 @@ def _build_tensor_parallel(
     if settings.weights is not None:
         from discovery.cluster_key import format_key
 
-        # Ranks that lack the model fetch all of it (mlx-lm's shard slices after loading).
-        for spec in specs[1:]:
-            spec["weights"] = settings.weights.offer()
+        # Ranks that lack the model fetch only their share: what Model.shard keeps there.
+        for rank, spec in enumerate(specs[1:], start=1):
+            spec["weights"] = settings.weights.offer_rank(rank, len(specs))
             spec["cluster_key"] = format_key(settings.cluster_key)
     assignments = [
         membership.assign(node_id, TP_ROLE, specs[rank])

@@ -1,6 +1,7 @@
 """Three separate lab machines: agents found by multicast zeroconf across the bridge, the model
-sent to agents that lack it, pp over three and tp over two answering what single answers, and a
-worker killed mid-stream turning into an error event and a re-plan."""
+sent to agents that lack it (a stage its layers, a tp rank its slices), pp over three and tp
+over two answering what single answers, and a worker killed mid-stream turning into an error
+event and a re-plan."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def test_three_machines_find_each_other_receive_the_model_and_answer_as_one(lab:
     expected = single_outputs(demo_model_of(coordinator))
     assert answers(url) == expected
 
-    # tp over two: the coordinator and one agent; the rank receives the whole model.
+    # tp over two: the coordinator and one agent; the rank receives only its share.
     coordinator.processes[-1].terminate()
     coordinator.processes[-1].wait(20)
     second.processes[-1].terminate()
@@ -109,6 +110,10 @@ def test_three_machines_find_each_other_receive_the_model_and_answer_as_one(lab:
     cluster = httpx.get(url + "/v1/cluster", timeout=10).json()
     assert cluster["strategy"] == "tp" and cluster["world_size"] == 2, cluster["reason"]
     assert answers(url) == expected
+    model = demo_model_of(coordinator)
+    whole = sum(f.stat().st_size for f in model.iterdir() if f.is_file())
+    received = sum(cluster["weights"]["sent_bytes"].values())
+    assert 0 < received <= 0.6 * whole, (received, whole)  # its slices, not the model
 
     # A worker killed mid-stream: the stream ends with an error, the cluster plans again.
     [worker] = [m["worker_pid"] for m in cluster["members"] if m.get("worker_pid")]
