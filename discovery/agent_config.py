@@ -15,6 +15,7 @@ from discovery.handshake_gate import DEFAULT_DEADLINE_S
 DEFAULT_ROLE_MODULES: Mapping[str, str] = {
     "tp_rank": "engines.tensor_parallel.worker",
     "pp_stage": "engines.pipeline.stage_worker",
+    "weights": "engines.weights.fetch_worker",  # a stage's share, fetched ahead of the stage
 }
 
 

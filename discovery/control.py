@@ -67,10 +67,11 @@ class Hello(_Message):
 
 
 class AssignRole(_Message):
-    """Coordinator -> agent: start a worker as a tensor-parallel rank or a pipeline stage."""
+    """Coordinator -> agent: start a worker as a tensor-parallel rank or a pipeline stage, or
+    one that fetches a stage's weights ahead of it."""
 
     type: Literal["assign_role"] = "assign_role"
-    role: Literal["tp_rank", "pp_stage"]
+    role: Literal["tp_rank", "pp_stage", "weights"]
     assignment_id: str
     payload: dict[str, Any]
 
