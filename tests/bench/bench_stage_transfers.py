@@ -103,19 +103,20 @@ def render(results: dict[str, dict[str, Any]], model_mb: float) -> str:
             f"{s['share']}: {s['mb']:.1f} MB in {s['seconds']:.1f} s" for s in result["shares"]
         )
         rows.append([
-            label, f"{result['first_answer_s']:.1f}", shares, f"{largest['seconds']:.1f}",
+            label, result["rate"], f"{result['first_answer_s']:.1f}", shares,
+            f"{largest['seconds']:.1f}",
             f"{result['first_answer_s'] / largest['seconds']:.2f}x",
         ])
-    rate = next(iter(results.values()))["rate"]
     return (
         "`python -m tests.bench.bench_stage_transfers --label NAME` (as root): three lab "
         f"machines, the coordinator holding a {LAYERS}-layer hidden-{HIDDEN} float32 demo model "
-        f"({model_mb:.0f} MB) that the two agents lack, each agent's link to it capped at {rate} "
-        "(tbf); `tandem serve --parallelism pp` over the three. First answer: seconds from "
+        f"({model_mb:.0f} MB) that the two agents lack, each agent's link to it capped by tbf "
+        "(`--rate`); `tandem serve --parallelism pp` over the three. First answer: seconds from "
         "starting `tandem serve` (discovery, hashing, every transfer, every load) to the first "
         "completed request. Shares: what the coordinator logged sending each agent.\n\n"
         + markdown_table(
-            ["run", "first answer (s)", "shares sent", "largest share (s)", "answer / largest"],
+            ["run", "link", "first answer (s)", "shares sent", "largest share (s)",
+             "answer / largest"],
             rows,
         )
     )
