@@ -323,3 +323,20 @@ def test_a_tp_rank_receives_only_its_slices_and_shards_the_same(
                 assert mx.array_equal(got_params[name], value).item(), (name, rank)
     finally:
         source.close()
+
+
+def test_a_rank_share_resumes_at_any_byte(demo_model_dir: Path) -> None:
+    """A rank's share is mostly column slices (many small byte ranges): read from any offset,
+    as a resumed fetch asks, it gives exactly the rest of the file."""
+    from engines.weights.subset import RankShare, subset_file
+    from engines.weights.tp_share import rank_slices, share_metadata
+
+    share = RankShare(1, 2)
+    slices = rank_slices(demo_model_dir, share)
+    assert any(part.axis == 1 for part in slices.values())  # o_proj, down_proj: columns
+    metadata = share_metadata(demo_model_dir, slices)
+    virtual = subset_file(demo_model_dir, lambda name: True, slices, share.describe(), metadata)
+    whole = b"".join(virtual.blocks())
+    assert len(whole) == virtual.size
+    for offset in (1, 9, virtual.size // 3, virtual.size // 2 + 3, virtual.size - 1):
+        assert b"".join(virtual.blocks(offset)) == whole[offset:], offset
