@@ -32,11 +32,13 @@ class RdmaDevice(_Message):
 
 
 class HeldModel(_Message):
-    """A verified copy in an agent's model cache; a pipeline share names its model and layers."""
+    """A verified copy in an agent's model cache; a share names its model and its layers
+    (a pipeline stage's) or its rank (a tp rank's)."""
 
     content_hash: str
-    share_of: str = ""  # the whole model's content hash, for a stage's share
-    layers: list[int] = Field(default_factory=list)  # [start, stop) of a share
+    share_of: str = ""  # the whole model's content hash, for a share
+    layers: list[int] = Field(default_factory=list)  # [start, stop) of a stage's share
+    tp_rank: list[int] = Field(default_factory=list)  # [rank, world size] of a tp rank's share
 
 
 class ModelCache(_Message):
@@ -66,10 +68,11 @@ class Hello(_Message):
 
 
 class AssignRole(_Message):
-    """Coordinator -> agent: start a worker as a tensor-parallel rank or a pipeline stage."""
+    """Coordinator -> agent: start a worker as a tensor-parallel rank or a pipeline stage, one
+    that fetches a stage's weights ahead of it, or one that measures the machine's speed."""
 
     type: Literal["assign_role"] = "assign_role"
-    role: Literal["tp_rank", "pp_stage", "speed_probe"]
+    role: Literal["tp_rank", "pp_stage", "speed_probe", "weights"]
     assignment_id: str
     payload: dict[str, Any]
 

@@ -19,8 +19,10 @@ from discovery.control import HeldModel, ModelCache
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "tandem-manifest.json"  # engines/weights/manifest.py
-# engines/weights/subset.py: StageShare.describe() + " of " + the whole model's hash
+# engines/weights/subset.py: StageShare.describe() or RankShare.describe() + " of " + the
+# whole model's hash
 SHARE_PATTERN = re.compile(r"^layers (\d+)-(\d+)(?: \+ head)? of ([0-9a-f]{64})$")
+RANK_PATTERN = re.compile(r"^tp rank (\d+) of (\d+) of ([0-9a-f]{64})$")
 REFRESH_S = 5.0
 
 
@@ -58,6 +60,12 @@ def _held(manifest: Path) -> HeldModel | None:
         file = directory / name
         if ".." in Path(name).parts or not file.is_file() or file.stat().st_size != size:
             return None
+    rank = RANK_PATTERN.match(subset)
+    if rank is not None:
+        number, world, whole = rank.groups()
+        return HeldModel(
+            content_hash=directory.name, share_of=whole, tp_rank=[int(number), int(world)]
+        )
     match = SHARE_PATTERN.match(subset)
     if match is None:
         return HeldModel(content_hash=directory.name) if not subset else None

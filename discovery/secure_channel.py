@@ -161,6 +161,11 @@ class SecureChannel:
                 self._fail(str(error), logging.INFO)
                 raise
 
+    def set_send_timeout(self, timeout_s: float) -> None:
+        """Bound each later send by `timeout_s` instead of the handshake's deadline (a bulk
+        transfer over a slow link takes longer per frame than a handshake may)."""
+        self._sock.settimeout(timeout_s)
+
     def recv(self, timeout_s: float, associated: bytes = b"") -> bytes:
         """The next payload. ChannelTimeout if none arrived (channel still open); else any
         failure closes the channel and raises ChannelError."""

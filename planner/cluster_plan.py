@@ -302,19 +302,21 @@ def _member_to_sit_out(
 def _disk_needs(
     plan: ClusterPlan, nodes: Sequence[NodeResources], transfer: TransferSizes
 ) -> list[DiskNeed]:
-    """What each node of a tp or pp plan receives: tp ranks the whole model (mlx-lm shards
-    after loading), pp stages their share, unless they hold it already."""
+    """What each node of a tp or pp plan receives: a tp rank its share (its slices of what
+    Model.shard splits, the rest whole), a pp stage its layers, unless it holds the model
+    (or, for a stage, its share) already."""
     by_id = {node.node_id: node for node in nodes}
     if not plan.stages:
-        return [
-            DiskNeed(
-                node_id,
-                "the model",
-                0 if by_id[node_id].holds_model else transfer.model_bytes,
-                by_id[node_id].disk_free_bytes,
-            )
-            for node_id in plan.ranks
-        ]
+        world, needs = len(plan.ranks), []
+        for rank, node_id in enumerate(plan.ranks):
+            node = by_id[node_id]
+            if node.holds_model:
+                needs.append(DiskNeed(node_id, "the model", 0, node.disk_free_bytes))
+                continue
+            what = f"its tp share (rank {rank} of {world})"
+            size = 0 if (rank, world) in node.held_ranks else transfer.rank_bytes(world)
+            needs.append(DiskNeed(node_id, what, size, node.disk_free_bytes))
+        return needs
     needs = []
     last = len(plan.stages) - 1
     for index, stage in enumerate(plan.stages):

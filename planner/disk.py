@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,13 @@ class TransferSizes:
         if is_last and not (is_first and shape.tied_embeddings):
             weights += shape.output_bytes
         return weights + self.other_bytes
+
+    def rank_bytes(self, world_size: int) -> int:
+        """A tp rank's share: its slice of the layers (mlx-lm's Model.shard splits their
+        linears; the small norms, counted in, stay whole), the embedding and head whole."""
+        shape = self.shape
+        layers = shape.weight_bytes - shape.non_layer_bytes
+        return shape.non_layer_bytes + math.ceil(layers / world_size) + self.other_bytes
 
 
 @dataclass(frozen=True, slots=True)

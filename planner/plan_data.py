@@ -23,11 +23,13 @@ class NodeResources:
     memory_bytes: int
     backends: tuple[str, ...]  # collective backends it can join, e.g. ("jaccl", "ring")
     # For weight transfers (planner/disk.py): free bytes of its model cache (None: not
-    # reported, not checked), whether it holds a verified whole copy of this model, and the
-    # [start, stop) layer ranges of the pipeline shares of it that it holds.
+    # reported, not checked), whether it holds a verified whole copy of this model, the
+    # [start, stop) layer ranges of the pipeline shares of it that it holds, and the
+    # (rank, world size) of the tp shares of it that it holds.
     disk_free_bytes: int | None = None
     holds_model: bool = False
     held_stages: tuple[tuple[int, int], ...] = ()
+    held_ranks: tuple[tuple[int, int], ...] = ()
     # What caps memory_bytes below the machine's own memory ("cgroup v1 limit", "--memory-limit"),
     # named in the plan's messages; "" for the machine itself.
     memory_bound: str = ""

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 TP_ROLE = "tp_rank"
 PP_ROLE = "pp_stage"
+WEIGHTS_ROLE = "weights"  # engines/weights/fetch_worker.py
+RELEASE_WAIT_S = 10.0
 DEFAULT_RING_PORT_BASE = 52400  # ranks on other machines listen on base + rank
 
 
@@ -32,6 +34,7 @@ class MembershipLike(Protocol):
     def assign(self, node_id: str, role: str, payload: dict[str, Any]) -> str: ...
     def wait_ready(self, assignment_id: str, timeout_s: float, stall_s: float | None) -> Any: ...
     def wait_model(self, assignment_id: str, timeout_s: float, stall_s: float | None) -> None: ...
+    def release(self, node_id: str, reason: str = ..., wait_s: float = ...) -> bool: ...
     def release_all(self, reason: str = ...) -> None: ...
 
 
@@ -131,9 +134,9 @@ def _build_tensor_parallel(
     if settings.weights is not None:
         from discovery.cluster_key import format_key
 
-        # Ranks that lack the model fetch all of it (mlx-lm's shard slices after loading).
-        for spec in specs[1:]:
-            spec["weights"] = settings.weights.offer()
+        # Ranks that lack the model fetch only their share: what Model.shard keeps there.
+        for rank, spec in enumerate(specs[1:], start=1):
+            spec["weights"] = settings.weights.offer_rank(rank, len(specs))
             spec["cluster_key"] = format_key(settings.cluster_key)
     assignments = [
         membership.assign(node_id, TP_ROLE, specs[rank])
@@ -223,14 +226,23 @@ def _assign_stages(
     share: int,
     listener: socket.socket,
 ) -> list[dict[str, Any]]:
-    """Start stages n-1 .. 1 on their agents; each learns where the next one listens."""
+    """Start stages n-1 .. 1 on their agents; each learns where the next one listens.
+
+    Their weights do not wait for that order: every stage's share is fetched at once (the
+    last stage's by its own worker, the others' by a `weights` worker released just before
+    the stage starts), so a plan whose agents lack the model waits for its largest share,
+    not for the sum of them.
+    """
     from discovery.cluster_key import format_key
 
     next_hop = (settings.coordinator_address, listener.getsockname()[1])
     remote: list[dict[str, Any]] = []
+    fetching = _fetch_ahead(plan, settings, membership)
     for index in range(len(plan.stages) - 1, 0, -1):
         stage = plan.stages[index]
         address = addresses[stage.node_id]
+        if index in fetching:
+            _finish_fetch(membership, stage.node_id, fetching.pop(index), settings, index)
         spec = {
             "model_path": settings.remote_model,
             "layers": [stage.layers.start, stage.layers.stop],
@@ -260,6 +272,45 @@ def _assign_stages(
             0, {"host": next_hop[0], "port": next_hop[1], "layers": layers, "node": stage.node_id}
         )
     return remote
+
+
+def _fetch_ahead(
+    plan: ClusterPlan, settings: LaunchSettings, membership: MembershipLike
+) -> dict[int, str]:
+    """Start fetching the shares of stages 1 .. n-2 now: stage index -> assignment id."""
+    from discovery.cluster_key import format_key
+
+    if settings.weights is None or settings.cluster_key is None:
+        return {}
+    fetching = {}
+    for index in range(1, len(plan.stages) - 1):
+        stage = plan.stages[index]
+        payload = {
+            "model_path": settings.remote_model,
+            "weights": settings.weights.offer(stage.layers, False),
+            "cluster_key": format_key(settings.cluster_key),
+        }
+        fetching[index] = membership.assign(stage.node_id, WEIGHTS_ROLE, payload)
+    return fetching
+
+
+def _finish_fetch(
+    membership: MembershipLike,
+    node_id: str,
+    assignment: str,
+    settings: LaunchSettings,
+    index: int,
+) -> None:
+    """Wait until stage `index`'s share is in place on `node_id`, then free the agent."""
+    try:
+        membership.wait_ready(assignment, settings.ready_timeout_s, settings.transfer_stall_s)
+    except PeerError as error:
+        raise EngineError(f"pipeline stage {index} on {node_id}: {error}") from error
+    if not membership.release(node_id, "its weights are in place", wait_s=RELEASE_WAIT_S):
+        raise EngineError(
+            f"pipeline stage {index} on {node_id}: its weights worker did not stop within "
+            f"{RELEASE_WAIT_S:g} s"
+        )
 
 
 def _upcast(plan: ClusterPlan) -> bool:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import mlx.core as mx
-from mlx_lm.utils import load_model
 
 from discovery.json_child import ProtocolOutput, open_protocol_output
 from engines.core import blas
@@ -47,6 +46,7 @@ from engines.tensor_parallel.rank_io import CommandReader, Watchdog
 from engines.tensor_parallel.shard_batch import ShardBatch
 from engines.tensor_parallel.step_clock import StepClock
 from engines.tensor_parallel.step_commands import parse_step
+from engines.weights.tp_share import load_rank_share
 from planner.decision import tp_split_problems
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,9 @@ def join_group(spec: WorkerSpec) -> mx.distributed.Group:
 def load_shard(
     spec: WorkerSpec, output: ProtocolOutput | None = None
 ) -> tuple[Any, int | None, mx.distributed.Group, RankGrammars]:
-    """Join the group and load this rank's shard with mlx-lm's own `Model.shard`; the
-    grammars load the tokenizer from the same directory when a sequence first needs it.
+    """Join the group and load this rank's shard with mlx-lm's own `Model.shard` (from the
+    whole model, or from the rank's share the coordinator sent); the grammars load the
+    tokenizer from the same directory when a sequence first needs it.
 
     The weights are loaded lazily and evaluated one layer at a time after sharding, so a
     rank's peak memory stays near its shard instead of the whole model (evaluating every
@@ -116,13 +117,7 @@ def load_shard(
             f"{spec.rank} of {spec.world_size}"
         )
     log.info("joined %s group as rank %d of %d", spec.backend, spec.rank, spec.world_size)
-    model, config = load_model(model_path, lazy=True)
-    if not hasattr(model, "shard"):
-        raise ValueError(
-            f"mlx-lm's {config.get('model_type')!r} model has no tensor-parallel variant "
-            "(no Model.shard): use pp or single"
-        )
-    model.shard(group)
+    model, config = load_rank_share(model_path, group)  # a received share or the whole model
     for layer in getattr(model, "layers", []):
         mx.eval(layer.parameters())
     mx.eval(model.parameters())

@@ -38,6 +38,11 @@ def with_holdings(
             for copy in copies
             if copy.share_of == whole and len(copy.layers) == 2
         )
+        ranks = tuple(
+            (copy.tp_rank[0], copy.tp_rank[1])
+            for copy in copies
+            if copy.share_of == whole and len(copy.tp_rank) == 2
+        )
         holds = any(copy.content_hash == whole and not copy.share_of for copy in copies)
-        planned.append(replace(node, holds_model=holds, held_stages=stages))
+        planned.append(replace(node, holds_model=holds, held_stages=stages, held_ranks=ranks))
     return planned

@@ -25,6 +25,8 @@ CHUNK_BYTES = 4 * 1024 * 1024  # one sealed frame of file data
 MAX_FRAME_BYTES = CHUNK_BYTES + 64 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0  # an agent connecting and proving the key (client side)
 IDLE_TIMEOUT_S = 60.0
+# One frame of file data may take this long to leave: 4 MB over a 1 Mbit/s link is 34 s.
+SEND_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,7 @@ class WeightServer:
         return SecureChannel.server(sock, self._key, PURPOSE, deadline_s, MAX_FRAME_BYTES)
 
     def _start_upload(self, channel: SecureChannel, address: Any) -> None:
+        channel.set_send_timeout(SEND_TIMEOUT_S)  # not the 2 s handshake deadline
         thread = threading.Thread(
             target=self._serve_one, args=(channel, address), name="weight-upload", daemon=True
         )

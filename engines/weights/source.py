@@ -13,7 +13,14 @@ from engines.model.info import WEIGHT_GLOB, inspect_model
 from engines.model.reference import DOWNLOAD_PATTERNS
 from engines.weights.manifest import FileEntry, Manifest, build_manifest
 from engines.weights.server import CHUNK_BYTES, Offer, WeightServer, directory_offer
-from engines.weights.subset import SUBSET_FILE, StageShare, stage_file
+from engines.weights.subset import (
+    SUBSET_FILE,
+    RankShare,
+    StageShare,
+    VirtualFile,
+    stage_file,
+    subset_file,
+)
 from planner.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -26,8 +33,10 @@ class WeightSource:
 
     `offer(layers, is_last)` is what a stage assignment carries ({"host", "port",
     "content_hash"}): the stage's share only (its layers, plus the head on the last stage),
-    as one safetensors file read straight from the original files. Manifests are cached
-    under `cache_dir`, keyed by every file's size and mtime, so a restart re-hashes nothing.
+    as one safetensors file read straight from the original files; `offer_rank(rank,
+    world_size)` likewise a tp rank's (its slices of what `Model.shard` cuts, the rest
+    whole). Manifests are cached under `cache_dir`, keyed by every file's size and mtime,
+    so a restart re-hashes nothing.
     """
 
     def __init__(self, model_path: Path, cluster_key: bytes, host: str, cache_dir: Path) -> None:
@@ -37,7 +46,7 @@ class WeightSource:
         self._cache_dir = Path(cache_dir)
         self._lock = threading.Lock()
         self._server: WeightServer | None = None
-        self._shares: dict[StageShare, str] = {}
+        self._shares: dict[StageShare | RankShare, str] = {}
 
     def offer(self, layers: range | None = None, is_last: bool = False) -> dict[str, Any]:
         """Where to fetch the whole model (layers None) or the share of a stage."""
@@ -49,10 +58,20 @@ class WeightSource:
                 share = StageShare(
                     layers.start, layers.stop, layers.start == 0, is_last, self._tied()
                 )
-                if share not in self._shares:
-                    self._shares[share] = server.add(self._share_offer(share, server.manifest))
-                content_hash = self._shares[share]
+                content_hash = self._share_hash(share, server)
             return {"host": self._host, "port": server.port, "content_hash": content_hash}
+
+    def offer_rank(self, rank: int, world_size: int) -> dict[str, Any]:
+        """Where tp rank `rank` of `world_size` fetches its share (as `offer`)."""
+        with self._lock:
+            server = self._start()
+            content_hash = self._share_hash(RankShare(rank, world_size), server)
+            return {"host": self._host, "port": server.port, "content_hash": content_hash}
+
+    def _share_hash(self, share: StageShare | RankShare, server: WeightServer) -> str:
+        if share not in self._shares:
+            self._shares[share] = server.add(self._share_offer(share, server.manifest))
+        return self._shares[share]
 
     def status(self) -> dict[str, Any]:
         server = self._server
@@ -90,8 +109,8 @@ class WeightSource:
     def _tied(self) -> bool:
         return inspect_model(self.model_path).tied_embeddings
 
-    def _share_offer(self, share: StageShare, whole: Manifest) -> Offer:
-        virtual = stage_file(self.model_path, share)
+    def _share_offer(self, share: StageShare | RankShare, whole: Manifest) -> Offer:
+        virtual = self._share_file(share)
         weights = set(self.model_path.glob(WEIGHT_GLOB))
 
         def build() -> Manifest:
@@ -104,7 +123,7 @@ class WeightSource:
             subset = f"{share.describe()} of {whole.content_hash}"
             return Manifest(tuple(sorted([*kept, entry], key=lambda e: e.name)), subset)
 
-        key = f"{whole.content_hash}-{share.start}-{share.stop}-{share.is_first:d}{share.is_last:d}"
+        key = f"{whole.content_hash}-{_share_key(share)}"
         manifest = self._cached(key, build)
         files = directory_offer(self.model_path, manifest)
 
@@ -120,6 +139,15 @@ class WeightSource:
             whole.total_bytes / 1e6,
         )
         return Offer(manifest, read)
+
+    def _share_file(self, share: StageShare | RankShare) -> VirtualFile:
+        if isinstance(share, StageShare):
+            return stage_file(self.model_path, share)
+        from engines.weights.tp_share import rank_slices, share_metadata  # imports mlx
+
+        slices = rank_slices(self.model_path, share)  # mlx-lm's Model.shard decides
+        metadata = share_metadata(self.model_path, slices)
+        return subset_file(self.model_path, lambda name: True, slices, share.describe(), metadata)
 
     def _cached(self, what: str, build) -> Manifest:
         stats = sorted(
@@ -140,6 +168,12 @@ class WeightSource:
         except OSError as error:
             log.warning("cannot cache the model manifest in %s: %s", cached, error)
         return manifest
+
+
+def _share_key(share: StageShare | RankShare) -> str:
+    if isinstance(share, RankShare):
+        return f"tp-{share.rank}-{share.world_size}"
+    return f"{share.start}-{share.stop}-{share.is_first:d}{share.is_last:d}"
 
 
 def _chunked(blocks):

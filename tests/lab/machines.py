@@ -88,12 +88,23 @@ class Machine:
         inside = [
             "ip", "netns", "exec", self.namespace,
             "unshare", "--mount", "--propagation", "private",
-            "sh", "-c", f'{hide} exec {pin}"$@"', "sh", *argv,
+            "sh", "-c", f'{hide}{self._show_cgroups()} exec {pin}"$@"', "sh", *argv,
         ]
         # Join the cgroups before entering the namespace: `ip netns exec` mounts a sysfs of
         # its own, without the cgroup hierarchies.
         enter = "".join(f'echo $$ > "{group}/cgroup.procs"; ' for group in self.cgroups)
         return ["sh", "-c", f'{enter}exec "$@"', "sh", *inside] if enter else inside
+
+    def _show_cgroups(self) -> str:
+        """Mounts that show this machine its own cgroups (its memory limit, as a container
+        sees it): `ip netns exec` mounts a sysfs without them."""
+        mounts = " ".join(
+            f"mkdir -p {CGROUP_ROOT}/{group.parent.name}; "
+            f"mount -t cgroup -o {group.parent.name} {group.parent.name} "
+            f"{CGROUP_ROOT}/{group.parent.name};"
+            for group in self.cgroups
+        )
+        return f" mount -t tmpfs -o size=1m tdm-cgroups {CGROUP_ROOT}; {mounts}" if mounts else ""
 
     def popen(self, argv: list[str], log: Path | None = None, **options: Any) -> subprocess.Popen:
         """Start `argv` on this machine; it is stopped (by pid) when the lab closes."""

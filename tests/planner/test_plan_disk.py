@@ -51,6 +51,10 @@ def test_transfer_sizes() -> None:
         replace(SHAPE, weight_bytes=38 * MB, tied_embeddings=False, head_bytes=4 * MB), 39 * MB
     )
     assert untied.stage_bytes(range(16, 32), False, True) == 21 * MB
+    # a tp rank: its slice of the layers, the embedding whole, the config
+    assert TRANSFER.rank_bytes(2) == 19 * MB
+    assert TRANSFER.rank_bytes(4) == 11 * MB
+    assert untied.rank_bytes(2) == 23 * MB
 
 
 @pytest.mark.parametrize(
@@ -59,17 +63,17 @@ def test_transfer_sizes() -> None:
         pytest.param(
             TP,
             node("a1", 200),
-            "FAIL tp disk: a1 lacks the model: needs 291.0 MB of disk to receive it, "
-            "has 200.0 MB free (short by 91.0 MB)",
-            "tp disk: a1 lacks the model: needs 291.0 MB of disk to receive it, "
-            "has 200.0 MB free (short by 91.0 MB)",
+            "FAIL tp disk: a1 lacks its tp share (rank 1 of 2): needs 275.0 MB of disk to "
+            "receive it, has 200.0 MB free (short by 75.0 MB)",
+            "tp disk: a1 lacks its tp share (rank 1 of 2): needs 275.0 MB of disk to receive "
+            "it, has 200.0 MB free (short by 75.0 MB)",
             id="tp-short",
         ),
         pytest.param(
             TP,
             node("a1", 300),
-            "PASS tp disk: coord holds the model; a1 receives the model: needs 291.0 MB, "
-            "has 300.0 MB free",
+            "PASS tp disk: coord holds the model; a1 receives its tp share (rank 1 of 2): "
+            "needs 275.0 MB, has 300.0 MB free",
             None,
             id="tp-fits",
         ),
@@ -82,8 +86,25 @@ def test_transfer_sizes() -> None:
         ),
         pytest.param(
             TP,
+            node("a1", 1, held_ranks=((1, 2),)),
+            "PASS tp disk: coord holds the model; a1 holds its tp share (rank 1 of 2)",
+            None,
+            id="tp-holds-its-share",
+        ),
+        pytest.param(
+            TP,
+            node("a1", 1, held_ranks=((1, 4),)),
+            "FAIL tp disk: a1 lacks its tp share (rank 1 of 2): needs 275.0 MB of disk to "
+            "receive it, has 1.0 MB free (short by 274.0 MB)",
+            "tp disk: a1 lacks its tp share (rank 1 of 2): needs 275.0 MB of disk to "
+            "receive it, has 1.0 MB free (short by 274.0 MB)",
+            id="tp-holds-another-share",
+        ),
+        pytest.param(
+            TP,
             node("a1", None),
-            "PASS tp disk: coord holds the model; a1 receives the model (free disk not reported)",
+            "PASS tp disk: coord holds the model; a1 receives its tp share (rank 1 of 2) "
+            "(free disk not reported)",
             None,
             id="tp-not-reported",
         ),
@@ -134,7 +155,7 @@ def test_explicit_choice_refuses_a_short_disk(
 
 def test_auto_leaves_out_the_node_short_on_disk() -> None:
     # Three ranks cannot split 16 heads: auto picks pp, whose last stage lacks the disk;
-    # without it, two nodes run tp and the other agent receives the whole model.
+    # without it, two nodes run tp and the other agent receives its tp share.
     result = plan(AUTO, COORD, node("a1", 1000), node("a2", 10))
     assert result.refusal is None
     assert result.decision.chosen is TP
@@ -144,8 +165,8 @@ def test_auto_leaves_out_the_node_short_on_disk() -> None:
     )
     lines = result.describe()
     assert (
-        "PASS tp disk: coord holds the model; a1 receives the model: needs 291.0 MB, "
-        "has 1000.0 MB free" in lines
+        "PASS tp disk: coord holds the model; a1 receives its tp share (rank 1 of 2): "
+        "needs 275.0 MB, has 1000.0 MB free" in lines
     )
     assert (
         "FAIL pp disk: a2 lacks layers 22-31 + head: needs 269.0 MB of disk to receive it, "
@@ -167,8 +188,8 @@ def test_auto_refuses_with_the_numbers_when_the_rest_does_not_fit() -> None:
     assert result.refusal is not None
     assert result.refusal.startswith("model needs ")
     assert result.refusal.endswith(
-        "; and tp disk: a1 lacks the model: needs 291.0 MB of disk to receive it, "
-        "has 10.0 MB free (short by 281.0 MB)"
+        "; and tp disk: a1 lacks its tp share (rank 1 of 2): needs 275.0 MB of disk to "
+        "receive it, has 10.0 MB free (short by 265.0 MB)"
     )
 
 

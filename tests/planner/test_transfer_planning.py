@@ -62,6 +62,7 @@ def test_the_agent_reports_free_disk_and_verified_copies(
     plant_copy(cache / "models", WHOLE)
     plant_copy(cache / "models", SHARE, subset=f"layers 2-3 + head of {WHOLE}")
     plant_copy(cache / "models", "c" * 64, size=4)  # a file cut short: not a verified copy
+    plant_copy(cache / "models", "e" * 64, subset=f"tp rank 1 of 2 of {WHOLE}")
     agent = pool.start("holder", extra_args=["--cache-dir", str(cache)])
     membership.discover(2.0)
     (member,) = [m for m in membership.members() if m.node_id == agent.node_id]
@@ -69,6 +70,7 @@ def test_the_agent_reports_free_disk_and_verified_copies(
     assert member.model_cache.models == [
         HeldModel(content_hash=WHOLE),
         HeldModel(content_hash=SHARE, share_of=WHOLE, layers=[2, 4]),
+        HeldModel(content_hash="e" * 64, share_of=WHOLE, tp_rank=[1, 2]),
     ]
     (resources,) = [r for r in membership.to_resources() if r.node_id == agent.node_id]
     assert resources.disk_free_bytes == member.model_cache.free_bytes
@@ -76,8 +78,9 @@ def test_the_agent_reports_free_disk_and_verified_copies(
     planned = with_holdings([coordinator, resources], membership.members(), lambda: WHOLE)
     assert planned[0].holds_model
     assert planned[1].holds_model and planned[1].held_stages == ((2, 4),)
+    assert planned[1].held_ranks == ((1, 2),)
     other = with_holdings([coordinator, resources], membership.members(), lambda: "d" * 64)
-    assert not other[1].holds_model and other[1].held_stages == ()
+    assert not other[1].holds_model and other[1].held_stages == () == other[1].held_ranks
 
 
 def test_progress_extends_the_ready_wait_and_a_stall_ends_it(

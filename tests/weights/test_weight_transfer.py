@@ -16,7 +16,7 @@ import pytest
 from discovery.cluster_key import generate_key
 from engines.model.info import inspect_model
 from engines.weights.fetch import cached_model, fetch_model
-from engines.weights.manifest import MANIFEST_NAME, build_manifest, sha256_of
+from engines.weights.manifest import MANIFEST_NAME, Manifest, build_manifest, sha256_of
 from engines.weights.server import WeightServer
 from planner.errors import ModelError
 from tests.helpers.strangers import open_strangers
@@ -276,3 +276,67 @@ def test_strangers_holding_the_weight_port_do_not_delay_an_agent(
     while threading.active_count() > baseline and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= baseline
+
+
+@pytest.mark.parametrize(
+    ("overrides", "at_most"),
+    [
+        ({}, 0.6),
+        # the embedding and head (kept whole) are 57% of this quantized MoE's weights
+        ({"arch": "qwen3_moe", "quantize": 4, "layers": 2, "hidden": 64}, 0.85),
+    ],
+)
+def test_a_tp_rank_receives_only_its_slices_and_shards_the_same(
+    overrides: dict[str, Any], at_most: float, demo_model_factory: Any, key: bytes, tmp_path: Path
+) -> None:
+    """Each of two ranks fetches a share well under the model (its slices of what
+    Model.shard cuts, the rest whole) and, loaded into the sharded model, holds exactly the
+    parameters the same rank holds after sharding the whole model."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from engines.weights.source import WeightSource
+    from engines.weights.tp_share import StandInGroup, load_rank_share
+
+    model = demo_model_factory(**overrides)
+    whole = build_manifest(model).total_bytes
+    source = WeightSource(model, key, HOST, tmp_path / "coordinator")
+    try:
+        for rank in (0, 1):
+            offer = source.offer_rank(rank, 2)
+            assert source.offer_rank(rank, 2) == offer  # built once
+            before = sum(source.status()["sent_bytes"].values())
+            share = fetch_model(HOST, offer["port"], key, offer["content_hash"], tmp_path / "a")
+            received = sum(source.status()["sent_bytes"].values()) - before
+            assert received == Manifest.from_json((share / MANIFEST_NAME).read_text()).total_bytes
+            assert received <= at_most * whole, (received, whole)
+            group = StandInGroup(rank, 2)
+            got, _ = load_rank_share(share, group)
+            expected, _ = load_model(model, lazy=True)
+            expected.shard(group)
+            got_params = dict(tree_flatten(got.parameters()))
+            expected_params = dict(tree_flatten(expected.parameters()))
+            assert got_params.keys() == expected_params.keys()
+            for name, value in expected_params.items():
+                assert got_params[name].shape == value.shape, name
+                assert mx.array_equal(got_params[name], value).item(), (name, rank)
+    finally:
+        source.close()
+
+
+def test_a_rank_share_resumes_at_any_byte(demo_model_dir: Path) -> None:
+    """A rank's share is mostly column slices (many small byte ranges): read from any offset,
+    as a resumed fetch asks, it gives exactly the rest of the file."""
+    from engines.weights.subset import RankShare, subset_file
+    from engines.weights.tp_share import rank_slices, share_metadata
+
+    share = RankShare(1, 2)
+    slices = rank_slices(demo_model_dir, share)
+    assert any(part.axis == 1 for part in slices.values())  # o_proj, down_proj: columns
+    metadata = share_metadata(demo_model_dir, slices)
+    virtual = subset_file(demo_model_dir, lambda name: True, slices, share.describe(), metadata)
+    whole = b"".join(virtual.blocks())
+    assert len(whole) == virtual.size
+    for offset in (1, 9, virtual.size // 3, virtual.size // 2 + 3, virtual.size - 1):
+        assert b"".join(virtual.blocks(offset)) == whole[offset:], offset
