@@ -37,8 +37,11 @@ MB = 1024 * 1024
 # Each machine's cgroup: less than the 6-layer model's weights + KV for 8 x 16k tokens (862 MB
 # with headroom), more than a third of it plus the processes themselves.
 MEMORY_LIMIT = 700 * MB
-PIPELINE = ["--max-batch", "8", "--context-tokens", "16384", "--prefix-cache-bytes", "0"]
-TP = ["--context-tokens", "2048", "--prefix-cache-bytes", "0"]
+# The memory rule alone decides here (measuring speeds, which might pick two of the three, is
+# tests/cluster/test_measured_planning.py's and bench_planner's), and no probe costs time.
+PIPELINE = ["--max-batch", "8", "--context-tokens", "16384", "--prefix-cache-bytes", "0",
+            "--measure-speeds", "off"]  # fmt: skip
+TP = ["--context-tokens", "2048", "--prefix-cache-bytes", "0", "--measure-speeds", "off"]
 STREAMS = 8
 PYTHON = [sys.executable, "-m", "cli.main"]
 REPO = Path(__file__).resolve().parents[2]
