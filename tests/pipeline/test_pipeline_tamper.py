@@ -29,6 +29,7 @@ from engines.pipeline.sequence_documents import (
     EndOrders,
     Sampling,
     end_frame,
+    load_orders_of,
     prefix_entry_of,
 )
 from engines.pipeline.stage_worker import StageProcess
@@ -307,9 +308,10 @@ def test_a_batch_gives_each_row_its_tokens_alone(chain: Chain, baseline: list[in
 
 def test_prefill_chunks_are_acknowledged_and_fill_the_cache(chain: Chain) -> None:
     """Sequence 1 prefills positions 0-1 in one chunk, sequence 2 decodes them one by one:
-    their third token is the same."""
+    their third token is the same; sequence 3's last chunk, positions 0-2, samples it."""
     chain.begin(1)
     chain.begin(2)
+    chain.begin(3)
     number = chain.take()
     hidden = mx.concatenate([activation(0), activation(1)], axis=1)  # (1, 2, D)
     chain.send(wire.hidden_frame(number, PREFILL_GROUP, 1, [Row(1, 0)], hidden))
@@ -317,7 +319,16 @@ def test_prefill_chunks_are_acknowledged_and_fill_the_cache(chain: Chain) -> Non
     assert chain.tokens(ack) == []
     for position in (0, 1):
         chain.tokens(chain.decode(1, [Row(2, position)]))
-    assert chain.tokens(chain.decode(0, [Row(1, 2)])) == chain.tokens(chain.decode(1, [Row(2, 2)]))
+    third = chain.tokens(chain.decode(1, [Row(2, 2)]))
+    assert chain.tokens(chain.decode(0, [Row(1, 2)])) == third
+    number = chain.take()
+    hidden = mx.concatenate([activation(0), activation(1), activation(2)], axis=1)  # (1, 3, D)
+    last = wire.LAST_CHUNK
+    chain.send(wire.hidden_frame(number, PREFILL_GROUP, 2, [Row(3, 0)], hidden, flags=last))
+    assert chain.tokens(Frame(Kind.TOKEN, number, PREFILL_GROUP, 2, (Row(3, 0),), last)) == third
+    # then it decodes like the others, joining micro-batch 0 behind sequence 1
+    fourth = chain.tokens(chain.decode(1, [Row(2, 3)]))
+    assert chain.tokens(chain.decode(0, [Row(1, 3), Row(3, 3)])) == fourth * 2
 
 
 def test_a_prefix_entry_starts_sequences_where_it_left_off(
@@ -613,6 +624,12 @@ def begin_with_grammar(grammar: object) -> Frame:
             "malformed keep item",
         ),
         (Frame(Kind.END, 1, body=b'{"evict": [-1]}'), "evict must list entry ids"),
+        (Frame(Kind.END, 1, body=b'{"spill": [1.5]}'), "spill must list entry ids"),
+        (Frame(Kind.STATUS, 1, body=b'{"reports": [{}], "load": {}}'), "STATUS load must"),
+        (
+            wire.hidden_frame(1, 0, 1, [Row(1, 0)], mx.zeros((1, 1, HIDDEN_SIZE)), flags=4),
+            "HIDDEN frame of group 0 flags a prompt's last chunk",
+        ),
     ],
     ids=[
         "json",
@@ -628,6 +645,9 @@ def begin_with_grammar(grammar: object) -> Frame:
         "end-without-document",
         "end-keeps-a-boolean",
         "end-evicts-a-negative-id",
+        "end-spills-a-fraction",
+        "status-loads-an-object",
+        "decode-flagged-last-chunk",
     ],
 )
 def test_malformed_control_frames(
@@ -737,9 +757,15 @@ def test_end_orders_round_trip_and_refusals() -> None:
     assert EndOrders.of(frame) == EndOrders(((2, 30),), (7,))
     evict_only = wire.decode(wire.encode(end_frame(5, [], evict=[3])))
     assert evict_only.rows == () and EndOrders.of(evict_only).evict == (3,)
-    too_many = end_frame(6, [], evict=range(MAX_EVICT_PER_END + 1))
-    with pytest.raises(WireError, match="at most"):
-        EndOrders.of(too_many)
+    spilling = wire.decode(wire.encode(end_frame(5, [], evict=[3], spill=[4, 5])))
+    assert EndOrders.of(spilling) == EndOrders((), (3,), (4, 5))
+    for orders in ({"evict": range(MAX_EVICT_PER_END + 1)}, {"spill": range(1001)}):
+        with pytest.raises(WireError, match="at most"):
+            EndOrders.of(end_frame(6, [], **orders))
+    assert load_orders_of({"load": [2, 2**64 - 1]}) == (2, 2**64 - 1)
+    for bad in ([-1], [True], "3", list(range(MAX_EVICT_PER_END + 1))):
+        with pytest.raises(WireError, match="STATUS load"):
+            load_orders_of({"load": bad})
     for keep in ([(1, 0)], [(1, 2), (1, 3)]):  # an empty entry, a sequence kept twice
         with pytest.raises(WireError):
             EndOrders.of(end_frame(7, [1], keep=keep))
