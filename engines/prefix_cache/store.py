@@ -37,7 +37,9 @@ class PrefixStore:
         return len(self._entries)
 
     def __contains__(self, entry_id: int) -> bool:
-        return entry_id in self._entries or (self.disk is not None and entry_id in self.disk)
+        if entry_id in self._entries or entry_id in self._loaded:
+            return True
+        return self.disk is not None and entry_id in self.disk
 
     @property
     def nbytes(self) -> int:

@@ -20,7 +20,7 @@ from engines.pipeline.stage_worker import StageProcess
 from engines.prefix_cache.disk_tier import tier_root
 from engines.single.engine import SingleEngine
 from planner import allocate_layers
-from tests.helpers.pipeline import HOST, stop_workers
+from tests.helpers.pipeline import HOST, status, stop_workers
 from tests.pipeline.test_pipeline_prefix_cache import SYSTEM, Turn, ask
 
 pytestmark = pytest.mark.cluster
@@ -112,8 +112,8 @@ def test_a_disk_hit_reads_every_stage_back_and_equals_a_cold_engine(spilling: Sp
     spilling.wait_written(1)  # 1 KiB of memory: the entry went to disk on both stages
     snapshot = spilling.snapshot()
     assert (snapshot["bytes"], snapshot["disk_entries"], snapshot["spills"]) == (0, 1, 1)
-    status = spilling.engine.stage_status()
-    assert [report["prefix_bytes"] for report in status] == [0, 0]  # nothing left in memory
+    reports = status(spilling)
+    assert [report["prefix_bytes"] for report in reports] == [0, 0]  # nothing left in memory
     second = first + tuple(turn_one.tokens) + spilling.encode(" And a second question?")
     turn_two = ask(spilling.runner, second)
     assert turn_two.cached == len(first) + len(turn_one.tokens) - 1
@@ -153,7 +153,7 @@ def test_a_damaged_share_on_any_stage_is_a_miss_and_the_answer_is_right(
     assert_exact(spilling, second, turn_two)
     # the damaged entry is gone everywhere; turn two's own entry serves the next turn
     spilling.wait_written(1)
-    assert [report["prefix_entries"] for report in spilling.engine.stage_status()] == [0, 0]
+    assert [report["prefix_entries"] for report in status(spilling)] == [0, 0]
     third = second + tuple(turn_two.tokens) + spilling.encode(" Last?")
     turn_three = ask(spilling.runner, third)
     assert turn_three.cached == len(second) + len(turn_two.tokens) - 1
@@ -181,6 +181,6 @@ def test_the_disk_budget_holds_over_every_stage(demo_model_dir: Path, tmp_path: 
             path.stat().st_size for stage in (0, 1) for path in bounded.files(stage, "safetensors")
         )
         assert 0 < on_disk <= budget
-        assert [report["prefix_entries"] for report in bounded.engine.stage_status()] == [0, 0]
+        assert [report["prefix_entries"] for report in status(bounded)] == [0, 0]
     finally:
         bounded.close()
