@@ -8,7 +8,8 @@ tandem serve (single, HTTP), mlx_lm.server (HTTP, its default prompt cache), tan
 pp=2 (driven in-process through the EngineRunner the API uses), tandem single with the
 cache off, and tandem single whose entries all go to the disk tier (a 1 MB memory tier, so
 every entry is written to disk, and the follow-up comes a second later, once it is written:
-it is read back from its file). Part 2: 8 conversations sharing one system
+it is read back from its file; tp=2 and pp=2 have the same contender, in-process, each rank or
+stage with its own directory). Part 2: 8 conversations sharing one system
 prompt, two turns each, the 8 first turns sent at once, then the 8 follow-ups at once: the
 prompt tokens the first turns computed (in prompts' worth: 8 when every one misses, about 1
 when the others wait for the first one's prefill), their median TTFT, the prefix-cache hit
