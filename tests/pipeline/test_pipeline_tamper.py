@@ -845,6 +845,31 @@ def test_answer_the_coordinator_does_not_wait_for_does_not_open(sent: Frame) -> 
         opener.open(sealed, ad)
 
 
+class Replay:
+    """A channel that opens to one frame, whatever the binding: receive_answer's own checks."""
+
+    def __init__(self, frame: Frame) -> None:
+        self.payload = wire.encode(frame)
+
+    def recv(self, timeout_s: float, associated: bytes = b"") -> bytes:
+        return self.payload
+
+
+def test_a_last_chunk_is_answered_with_its_first_token_and_nothing_else() -> None:
+    row, last = (Row(1, 30),), wire.LAST_CHUNK
+    asked = Frame(Kind.TOKEN, 5, PREFILL_GROUP, 2, row, last)
+    answer = wire.token_frame(5, PREFILL_GROUP, 2, row, [7], flags=last)
+    assert wire.receive_answer(Replay(answer), 1.0, asked, LAST).tokens() == [7]
+    acknowledgement = wire.token_frame(5, PREFILL_GROUP, 2, row, [])
+    with pytest.raises(WireError, match="binding says"):  # it did not sample
+        wire.receive_answer(Replay(acknowledgement), 1.0, asked, LAST)
+    with pytest.raises(WireError, match="binding says"):  # it sampled, unasked
+        wire.receive_answer(Replay(answer), 1.0, Frame(Kind.TOKEN, 5, PREFILL_GROUP, 2, row), LAST)
+    for tokens in ([], [7, 8]):  # a last chunk's answer carries exactly one token per row
+        with pytest.raises(WireError, match="carries"):
+            wire.decode(wire.encode(wire.token_frame(5, PREFILL_GROUP, 2, row, tokens, flags=last)))
+
+
 KEY = bytes(range(32))
 AD = wire.associated_data(1, UPSTREAM)
 SESSION = derive_session_keys(os.urandom(32), KEY, os.urandom(32))
@@ -856,6 +881,8 @@ PLAINTEXTS = [
     wire.encode(wire.document_frame(Kind.BEGIN, 1, {"seed": 1, "temperature": 0.0}, [Row(1, 0)])),
     wire.encode(end_frame(1, [1, 2, 3])),
     wire.encode(end_frame(1, [1, 2], keep=[(1, 40)], evict=[7, 8])),
+    wire.encode(end_frame(1, [], evict=[7], spill=[8, 9])),
+    wire.encode(wire.token_frame(1, PREFILL_GROUP, 1, [Row(1, 0)], [42], flags=wire.LAST_CHUNK)),
     wire.encode(
         wire.document_frame(
             Kind.BEGIN, 1, {"seed": 1, "temperature": 0.0, "prefix_entry": 4}, [Row(1, 9)]
