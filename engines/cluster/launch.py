@@ -204,6 +204,7 @@ def _build_pipeline(
     first = plan.stages[0]
     ranges = [[s.layers.start, s.layers.stop] for s in plan.stages]
     log.info("pp: %d stages %s", len(plan.stages), ranges)
+    disk = settings.prefix_cache_disk_bytes if settings.prefix_cache_dir is not None else 0
     return EncryptedPipelineEngine(
         settings.model_path,
         first.layers,
@@ -215,6 +216,8 @@ def _build_pipeline(
         upcast=_upcast(plan),
         # the plan's field lands with the lead's planner budget; until then the cache is off
         prefix_cache_bytes=plan.prefix_cache_bytes,
+        prefix_cache_disk_bytes=disk,
+        prefix_cache_dir=settings.prefix_cache_dir,  # stage 0's; an agent names its own
     )
 
 
@@ -258,6 +261,8 @@ def _assign_stages(
         }
         if settings.weights is not None:
             spec["weights"] = settings.weights.offer(stage.layers, spec["is_last"])
+        if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
+            spec["prefix_cache_disk_bytes"] = settings.prefix_cache_disk_bytes
         assignment = membership.assign(stage.node_id, PP_ROLE, spec)
         try:
             ready = membership.wait_ready(

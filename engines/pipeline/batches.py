@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.wire import PREFILL_GROUP, Row, WireError
+from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable, tier_root
 from engines.prefix_cache.store import PrefixStore
 from planner.errors import EngineError
 
@@ -36,11 +38,12 @@ class StageBatches:
 
     `prefix` holds this stage's layers of every prefix-cache entry; the coordinator's index
     decides which entries exist, and the stage refuses a frame naming one it does not hold.
+    With a `disk` tier (this machine's, for this stage's layers) entries can be spilled there.
     """
 
-    def __init__(self, stage: StageModel) -> None:
+    def __init__(self, stage: StageModel, disk: DiskTier | None = None) -> None:
         self.stage = stage
-        self.prefix = PrefixStore()
+        self.prefix = PrefixStore(disk)
         self._alone: dict[int, list[Any]] = {}  # uid -> caches of a sequence still prefilling
         self._positions: dict[int, int] = {}  # uid -> tokens in its KV caches here
         self._groups: dict[int, _Group] = {}
@@ -64,7 +67,7 @@ class StageBatches:
                 raise WireError(f"sequence {uid} begins from prefix entry {entry}, not held here")
             try:
                 caches, _ = self.prefix.take_prefix(entry, position)
-            except EngineError as error:  # a length the entry does not hold
+            except (EngineError, DiskUnreadable) as error:  # a length it does not hold, a bad file
                 raise WireError(f"sequence {uid}: {error}") from None
         self._alone[uid] = [type(cache).merge([cache]) for cache in caches]
         self._positions[uid] = position
@@ -97,6 +100,21 @@ class StageBatches:
     def drop(self, entries: Iterable[int]) -> None:
         """Forget prefix entries (unknown ids are ignored: an entry may not have been kept)."""
         self.prefix.drop(entries)
+
+    def spill(self, entries: Iterable[int]) -> None:
+        """Move prefix entries to the disk tier (written in the background), or drop them."""
+        self.prefix.spill(entries)
+
+    def load(self, entries: Iterable[int]) -> list[int]:
+        """Read entries on disk back for the sequences about to begin from them; returns
+        those this stage cannot give (not held, or a torn or corrupt file): misses."""
+        unreadable = []
+        for entry in entries:
+            try:
+                self.prefix.load(entry)
+            except DiskUnreadable:
+                unreadable.append(entry)
+        return unreadable
 
     def check_step(self, group: int, step: int) -> None:
         """Each micro-batch's frames arrive as steps 1, 2, 3, ...: no replay, none skipped."""
@@ -177,6 +195,15 @@ class StageBatches:
             raise WireError(
                 f"sequence {row.uid} holds {held} tokens here, the frame says {row.position}"
             )
+
+
+def open_disk_tier(cache_dir: Path, model_path: Path, layers: range) -> DiskTier:
+    """The prefix cache's disk tier of one stage's layers of a model, under a machine's cache
+    directory. Entries are named by one chain session: a previous run's files are removed."""
+    root = tier_root(cache_dir, model_path, f"layers-{layers.start}-{layers.stop}")
+    disk = DiskTier(root, identity=str(root))
+    disk.open(keep_stored=False)
+    return disk
 
 
 def _extend(caches: list[Any] | None, newcomer: list[Any]) -> list[Any]:

@@ -1,7 +1,7 @@
 """Keeping the engine's sealed chain: open it (a fresh session and roll call, every session
-counter reset), number and send the frames down it, and when a hop fails, mark the chain lost,
-drop the batch and name every stage the frame had to pass. Opening the hops themselves is
-chain.py's; this is what the engine does around them.
+counter reset), number and send the frames down it, run a STATUS roll call, and when a hop
+fails, mark the chain lost, drop the batch and name every stage the frame had to pass.
+Opening the hops themselves is chain.py's; this is what the engine does around them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from engines.pipeline import wire
 from engines.pipeline.batches import StageBatches
 from engines.pipeline.chain import open_chain
 from engines.pipeline.frame_clock import FrameClock
+from engines.pipeline.wire import Kind
 from planner.errors import ChannelError, EngineError
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,30 @@ class ChainUpkeep:
     """Part of EncryptedPipelineEngine (engine.py), which owns the state these methods use:
     its `stages`, the return `_listener`, the `_chain` and whether it is `_healthy`, the
     frame `_number`, the `_schedule` and the answers `_awaiting`."""
+
+    def stage_status(self) -> list[dict[str, Any]]:
+        """A STATUS roll call (while no sequence runs): every stage's layers and counters."""
+        if not self._io_lock.acquire(timeout=self.token_timeout_s):
+            raise EngineError("the pipeline is busy; status unavailable")
+        try:
+            if self._schedule.active:
+                raise EngineError(f"the pipeline runs {self._schedule.active} sequences")
+            self._ensure_connected()
+            try:
+                while self._awaiting:  # answers for sequences already removed
+                    self._receive_answer()
+                reports = [self._local_report()]
+                number = self._take_number()
+                self._send(wire.document_frame(Kind.STATUS, number, {"reports": reports}))
+                expected = wire.Frame(Kind.READY, number)
+                answer = wire.receive_answer(
+                    self._chain.inbound, self.token_timeout_s, expected, self._chain.last_layers
+                )
+                return list(answer.document()["reports"])
+            except ChannelError as error:
+                raise self._lost("waiting for the status roll call", error) from error
+        finally:
+            self._io_lock.release()
 
     def _take_number(self) -> int:
         """The next frame number down the chain: every stage expects them one by one."""
@@ -62,7 +87,9 @@ class ChainUpkeep:
             raise EngineError(
                 f"cannot build the pipeline through stage 1 at {first.host}:{first.port}: {error}"
             ) from error
-        self._local = StageBatches(self.stage)
+        if self._local is not None:  # the old session's entries, on disk too
+            self._local.prefix.clear()
+        self._local = StageBatches(self.stage, self._disk)
         self._clock = FrameClock(self._chain.outbound, self._chain.inbound)
         self._forget_prefix_cache()
         self._schedule.restart()

@@ -27,7 +27,7 @@ from engines.observability.process_memory import parameter_bytes
 from engines.observability.step_timing import StepTimes
 from engines.pipeline import wire
 from engines.pipeline.admission import sampling_of, wire_refusal
-from engines.pipeline.batches import StageBatches
+from engines.pipeline.batches import StageBatches, open_disk_tier
 from engines.pipeline.chain import Chain
 from engines.pipeline.chain_upkeep import ChainUpkeep
 from engines.pipeline.frame_clock import FrameClock
@@ -36,6 +36,7 @@ from engines.pipeline.schedule import MicroBatchSchedule, Planned
 from engines.pipeline.stage_address import StageAddress
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.wire import Kind, Row
+from engines.prefix_cache.disk_tier import DiskTier
 from engines.prefix_cache.index import PrefixHit, PrefixIndex
 from engines.prefix_cache.store import NOT_REUSABLE
 from planner.errors import ChannelError, EngineError
@@ -60,7 +61,9 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
     evictions; every stage (stage 0 here too) keeps its own layers of each entry in its
     StageBatches' PrefixStore under the same entry id (the uid of the sequence it came from).
     A BEGIN names the entry and starts at the cached length; an END tells every stage which
-    ended sequences to keep and which entries to drop. Entries live as long as the session.
+    ended sequences to keep and which entries to drop or spill. Entries live as long as the
+    session. With a disk tier (`prefix_cache_disk_bytes` and stage 0's machine directory
+    `prefix_cache_dir`; every stage has its own), what the index evicts is spilled to disk.
     """
 
     # all at the last stage (the request BEGIN carries); a grammar is checked here first
@@ -83,6 +86,8 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         channel_class: Any = SecureChannel,
         upcast: bool = False,
         prefix_cache_bytes: int = 0,
+        prefix_cache_disk_bytes: int = 0,
+        prefix_cache_dir: Path | None = None,
     ) -> None:
         """`return_listener`: an already listening socket for the last stage's connection (its
         port must be known before the last stage starts); else one is opened on
@@ -125,7 +130,13 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         self._failure: str | None = None
         self._abort_reason: str | None = None
         self._io_lock = threading.Lock()
-        self.prefix_index = PrefixIndex(prefix_cache_bytes)
+        disk_bytes = prefix_cache_disk_bytes if prefix_cache_dir is not None else 0
+        self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
+        self._disk_dir = Path(prefix_cache_dir) if disk_bytes else None
+        self._disk: DiskTier | None = None  # stage 0's share of the disk tier
+        self._verifying: list[int] = []  # uids whose disk entry no stage was asked for yet
+        self._loads: dict[int, tuple[list[int], list[int]]] = {}  # roll call -> uids, failed
+        self._recounted: dict[int, int] = {}  # uid -> its cached tokens after all (a miss)
         self._hits: dict[int, PrefixHit] = {}  # inserted, not begun yet: the entry to start from
         # entries the index dropped while a sequence not begun yet still names them: the
         # stages drop them once it has begun
@@ -165,6 +176,8 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         self._load_grammars()
         if any(window is not None for window in self.stage.layout.windows):
             self.prefix_index.turn_off(NOT_REUSABLE)  # windows anywhere in the chain
+        if self.prefix_index.disk_max_bytes and self._disk is None:
+            self._disk = open_disk_tier(self._disk_dir, self.model_path, self.layers)
         chunk_bytes = self.prefill_chunk * self.stage.hidden_size * 4
         if chunk_bytes > wire.MAX_FRAME_BYTES:
             raise EngineError(
@@ -209,8 +222,13 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             self._listener = None
         self.stage = None
         self._weight_bytes = 0
+        if self._local is not None:
+            self._local.prefix.clear()
         self._local = None
         self._forget_prefix_cache()
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
         mx.clear_cache()
 
     def abort(self, reason: str) -> None:
@@ -247,30 +265,6 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             detail["failure"] = self._failure
         return EngineInfo(strategy="pp", world_size=1 + len(self.stages), detail=detail)
 
-    def stage_status(self) -> list[dict[str, Any]]:
-        """A STATUS roll call (while no sequence runs): every stage's layers and counters."""
-        if not self._io_lock.acquire(timeout=self.token_timeout_s):
-            raise EngineError("the pipeline is busy; status unavailable")
-        try:
-            if self._schedule.active:
-                raise EngineError(f"the pipeline runs {self._schedule.active} sequences")
-            self._ensure_connected()
-            try:
-                while self._awaiting:  # answers for sequences already removed
-                    self._receive_answer()
-                reports = [self._local_report()]
-                number = self._take_number()
-                self._send(wire.document_frame(Kind.STATUS, number, {"reports": reports}))
-                expected = wire.Frame(Kind.READY, number)
-                answer = wire.receive_answer(
-                    self._chain.inbound, self.token_timeout_s, expected, self._chain.last_layers
-                )
-                return list(answer.document()["reports"])
-            except ChannelError as error:
-                raise self._lost("waiting for the status roll call", error) from error
-        finally:
-            self._io_lock.release()
-
     # -- the batch ---------------------------------------------------------------------------
 
     def insert(self, uid: int, request: GenerationRequest) -> int:
@@ -285,10 +279,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         self._check_grammar(request)
         with self._io_lock:  # the index is shared with evict_prefix_cache()
             hit = self.prefix_index.lookup(request.prompt_tokens)
-            cached = hit.tokens if hit is not None else 0
-            self._schedule.add(uid, request.prompt_tokens, cached)
-            if hit is not None:
-                self._hits[uid] = hit
+            cached = self._schedule_hit(uid, request.prompt_tokens, hit)
         self._sampling[uid] = sampling
         return cached
 
@@ -319,6 +310,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             known = self._schedule.remove(uids)
             for uid in uids:
                 self._sampling.pop(uid, None)
+                self._recounted.pop(uid, None)
             evict = self._unpin(uids)
             if local is None:
                 return
@@ -328,10 +320,12 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             evict += self._keep_on_stage_zero(keep)
             local.end(known)
             local.drop(evict)
-            if not known and not evict:
+            spill = self._spill_on_stage_zero()
+            if not known and not evict and not spill:
                 return
             try:
-                self._send_end(known, [(uid, len(tokens)) for uid, tokens in keep], evict)
+                kept = [(uid, len(tokens)) for uid, tokens in keep]
+                self._send_end(known, kept, evict, spill)
             except ChannelError as error:
                 raise self._lost(f"ending sequences {known}", error) from error
 
@@ -344,11 +338,13 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         with self._io_lock:
             before = self.prefix_index.nbytes
             evict = self._release(self.prefix_index.evict(keep_fraction))
+            spill = []
             if self._local is not None:
                 self._local.drop(evict)
-            if evict and self._chain is not None and self._healthy:
+                spill = self._spill_on_stage_zero()
+            if (evict or spill) and self._chain is not None and self._healthy:
                 try:
-                    self._send_end([], [], evict)
+                    self._send_end([], [], evict, spill)
                 except ChannelError as error:
                     raise self._lost("evicting prefix-cache entries", error) from error
             return before - self.prefix_index.nbytes
@@ -360,19 +356,21 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             self._ensure_connected()
             expected = None
             try:
+                self._send_loads()  # sequences starting from disk entries: read them back
                 for planned in self._schedule.plan():
                     self._run_stage_zero(planned)
                 if not self._awaiting:
                     return []
                 expected = self._awaiting[0]
                 produced, scores = self._receive_answer()
+                recount = {uid: self._recounted.pop(uid, None) for uid, _ in produced}
             except ChannelError as error:
                 waiting = f"for {expected.describe()}" if expected else "sending"
                 raise self._lost(waiting, error) from error
             except Exception as error:  # the stages are mid-batch: this chain is unusable now
                 self._lost("in a step", ChannelError(str(error)))
                 raise
-        return [_output(uid, token, scores.get(uid)) for uid, token in produced]
+        return [_output(uid, token, scores.get(uid), recount[uid]) for uid, token in produced]
 
     def _run_stage_zero(self, planned: Planned) -> None:
         """BEGIN the newcomers, embed and run stage 0 over the frame's tokens, send it down."""
@@ -399,9 +397,10 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         mx.eval(hidden)
         stage_zero_s = time.perf_counter() - started
         number = self._take_number()
-        self._send(wire.hidden_frame(number, group, step, rows, hidden))
+        flags = wire.LAST_CHUNK if planned.last_chunk else 0  # the last stage samples it
+        self._send(wire.hidden_frame(number, group, step, rows, hidden, flags=flags))
         self._clock.sent(number, stage_zero_s)
-        self._awaiting.append(wire.Frame(Kind.TOKEN, number, group, step, rows))
+        self._awaiting.append(wire.Frame(Kind.TOKEN, number, group, step, rows, flags))
 
     def _receive_answer(self) -> tuple[list[tuple[int, int]], dict[int, wire.Score]]:
         expected = self._awaiting[0]
@@ -412,6 +411,9 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             chain.inbound, self.token_timeout_s, expected, chain.last_layers
         )
         self._awaiting.popleft()
+        if expected.kind is Kind.READY:  # disk entries read back (prefix_keeping.py)
+            self._loaded(expected.number, answer.document().get("reports"))
+            return [], {}
         if self._clock is not None:
             segments = self._clock.answered(expected.number, answer.times)
             # rows removed while their frame was out are not charged (nor kept)
@@ -423,11 +425,10 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         return self._schedule.answered(answer.tokens()), scores
 
 
-def _output(uid: int, token: int, score: wire.Score) -> StepOutput:
+def _output(uid: int, token: int, score: wire.Score, cached: int | None) -> StepOutput:
     """A row of a TOKEN answer as the runner sees it: a token (with its logprobs if asked),
-    or the last stage's refusal of this sequence alone."""
-    if score is None:
-        return StepOutput(uid, token)
+    or the last stage's refusal of this sequence alone; `cached` corrects insert()'s count."""
     if isinstance(score, str):
         return StepOutput(uid, error=f"the last pipeline stage refused the sequence: {score}")
-    return StepOutput(uid, token, None, *score)
+    logprob, top = score if score is not None else (None, ())
+    return StepOutput(uid, token, None, logprob, top, cached_tokens=cached)

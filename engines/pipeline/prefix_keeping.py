@@ -1,20 +1,82 @@
 """The coordinator's side of the pipeline's prefix cache: which ending sequences are kept,
-keeping them on stage 0 and in the index, and the END frames that tell every stage to keep
-or drop its share. An entry the index drops while a sequence not begun yet will start from it
-is held until that sequence has begun, so no stage drops what a BEGIN is about to name.
+keeping them on stage 0 and in the index, and the END frames that tell every stage to keep,
+drop or spill to disk its share. An entry the index drops while a sequence not begun yet will
+start from it is held until that sequence has begun, so no stage drops what a BEGIN is about
+to name. A sequence whose entry is on disk waits until every stage has read its share back
+(a STATUS roll call with `load`): if one cannot (torn, corrupt, missing), the entry is
+forgotten everywhere and the sequence prefills its whole prompt, a miss.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from engines.pipeline import sequence_documents
+from engines.pipeline import sequence_documents, wire
+from engines.pipeline.wire import Kind
+from engines.prefix_cache.index import PrefixHit
 
 
 class PrefixKeeping:
     """Part of EncryptedPipelineEngine (engine.py), which owns the state these methods use:
     `prefix_index`, stage 0's `_local` batches, the `_schedule`, the `_hits` of sequences not
-    begun yet and the entries `_held` for them; END frames go out through its `_send`."""
+    begun yet and the entries `_held` for them, the uids `_verifying` (waiting for a read-back
+    roll call), the roll calls out (`_loads`) and the `_recounted` cached tokens of sequences
+    whose disk entry failed; frames go out through its `_send`."""
+
+    def _schedule_hit(self, uid: int, prompt: Sequence[int], hit: PrefixHit | None) -> int:
+        """Schedule a new sequence from its hit (or none); one whose entry is on disk waits
+        for every stage to read it back. Returns the cached tokens."""
+        if hit is None:
+            self._schedule.add(uid, prompt)
+            return 0
+        self._hits[uid] = hit
+        self._schedule.add(uid, prompt, hit.tokens, held=hit.on_disk)
+        if hit.on_disk:
+            self._verifying.append(uid)
+        return hit.tokens
+
+    def _send_loads(self) -> None:
+        """A STATUS roll call asking every stage to read back the disk entries the waiting
+        sequences begin from; its READY comes back in turn with the other answers."""
+        uids = [uid for uid in self._verifying if uid in self._hits]
+        self._verifying.clear()
+        entries = sorted({self._hits[uid].entry_id for uid in uids})
+        if not entries:
+            return
+        limit = sequence_documents.MAX_EVICT_PER_END
+        entries, later = entries[:limit], set(entries[limit:])
+        self._verifying = [uid for uid in uids if self._hits[uid].entry_id in later]
+        uids = [uid for uid in uids if uid not in self._verifying]
+        unreadable = self._local.load(entries)
+        number = self._take_number()
+        document = {"reports": [self._local_report()], "load": entries}
+        self._send(wire.document_frame(Kind.STATUS, number, document))
+        self._awaiting.append(wire.Frame(Kind.READY, number))
+        self._loads[number] = (uids, unreadable)
+
+    def _loaded(self, number: int, reports: Any) -> None:
+        """A read-back roll call answered: the sequences whose entry every stage holds go;
+        an entry any stage could not read is forgotten, and its sequences start cold."""
+        uids, failed = self._loads.pop(number)
+        for report in reports if isinstance(reports, list) else []:
+            listed = report.get("unreadable", []) if isinstance(report, dict) else []
+            failed += [entry for entry in listed if isinstance(entry, int)]
+        failed_entries = set(failed)
+        for entry in failed_entries:
+            self.prefix_index.discard(entry)  # counted as a disk failure
+        for uid, hit in list(self._hits.items()):  # none of them has begun
+            if hit.entry_id in failed_entries:
+                del self._hits[uid]
+                self._schedule.start_cold(uid)
+                self._recounted[uid] = 0
+        for uid in uids:
+            if uid in self._schedule:
+                self._schedule.release(uid)
+        drop = self._release(sorted(failed_entries))
+        if drop:
+            self._local.drop(drop)
+            self._send_end([], [], drop)
 
     def _caches_to_keep(self, uids: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
         """(uid, the tokens its caches hold) of the ending sequences worth keeping."""
@@ -53,20 +115,38 @@ class PrefixKeeping:
         self._held.difference_update(free)
         return free
 
+    def _spill_on_stage_zero(self) -> list[int]:
+        """The entries the index just moved to disk: written here (in the background) and
+        returned for every other stage to write its share."""
+        spill = self.prefix_index.take_spills()
+        self._local.spill(spill)
+        return spill
+
     def _send_end(
-        self, uids: Sequence[int], keep: Sequence[tuple[int, int]], evict: Sequence[int]
+        self,
+        uids: Sequence[int],
+        keep: Sequence[tuple[int, int]],
+        evict: Sequence[int],
+        spill: Sequence[int] = (),
     ) -> None:
-        """END frames: the first ends `uids` and keeps `keep`; evictions go in bounded lists."""
+        """END frames: the first ends `uids` and keeps `keep`; evictions and spills go in
+        bounded lists."""
         size = sequence_documents.MAX_EVICT_PER_END
-        chunks = [evict[start : start + size] for start in range(0, len(evict), size)] or [[]]
-        for index, chunk in enumerate(chunks):
+        count = max(len(evict), len(spill), 1)
+        for index, start in enumerate(range(0, count, size)):
             ended, kept = (uids, keep) if index == 0 else ((), ())
-            self._send(sequence_documents.end_frame(self._take_number(), ended, kept, chunk))
+            frame = sequence_documents.end_frame(
+                self._take_number(), ended, kept, evict[start : start + size],
+                spill[start : start + size],
+            )  # fmt: skip
+            self._send(frame)
 
     def _forget_prefix_cache(self) -> None:
         """The session's stages and their entries are gone: forget every entry and hit."""
         self.prefix_index.clear()
         self._held.clear()
+        self._verifying.clear()
+        self._loads.clear()
         for uid in self._hits:
             if uid in self._schedule:  # not begun yet: it prefills its whole prompt after all
                 self._schedule.start_cold(uid)

@@ -23,6 +23,7 @@ class Planned:
     rows: tuple[Row, ...]
     tokens: tuple[int, ...]  # decode: one per row; prefill: the chunk of the one row
     begins: tuple[int, ...] = ()  # uids whose BEGIN must go down before this frame
+    last_chunk: bool = False  # a prefill chunk ending its prompt: it samples the first token
 
     @property
     def is_prefill(self) -> bool:
@@ -37,8 +38,9 @@ class _Sequence:
     prefilled: int = 0  # prompt tokens sent down in prefill chunks
     position: int = 0  # tokens the stages' caches hold once every sent frame is processed
     next_token: int | None = None  # the next decode input; None while its answer is out
-    group: int | None = None  # None while prefilling
+    group: int | None = None  # None until its first token is back
     begun: bool = False  # BEGIN went down: the stages know it and must be told when it ends
+    held: bool = False  # waits for its prefix-cache entry to be read back from disk
     generated: list[int] = field(default_factory=list)  # tokens answered so far
 
 
@@ -53,13 +55,14 @@ class MicroBatchSchedule:
     """Sequences in `groups` decode micro-batches, prefilled one chunk at a time in between.
 
     A micro-batch is sent when its previous answer is back, so with one micro-batch per stage
-    every stage can work at once. A newcomer's prompt (all but its last token, as in mlx-lm)
-    goes down in chunks of `prefill_chunk`: while others decode, one chunk at a time, so a
-    long prompt delays each of their tokens by one chunk (as SingleEngine's one chunk per
-    step); while nobody decodes, up to `prefill_in_flight` chunks fill the pipeline. Newcomers
-    take turns, a chunk each. A newcomer then joins the smallest micro-batch, its last prompt
-    token as input. A sequence starting from a prefix-cache entry of `cached` tokens is
-    prefilled from there (positions start at `cached`).
+    every stage can work at once. A newcomer's prompt goes down in chunks of `prefill_chunk`:
+    while others decode, one chunk at a time, so a long prompt delays each of their tokens by
+    one chunk (as SingleEngine's one chunk per step); while nobody decodes, up to
+    `prefill_in_flight` chunks fill the pipeline. Newcomers take turns, a chunk each. The last
+    chunk, ending the prompt, comes back with the first token (as SingleEngine computes the
+    rest of a prompt and samples in one pass); the newcomer then joins the smallest
+    micro-batch, that token as its input. A sequence starting from a prefix-cache entry of
+    `cached` tokens is prefilled from there (positions start at `cached`).
     """
 
     def __init__(self, groups: int, prefill_chunk: int, prefill_in_flight: int) -> None:
@@ -78,26 +81,34 @@ class MicroBatchSchedule:
 
     # -- membership --------------------------------------------------------------------------
 
-    def add(self, uid: int, prompt: Sequence[int], cached: int = 0) -> None:
-        """Schedule a sequence whose caches start with the prompt's first `cached` tokens."""
+    def add(self, uid: int, prompt: Sequence[int], cached: int = 0, held: bool = False) -> None:
+        """Schedule a sequence whose caches start with the prompt's first `cached` tokens;
+        a `held` one waits for release() (or start_cold()) before any of its frames."""
         if uid in self._sequences or not prompt:
             raise ValueError(f"sequence {uid} is already scheduled or has an empty prompt")
         if not 0 <= cached < len(prompt):
             raise ValueError(f"sequence {uid}: {cached} cached of {len(prompt)} prompt tokens")
         sequence = _Sequence(uid, tuple(prompt), cached, prefilled=cached, position=cached)
         self._sequences[uid] = sequence
-        self._queue(sequence)
+        sequence.held = held
+        if not held:
+            self._queue(sequence)
+
+    def release(self, uid: int) -> None:
+        """A held sequence may go: its entry is ready on every stage."""
+        sequence = self._sequences[uid]
+        if sequence.held:
+            sequence.held = False
+            self._queue(sequence)
 
     def start_cold(self, uid: int) -> None:
         """A sequence not begun yet starts with empty caches after all (its entry is gone)."""
         sequence = self._sequences[uid]
         if sequence.begun:
             raise ValueError(f"sequence {uid} has begun: its caches are on the stages")
-        if sequence.group is not None:
-            self._groups[sequence.group].members.remove(uid)
-            sequence.group, sequence.next_token = None, None
-        elif uid in self._prefilling:
+        if uid in self._prefilling:  # (one not begun has no first token, so no group)
             self._prefilling.remove(uid)
+        sequence.held = False
         sequence.cached = sequence.prefilled = sequence.position = 0
         self._queue(sequence)
 
@@ -110,10 +121,7 @@ class MicroBatchSchedule:
         return sequence.prompt + tuple(sequence.generated)
 
     def _queue(self, sequence: _Sequence) -> None:
-        if sequence.prefilled < len(sequence.prompt) - 1:
-            self._prefilling.append(sequence.uid)
-        else:
-            self._join(sequence)
+        self._prefilling.append(sequence.uid)  # at least the prompt's last token is left
 
     def remove(self, uids: Sequence[int]) -> list[int]:
         """Forget `uids`; returns those the stages know (their caches must be freed)."""
@@ -185,9 +193,10 @@ class MicroBatchSchedule:
     def answered(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """The next answer arrived: (uid, token) for the rows still scheduled."""
         frame = self._in_flight.popleft()
-        if frame.is_prefill:
+        if frame.is_prefill and not frame.last_chunk:
             return []
-        self._groups[frame.group].in_flight = False
+        if not frame.is_prefill:
+            self._groups[frame.group].in_flight = False
         produced = []
         for row, token in zip(frame.rows, tokens, strict=True):
             sequence = self._sequences.get(row.uid)
@@ -195,6 +204,8 @@ class MicroBatchSchedule:
                 sequence.next_token = token
                 sequence.generated.append(token)
                 produced.append((row.uid, token))
+                if frame.is_prefill:  # its first token: from now on it decodes
+                    self._join(sequence)
         return produced
 
     def _decoding(self) -> bool:
@@ -224,31 +235,28 @@ class MicroBatchSchedule:
         limit = 1 if decoding else self.prefill_in_flight
         while self._prefilling and in_flight < limit:
             sequence = self._sequences[self._prefilling[0]]
-            body = len(sequence.prompt) - 1
+            body = len(sequence.prompt)
             start, stop = sequence.prefilled, min(sequence.prefilled + self.prefill_chunk, body)
             self._prefill_steps += 1
             row = Row(sequence.uid, start)
             begins = self._take_begins([sequence.uid])
-            chunk = sequence.prompt[start:stop]
-            frames.append(Planned(PREFILL_GROUP, self._prefill_steps, (row,), chunk, begins))
+            chunk, last = sequence.prompt[start:stop], stop == body
+            step = self._prefill_steps
+            frames.append(Planned(PREFILL_GROUP, step, (row,), chunk, begins, last_chunk=last))
             in_flight += 1
             sequence.prefilled = sequence.position = stop
             self._prefilling.popleft()
-            if stop == body:
-                self._join(sequence)
-            else:  # round robin: a short prompt behind a long one waits one chunk, not all
+            if not last:  # round robin: a short prompt behind a long one waits one chunk, not all
                 self._prefilling.append(sequence.uid)
         return frames
 
     def _join(self, sequence: _Sequence) -> None:
-        """Into the smallest micro-batch (an idle one on a tie), last prompt token as input."""
+        """Into the smallest micro-batch (an idle one on a tie), its first token as input."""
         index = min(
             range(len(self._groups)),
             key=lambda i: (len(self._groups[i].members), self._groups[i].in_flight, i),
         )
         sequence.group = index
-        sequence.position = len(sequence.prompt) - 1
-        sequence.next_token = sequence.prompt[-1]
         self._groups[index].members.append(sequence.uid)
 
     def _take_begins(self, uids: Sequence[int]) -> tuple[int, ...]:

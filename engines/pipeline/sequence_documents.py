@@ -1,6 +1,7 @@
 """What a pipeline frame's documents say about a sequence: the BEGIN's request (its
-GenerationRequest's document) and prefix-cache entry, and the END's keep and evict orders. The
-bytes around them are the wire's (wire.py); this module checks their meaning, so that a stage
+GenerationRequest's document) and prefix-cache entry, the END's keep, evict and spill orders, and
+the prefix-cache entries a STATUS roll call asks every stage to read back from disk. The bytes
+around them are the wire's (wire.py); this module checks their meaning, so that a stage
 refuses a malformed document before it touches a cache or a sampler.
 """
 
@@ -16,7 +17,7 @@ from planner.errors import RequestError
 
 MAX_UID = 2**64 - 1  # a row's uid field; prefix-cache entry ids are uids
 MAX_POSITION = 2**32 - 1  # a row's position field
-MAX_EVICT_PER_END = 1000  # entry ids per END document: keeps it far below MAX_JSON_BYTES
+MAX_EVICT_PER_END = 1000  # entry ids per END list (or STATUS load): far below MAX_JSON_BYTES
 PENALTY_CONTEXT = 20  # prompt tokens a BEGIN's request carries for the penalties (mlx-lm's)
 PREFIX_ENTRY = "prefix_entry"  # a BEGIN document's one key that is the wire's, not the request's
 
@@ -26,10 +27,11 @@ def end_frame(
     uids: Sequence[int],
     keep: Sequence[tuple[int, int]] = (),
     evict: Sequence[int] = (),
+    spill: Sequence[int] = (),
 ) -> Frame:
     """Free `uids`' caches, first keeping `keep` ((uid, tokens) of them) as prefix-cache
-    entries named by their uid; then drop the entries `evict`."""
-    orders = EndOrders(tuple(keep), tuple(evict))
+    entries named by their uid; then drop the entries `evict` and move `spill` to disk."""
+    orders = EndOrders(tuple(keep), tuple(evict), tuple(spill))
     return document_frame(Kind.END, number, orders.document(), [Row(uid, 0) for uid in uids])
 
 
@@ -69,24 +71,34 @@ class EndOrders:
 
     `keep`: (uid, tokens) of ended rows whose caches become prefix-cache entries named by the
     uid; `tokens` is the sequence's cache length, which every stage checks against its own.
-    `evict`: entries every stage drops, after keeping.
+    `evict`: entries every stage drops, after keeping. `spill`: entries every stage moves
+    from memory to its disk tier (or drops, without one), last.
     """
 
     keep: tuple[tuple[int, int], ...] = ()
     evict: tuple[int, ...] = ()
+    spill: tuple[int, ...] = ()
 
     def document(self) -> dict[str, Any]:
-        return {"keep": [[uid, tokens] for uid, tokens in self.keep], "evict": list(self.evict)}
+        document: dict[str, Any] = {
+            "keep": [[uid, tokens] for uid, tokens in self.keep],
+            "evict": list(self.evict),
+        }
+        if self.spill:
+            document["spill"] = list(self.spill)
+        return document
 
     @classmethod
     def of(cls, frame: Frame) -> EndOrders:
         """Validate an END frame's document against its rows (WireError when malformed)."""
         document = frame.document()
         keep, evict = document.get("keep", []), document.get("evict", [])
-        if not (isinstance(keep, list) and isinstance(evict, list)):
-            raise WireError("END document: keep and evict must be lists")
-        if len(evict) > MAX_EVICT_PER_END:
-            raise WireError(f"END evicts {len(evict)} entries (at most {MAX_EVICT_PER_END})")
+        if not isinstance(keep, list):
+            raise WireError("END document: keep must be a list")
+        evict, spill = (
+            _entry_ids(evict, "END evict"),
+            _entry_ids(document.get("spill", []), "END spill"),
+        )
         rows = set(frame.uids)
         pairs = []
         for item in keep:
@@ -103,9 +115,22 @@ class EndOrders:
             pairs.append((item[0], item[1]))
         if len({uid for uid, _ in pairs}) != len(pairs):
             raise WireError("END document keeps a sequence twice")
-        if not all(_is_count(entry, MAX_UID) for entry in evict):
-            raise WireError("END document: evict must list entry ids")
-        return cls(tuple(pairs), tuple(evict))
+        return cls(tuple(pairs), evict, spill)
+
+
+def load_orders_of(document: dict[str, Any]) -> tuple[int, ...]:
+    """The prefix-cache entries a STATUS roll call asks every stage to read back from disk
+    (each stage reports those it could not: `unreadable`); WireError when malformed."""
+    return _entry_ids(document.get("load", []), "STATUS load")
+
+
+def _entry_ids(value: Any, name: str) -> tuple[int, ...]:
+    """A bounded list of prefix-cache entry ids."""
+    if not isinstance(value, list) or len(value) > MAX_EVICT_PER_END:
+        raise WireError(f"{name} must be a list of at most {MAX_EVICT_PER_END} entry ids")
+    if not all(_is_count(entry, MAX_UID) for entry in value):
+        raise WireError(f"{name} must list entry ids")
+    return tuple(value)
 
 
 def _is_count(value: Any, maximum: int) -> bool:

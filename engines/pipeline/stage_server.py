@@ -23,6 +23,7 @@ from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_session import _Scoring, _Session, scores
 from engines.pipeline.stage_spec import StageSpec
 from engines.pipeline.wire import PURPOSE, Kind, WireError
+from engines.prefix_cache.disk_tier import DiskTier
 from planner.errors import ChannelError, EngineError
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class EncryptedPipelineServer:
 
     `channel_class` exists only so the benchmark can measure the cost of sealing; everything
     else uses SecureChannel. `grammars` (last stage) compiles the BEGIN grammars; without it a
-    sequence with a grammar is refused.
+    sequence with a grammar is refused. `disk`: this stage's prefix-cache disk tier; each
+    session's entries are removed from it when the session ends.
     """
 
     def __init__(
@@ -46,10 +48,12 @@ class EncryptedPipelineServer:
         stage: StageModel,
         channel_class: Any = SecureChannel,
         grammars: GrammarCompiler | None = None,
+        disk: DiskTier | None = None,
     ):
         self.spec = spec
         self.stage = stage
         self.grammars = grammars
+        self.disk = disk
         self._channel_class = channel_class
         self._listener: socket.socket | None = None
         # Proven inbound connections, handed over by the handshake gate's threads.
@@ -179,7 +183,7 @@ class EncryptedPipelineServer:
             self.spec.next_host,
             self.spec.next_port,
         )
-        return _Session(inbound, sock, outbound, outbound_sock, self.stage)
+        return _Session(inbound, sock, outbound, outbound_sock, self.stage, self.disk)
 
     def _check_silence(self, session: _Session) -> None:
         """While sequences are active the coordinator keeps sending; silence means it is lost."""
@@ -243,6 +247,7 @@ class EncryptedPipelineServer:
                 session.batches.keep(uid, tokens)
             session.batches.end(frame.uids)
             session.batches.drop(orders.evict)
+            session.batches.spill(orders.spill)
             self.served_requests += held - session.batches.active
             for uid in frame.uids:
                 session.samplers.pop(uid, None)
@@ -283,25 +288,26 @@ class EncryptedPipelineServer:
         else:
             hidden = batches.decode(frame.group, frame.rows, hidden)
         number, group, step, rows = frame.number, frame.group, frame.step, frame.rows
+        last_chunk = frame.flags & wire.LAST_CHUNK
         if not self.spec.is_last:
             mx.eval(hidden)
             session.meter.compute_s += time.perf_counter() - started
             times = (*frame.times, session.meter.entry())
             wire.send(
                 session.outbound,
-                wire.hidden_frame(number, group, step, rows, hidden, times),
+                wire.hidden_frame(number, group, step, rows, hidden, times, last_chunk),
                 self.stage.layers,
             )
             return
-        if frame.is_prefill:  # nothing to sample: acknowledge once the caches hold the chunk
+        if not frame.samples:  # nothing to sample: acknowledge once the caches hold the chunk
             mx.eval(batches.prefill_caches_of(rows[0].uid))
             tokens: list[int] = []
             scores = None
-        else:
-            tokens, scores = self._sample(session, frame.uids, hidden)
+        else:  # a decode step, or a prompt's last chunk: its last position's first token
+            tokens, scores = self._sample(session, frame.uids, hidden[:, -1:, :])  # (B, 1, D)
         session.meter.compute_s += time.perf_counter() - started
         times = (*frame.times, session.meter.entry())
-        answer = wire.token_frame(number, group, step, rows, tokens, times, scores)
+        answer = wire.token_frame(number, group, step, rows, tokens, times, scores, last_chunk)
         wire.send(session.outbound, answer, self.stage.layers)
 
     def _sample(
@@ -360,6 +366,9 @@ class EncryptedPipelineServer:
             "prefix_entries": len(session.batches.prefix),
             "prefix_bytes": session.batches.prefix.nbytes,
         }
+        loads = sequence_documents.load_orders_of(frame.document())
+        if loads:  # prefix-cache entries on disk that sequences are about to begin from
+            report["unreadable"] = session.batches.load(loads)
         if setup:
             previous = _report_layers(reports[-1])
             if previous.stop != self.stage.layers.start:

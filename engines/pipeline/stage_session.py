@@ -18,6 +18,7 @@ from engines.decoding.sampling import Sampler, make_request_processors
 from engines.pipeline.batches import StageBatches
 from engines.pipeline.frame_clock import StageMeter
 from engines.pipeline.stage_model import StageModel
+from engines.prefix_cache.disk_tier import DiskTier
 
 
 class _Session:
@@ -30,6 +31,7 @@ class _Session:
         outbound: Any,
         outbound_sock: socket.socket,
         stage: StageModel,
+        disk: DiskTier | None = None,
     ) -> None:
         self.inbound = inbound
         self.inbound_sock = inbound_sock
@@ -37,7 +39,7 @@ class _Session:
         self.outbound_sock = outbound_sock
         self.previous: range | None = None  # the previous stage's layers, known after SETUP
         self.next_number = 0  # 0 = SETUP; every later frame down the chain counts from 1
-        self.batches = StageBatches(stage)
+        self.batches = StageBatches(stage, disk)
         self.samplers: dict[int, Sampler] = {}  # last stage: uid -> its own sampler
         self.meter = StageMeter(inbound, outbound)  # compute and sealing, sent with each frame
         self.scoring: dict[int, _Scoring] = {}  # last stage: penalties / logprobs / grammar
@@ -48,9 +50,11 @@ class _Session:
         return [] if self.closed else [self.inbound_sock, self.outbound_sock]
 
     def close(self) -> None:
+        """Close both hops and forget this session's prefix-cache entries, on disk too."""
         self.closed = True
         self.inbound.close()
         self.outbound.close()
+        self.batches.prefix.clear()
 
 
 class _Scoring:

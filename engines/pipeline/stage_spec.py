@@ -28,6 +28,10 @@ class StageSpec:
     upcast_float32: bool = False  # half-precision weights to float32 on the CPU
     # Where to fetch the model when this machine lacks it (engines/weights/fetch.py).
     weights: dict[str, Any] | None = None
+    # The prefix cache's disk tier: on when the coordinator gives it a budget (which its
+    # index keeps) and this machine a directory (an agent names its own cache's).
+    prefix_cache_disk_bytes: int = 0
+    prefix_cache_dir: Path | None = None
 
     @classmethod
     def from_json(cls, line: str | bytes) -> StageSpec:
@@ -53,6 +57,8 @@ class StageSpec:
                 blas_threads=int(raw.get("blas_threads", 0)),
                 upcast_float32=bool(raw.get("upcast_float32", False)),
                 weights=dict(raw["weights"]) if raw.get("weights") else None,
+                prefix_cache_disk_bytes=int(raw.get("prefix_cache_disk_bytes", 0)),
+                prefix_cache_dir=_optional_path(raw.get("prefix_cache_dir")),
             )
         except KeyError as error:
             raise ConfigError(f"the stage spec lacks the field {error}") from None
@@ -65,6 +71,10 @@ class StageSpec:
         if spec.read_timeout_s <= 0:
             raise ConfigError(f"read_timeout_s must be positive, got {spec.read_timeout_s}")
         return spec
+
+
+def _optional_path(value: Any) -> Path | None:
+    return Path(str(value)) if value else None
 
 
 def _parse_cluster_key(value: Any) -> bytes:

@@ -19,9 +19,11 @@ from discovery.json_child import ChildNotReady, JsonChild, open_protocol_output
 from discovery.secure_channel import SecureChannel
 from engines.core import blas
 from engines.decoding.grammar import GrammarCompiler
+from engines.pipeline.batches import open_disk_tier
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_server import EncryptedPipelineServer
 from engines.pipeline.stage_spec import StageSpec
+from engines.prefix_cache.disk_tier import DiskTier
 from engines.weights.fetch import model_for_assignment, progress_events
 from planner.errors import ConfigError, EngineError, ModelError
 
@@ -105,7 +107,8 @@ def run(channel_class: Any = SecureChannel) -> int:
         )
         stage = StageModel.load(model_path, spec.layers, spec.is_last, spec.upcast_float32)
         grammars = grammar_compiler(model_path, stage) if spec.is_last else None
-        server = EncryptedPipelineServer(spec, stage, channel_class, grammars)
+        disk = stage_disk_tier(spec, model_path)
+        server = EncryptedPipelineServer(spec, stage, channel_class, grammars, disk)
         port = server.bind()
     except (EngineError, ModelError, OSError) as error:
         output.write({"event": "failed", "reason": str(error)})
@@ -118,8 +121,20 @@ def run(channel_class: Any = SecureChannel) -> int:
         port,
     )
     output.write({"event": "ready", "port": port, "peak_memory_bytes": stage.peak_memory_bytes})
-    server.serve(stop_fd=sys.stdin.fileno())
+    try:
+        server.serve(stop_fd=sys.stdin.fileno())
+    finally:
+        if disk is not None:
+            disk.close()
     return 0
+
+
+def stage_disk_tier(spec: StageSpec, model_path: Path) -> DiskTier | None:
+    """This stage's share of the prefix cache's disk tier, or None. Its entries are named by
+    one chain session, so a previous run's files are removed, not listed."""
+    if not spec.prefix_cache_disk_bytes or spec.prefix_cache_dir is None:
+        return None
+    return open_disk_tier(spec.prefix_cache_dir, model_path, spec.layers)
 
 
 def grammar_compiler(model_path: Path, stage: StageModel) -> GrammarCompiler | None:

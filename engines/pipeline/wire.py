@@ -10,7 +10,9 @@ an answer (TOKEN, READY) carries the number of the frame it answers. `group` is 
 (PREFILL_GROUP for a prefill chunk) and `step` that micro-batch's frame count. Each row is a
 sequence (uid) and how many of its tokens the KV caches held before this frame (position).
 HIDDEN bodies are the raw row-major bytes of a (B, L, D) activation, one row per sequence;
-TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement), then, when flagged
+TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement, one for a prefill
+chunk flagged LAST_CHUNK: it ends its prompt, and the last stage samples the sequence's first
+token from it), then, when flagged
 SCORES, a JSON list with each row's [logprob, [[id, logprob], ...]] or null, or a string when
 the last stage refused that row's sequence (its grammar did not compile there: the row's token
 means nothing); BEGIN / SETUP / STATUS / READY / END bodies UTF-8 JSON objects. A BEGIN
@@ -40,9 +42,10 @@ from planner.errors import ChannelError
 
 # 5: BEGIN carries an output grammar (a v4 last stage would ignore it and sample freely)
 # 6: BEGIN carries the request's document (a v5 last stage would ignore its penalties)
-VERSION = 6
+# 7: a prompt's last chunk (LAST_CHUNK) samples its first token; END may spill entries to disk
+VERSION = 7
 PURPOSE = b"pipeline"  # the SecureChannel purpose of every pipeline hop
-AD_LABEL = b"tandem pipeline v6"
+AD_LABEL = b"tandem pipeline v7"
 HEADER = struct.Struct(">BBBBBQHIH")
 DIM = struct.Struct(">I")
 ROW = struct.Struct(">QI")
@@ -56,7 +59,8 @@ MAX_JSON_BYTES = 64 * 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 STAGE_TIMES = 0x01  # flag: the frame carries the stages' running times (see above)
 SCORES = 0x02  # flag: a TOKEN frame that carries log-probabilities after its tokens
-KNOWN_FLAGS = STAGE_TIMES | SCORES
+LAST_CHUNK = 0x04  # flag: a prefill chunk ending its prompt, and its answer's first token
+KNOWN_FLAGS = STAGE_TIMES | SCORES | LAST_CHUNK
 TIMES_COUNT = struct.Struct(">B")
 STAGE_TIME = struct.Struct(">QQ")
 MAX_TIMED_STAGES = 255
@@ -144,9 +148,15 @@ class Frame:
         array = mx.array(values)
         return array.view(dtype) if array.dtype != dtype else array
 
+    @property
+    def samples(self) -> bool:
+        """Whether the last stage samples a token per row: a decode step, or a prompt's last
+        prefill chunk."""
+        return not self.is_prefill or bool(self.flags & LAST_CHUNK)
+
     def tokens(self) -> list[int]:
         """A TOKEN frame's sampled tokens, one per row (none for a prefill acknowledgement)."""
-        width = TOKEN.size * (0 if self.is_prefill else len(self.rows))
+        width = TOKEN.size * (len(self.rows) if self.samples else 0)
         return [value for (value,) in TOKEN.iter_unpack(self.body[:width])]
 
     def scores(self) -> list[Score]:
@@ -206,14 +216,17 @@ def hidden_frame(
     rows: Sequence[Row],
     hidden: mx.array,
     times: Sequence[tuple[int, int]] = (),
+    flags: int = 0,
 ) -> Frame:
-    """A HIDDEN frame from an evaluated (B, L, D) activation, one row per sequence."""
+    """A HIDDEN frame from an evaluated (B, L, D) activation, one row per sequence; `flags`
+    LAST_CHUNK marks a prefill chunk that ends its prompt."""
     code = DTYPE_CODES.get(hidden.dtype)
     if code is None:
         raise WireError(f"activations of dtype {hidden.dtype} cannot travel on the pipeline wire")
     body = memoryview(hidden).tobytes()  # row-major, whatever the array's strides
     shape = tuple(hidden.shape)
-    return Frame(Kind.HIDDEN, number, group, step, tuple(rows), 0, code, shape, body, tuple(times))
+    rows = tuple(rows)
+    return Frame(Kind.HIDDEN, number, group, step, rows, flags, code, shape, body, tuple(times))
 
 
 def token_frame(
@@ -224,13 +237,13 @@ def token_frame(
     tokens: Sequence[int],
     times: Sequence[tuple[int, int]] = (),
     scores: Sequence[Any] | None = None,
+    flags: int = 0,
 ) -> Frame:
     """`scores`: per row None, (logprob, [(id, logprob), ...]) or a refusal message; sent only
     when one is set."""
     body = b"".join(TOKEN.pack(token) for token in tokens)
-    flags = 0
     if scores is not None and any(score is not None for score in scores):
-        flags = SCORES
+        flags |= SCORES
         entries = [
             s if s is None or isinstance(s, str) else [s[0], [list(pair) for pair in s[1]]]
             for s in scores
@@ -346,6 +359,8 @@ def _validate(frame: Frame) -> None:
         raise WireError(f"{kind.name} frame has no rows")
     if frame.flags & SCORES and kind is not Kind.TOKEN:
         raise WireError(f"{kind.name} frame carries scores (flags {frame.flags:#x})")
+    if frame.flags & LAST_CHUNK and not (kind in (Kind.HIDDEN, Kind.TOKEN) and frame.is_prefill):
+        raise WireError(f"{kind.name} frame of group {frame.group} flags a prompt's last chunk")
     if kind not in ROW_KINDS and frame.rows:
         raise WireError(f"{kind.name} frame carries {len(frame.rows)} rows")
     if kind is Kind.BEGIN and len(frame.rows) != 1:
@@ -360,8 +375,8 @@ def _validate(frame: Frame) -> None:
     if frame.dtype or frame.shape:
         raise WireError(f"{kind.name} frame carries a dtype or shape")
     if kind is Kind.TOKEN:
-        expected = 0 if frame.is_prefill else TOKEN.size * len(frame.rows)
-        if frame.flags & SCORES and not frame.is_prefill:
+        expected = TOKEN.size * len(frame.rows) if frame.samples else 0
+        if frame.flags & SCORES and frame.samples:
             if len(frame.body) - expected > MAX_JSON_BYTES:
                 raise WireError(f"TOKEN frame scores exceed {MAX_JSON_BYTES} bytes")
             frame.scores()
@@ -426,7 +441,8 @@ def receive_answer(channel: Channel, timeout_s: float, expected: Frame, sender: 
     `expected` are all bound, so an answer for another micro-batch or step does not open."""
     binding = binding_of(expected)
     frame = decode(channel.recv(timeout_s, associated_data(expected.number, sender, binding)))
-    if binding_of(frame) != binding or frame.number != expected.number:
+    last_chunk = (frame.flags ^ expected.flags) & LAST_CHUNK  # the answer samples as asked
+    if binding_of(frame) != binding or frame.number != expected.number or last_chunk:
         raise WireError(
             f"answer header says {frame.describe()}, the sealed binding says {expected.describe()}"
         )

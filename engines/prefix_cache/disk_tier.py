@@ -5,7 +5,8 @@ caches it writes were copied into fresh, evaluated arrays on the engine's thread
 writer never runs an mlx computation. Until its file is written an entry is served from
 that copy. Files go through mlx-lm's own `save_prompt_cache` / `load_prompt_cache`.
 
-Each entry is two files named by its tokens' digest: `<key>.safetensors` (the caches) and,
+Each entry is two files named by a digest of its id and tokens (a pp stage knows only how
+many tokens an entry holds, not which): `<key>.safetensors` (the caches) and,
 written after it, `<key>.json` (the tokens, the first file's size and BLAKE2 digest, and
 the tier's identity: model and share). An entry without its .json (a torn write), whose
 digest does not match (corrupt) or whose identity is another's (a different model or plan
@@ -147,6 +148,16 @@ class DiskTier:
         if key is not None:
             self._remove_files(key)
 
+    def clear(self) -> None:
+        """Forget every entry and remove its files (the ids they were named by are void)."""
+        with self._lock:
+            keys = list(self._keys.values())
+            self._pending.clear()  # one being written now is removed when it is done
+            self._keys.clear()
+            self._sizes.clear()
+        for key in keys:
+            self._remove_files(key)
+
     def close(self) -> None:
         """Stop the writer (what it was given is written first); the files stay for the next
         run, except in a private directory."""
@@ -223,7 +234,7 @@ class DiskTier:
                 self._write_entry(entry_id, *pending)
 
     def _write_entry(self, entry_id: int, caches: list[Any], tokens: tuple[int, ...]) -> None:
-        key = hashlib.blake2b(repr(tokens).encode(), digest_size=12).hexdigest()
+        key = hashlib.blake2b(repr((entry_id, tokens)).encode(), digest_size=12).hexdigest()
         data, meta = self._data_path(key), self._meta_path(key)
         try:
             temporary = data.with_suffix(".tmp.safetensors")

@@ -5,7 +5,8 @@ Handing out never changes the stored entry: a plain KV cache is re-wrapped aroun
 the stored arrays (mlx arrays are values, so the new sequence's writes cannot reach them);
 any other cache is deep-copied and trimmed. Two conversations branching from one system
 prompt therefore both start from the same entry. With a disk tier, `spill` moves entries
-out of memory to disk (engines/prefix_cache/disk_tier.py), and a hit reads them back.
+out of memory to disk (engines/prefix_cache/disk_tier.py), and a hit reads them back (or
+`load` reads one ahead, checking it, for the next `take_prefix`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
-from engines.prefix_cache.disk_tier import DiskTier
+from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from planner.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -29,13 +30,16 @@ class PrefixStore:
 
     def __init__(self, disk: DiskTier | None = None) -> None:
         self._entries: dict[int, tuple[list[Any], tuple[int, ...]]] = {}
+        self._loaded: dict[int, tuple[list[Any], tuple[int, ...]]] = {}  # read ahead, for once
         self.disk = disk
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, entry_id: int) -> bool:
-        return entry_id in self._entries or (self.disk is not None and entry_id in self.disk)
+        if entry_id in self._entries or entry_id in self._loaded:
+            return True
+        return self.disk is not None and entry_id in self.disk
 
     @property
     def nbytes(self) -> int:
@@ -57,9 +61,18 @@ class PrefixStore:
             if entry is not None and self.disk is not None:
                 self.disk.write(entry_id, *entry)
 
+    def load(self, entry_id: int) -> None:
+        """Read an entry on disk back now, for the next `take_prefix` of it; DiskUnreadable
+        when it is not held or its file is torn or corrupt (the caller makes that a miss)."""
+        if entry_id in self._entries or entry_id in self._loaded:
+            return
+        if self.disk is None or entry_id not in self.disk:
+            raise DiskUnreadable(f"prefix-cache entry {entry_id} is not held here")
+        self._loaded[entry_id] = self.disk.read(entry_id)
+
     def take_prefix(self, entry_id: int, length: int) -> tuple[list[Any], list[int]]:
         """Fresh caches holding the entry's first `length` tokens, and those tokens."""
-        caches, tokens = self._require(entry_id)
+        caches, tokens = self._loaded.pop(entry_id, None) or self._require(entry_id)
         if not 0 < length <= len(tokens):
             raise EngineError(
                 f"prefix-cache entry {entry_id} holds {len(tokens)} tokens, asked for {length}"
@@ -76,17 +89,20 @@ class PrefixStore:
     def drop(self, entry_ids: Iterable[int]) -> None:
         for entry_id in entry_ids:
             self._entries.pop(entry_id, None)
+            self._loaded.pop(entry_id, None)
             if self.disk is not None:
                 self.disk.drop(entry_id)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._loaded.clear()
         if self.disk is not None:
             self.disk.clear()
 
     def close(self) -> None:
         """Forget everything and remove the disk tier's files."""
         self._entries.clear()
+        self._loaded.clear()
         if self.disk is not None:
             self.disk.close()
 

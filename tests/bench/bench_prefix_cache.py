@@ -8,7 +8,8 @@ tandem serve (single, HTTP), mlx_lm.server (HTTP, its default prompt cache), tan
 pp=2 (driven in-process through the EngineRunner the API uses), tandem single with the
 cache off, and tandem single whose entries all go to the disk tier (a 1 MB memory tier, so
 every entry is written to disk, and the follow-up comes a second later, once it is written:
-it is read back from its file). Part 2: 8 conversations sharing one system
+it is read back from its file; tp=2 and pp=2 have the same contender, in-process, each rank or
+stage with its own directory). Part 2: 8 conversations sharing one system
 prompt, two turns each, the 8 first turns sent at once, then the 8 follow-ups at once: the
 prompt tokens the first turns computed (in prompts' worth: 8 when every one misses, about 1
 when the others wait for the first one's prefill), their median TTFT, the prefix-cache hit
@@ -126,6 +127,7 @@ def runner_asker(runner: EngineRunner) -> Ask:
 
 DISK_TIER = "tandem single, entries on disk (HTTP)"
 TP_DISK_TIER = "tandem tp=2, entries on disk (in-process)"
+PP_DISK_TIER = "tandem pp=2, entries on disk (in-process)"
 READ_PAUSE_S = 1.0  # before a follow-up to the disk tier: the entry's file is written by then
 
 
@@ -242,6 +244,14 @@ def build(model_path: Path, cleanup: contextlib.ExitStack, only: list[str] | Non
             open_pipeline_runner(model_path, 2, prefix_cache_bytes=budget)
         )
         askers["tandem pp=2 (in-process)"] = runner_asker(runner)
+    if wanted(PP_DISK_TIER):
+        runner = cleanup.enter_context(
+            open_pipeline_runner(
+                model_path, 2, prefix_cache_bytes=1 << 20, prefix_cache_disk_bytes=4 << 30,
+                prefix_cache_dir=scratch / "pp-tiers",
+            )
+        )  # fmt: skip
+        askers[PP_DISK_TIER] = runner_asker(runner)
     return askers
 
 
@@ -314,7 +324,7 @@ def main() -> None:
 
     async def measure_all(askers: dict[str, Ask]) -> None:
         for index, (name, ask) in enumerate(askers.items()):
-            pause_s = READ_PAUSE_S if name in (DISK_TIER, TP_DISK_TIER) else 0.0
+            pause_s = READ_PAUSE_S if name in (DISK_TIER, TP_DISK_TIER, PP_DISK_TIER) else 0.0
             pairs = await follow_up_ratio(ask, arguments.rounds, str(index), pause_s)
             shared = await shared_system_prompt(ask, str(index))
             results[name] = (pairs, shared)

@@ -23,8 +23,18 @@ LOAD_TIMEOUT_S = 180.0
 
 @contextlib.contextmanager
 def open_pipeline_runner(
-    model_path: Path, stages: int, max_batch: int = 16, prefix_cache_bytes: int = 0
+    model_path: Path,
+    stages: int,
+    max_batch: int = 16,
+    prefix_cache_bytes: int = 0,
+    prefix_cache_disk_bytes: int = 0,
+    prefix_cache_dir: Path | None = None,
 ) -> Iterator[EngineRunner]:
+    """`prefix_cache_dir`: each stage keeps its disk tier under its own subdirectory of it, as
+    if on its own machine."""
+    disk = {}
+    if prefix_cache_disk_bytes and prefix_cache_dir is not None:
+        disk = {"prefix_cache_disk_bytes": prefix_cache_disk_bytes}
     layers = allocate_layers(inspect_model(model_path).num_layers, [1] * stages)
     key = generate_key()
     threads = max(1, (os.cpu_count() or 1) // stages)  # as launch.py shares a machine
@@ -44,6 +54,8 @@ def open_pipeline_runner(
                 "cluster_key": key.hex(),
                 "blas_threads": threads,
             }
+            if disk:
+                spec.update(disk, prefix_cache_dir=str(prefix_cache_dir / f"stage-{index}"))
             worker = StageProcess.start(
                 spec, stderr=subprocess.DEVNULL, ready_timeout_s=LOAD_TIMEOUT_S
             )
@@ -61,6 +73,8 @@ def open_pipeline_runner(
             key,
             return_listener=listener,
             prefix_cache_bytes=prefix_cache_bytes,
+            prefix_cache_dir=prefix_cache_dir / "stage-0" if disk else None,
+            **disk,
         )
         runner = EngineRunner(engine, queue_size=64, max_batch=max_batch)
         runner.start(LOAD_TIMEOUT_S)

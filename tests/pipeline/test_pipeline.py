@@ -101,6 +101,20 @@ def test_greedy_output_matches_single_engine(pipeline: Pipeline, prompt: str) ->
     assert outcome.completion_tokens > 0
 
 
+@pytest.mark.parametrize(
+    ("chunks", "extra"), [(0, 1), (2, 0), (2, 1)], ids=["one-token", "whole-chunks", "and-one"]
+)
+def test_the_last_chunk_samples_the_first_token_at_any_length(
+    three_stages: Pipeline, chunks: int, extra: int
+) -> None:
+    """A prompt's last prefill chunk, whatever its length (one token, a whole chunk, one token
+    after whole chunks), samples the first token: the single engine's tokens."""
+    length = chunks * three_stages.engine.prefill_chunk + extra
+    tokens = tuple(three_stages.engine.tokenizer.encode(LONG_PROMPT))[:length]
+    assert len(tokens) == length
+    assert_same(three_stages, GenerationRequest(f"edge-{length}", tokens, max_tokens=16))
+
+
 def test_long_prompt_is_chunked_and_matches(pipeline: Pipeline) -> None:
     request = make_request(pipeline.runner, LONG_PROMPT, max_tokens=32)
     assert len(request.prompt_tokens) > pipeline.engine.prefill_chunk + 1
@@ -473,25 +487,31 @@ def describe(frames: list[Planned]) -> list[tuple]:
 
 def test_schedule_plans_prefill_and_decode_frames() -> None:
     schedule = MicroBatchSchedule(groups=2, prefill_chunk=2, prefill_in_flight=2)
-    schedule.add(2, [20])  # nothing to prefill: joins micro-batch 0 at once
-    schedule.add(1, [10, 11, 12, 13])  # chunks [10, 11] and [12], then decodes from 13
-    assert describe(schedule.plan()) == [
-        (0, 1, (Row(2, 0),), (20,), (2,)),
-        (PREFILL_GROUP, 1, (Row(1, 0),), (10, 11), (1,)),  # one chunk while 2 decodes
-    ]
-    assert schedule.answered([7]) == [(2, 7)]
-    assert describe(schedule.plan()) == [(0, 2, (Row(2, 1),), (7,), ())]
-    assert schedule.answered([]) == []  # the chunk's acknowledgement
-    frames = schedule.plan()  # the last chunk; 1 joins the idle micro-batch 1 at once
+    schedule.add(2, [20])  # one token: its only chunk is its last, which samples
+    schedule.add(1, [10, 11, 12, 13])  # chunks [10, 11] and [12, 13], the last sampling
+    frames = schedule.plan()  # nobody decodes: two chunks fill the pipe
     assert describe(frames) == [
-        (PREFILL_GROUP, 2, (Row(1, 2),), (12,), ()),
-        (1, 1, (Row(1, 3),), (13,), ()),
+        (PREFILL_GROUP, 1, (Row(2, 0),), (20,), (2,)),
+        (PREFILL_GROUP, 2, (Row(1, 0),), (10, 11), (1,)),
     ]
-    assert schedule.sizes() == [1, 1] and schedule.in_flight == 3
+    assert [frame.last_chunk for frame in frames] == [True, False]
+    assert schedule.answered([7]) == [(2, 7)]  # 2's first token: it joins micro-batch 0
+    assert describe(schedule.plan()) == [(0, 1, (Row(2, 1),), (7,), ())]  # one chunk is out
+    assert schedule.answered([]) == []  # the chunk's acknowledgement
+    frames = schedule.plan()  # one chunk at a time while 2 decodes
+    assert describe(frames) == [(PREFILL_GROUP, 3, (Row(1, 2),), (12, 13), ())]
+    assert frames[0].last_chunk
+    assert schedule.answered([8]) == [(2, 8)]
+    assert schedule.answered([5]) == [(1, 5)]  # 1's first token: it joins the idle batch 1
+    assert describe(schedule.plan()) == [
+        (0, 2, (Row(2, 2),), (8,), ()),
+        (1, 1, (Row(1, 4),), (5,), ()),
+    ]
+    assert schedule.sizes() == [1, 1] and schedule.in_flight == 2
     assert schedule.remove([2, 99]) == [2]  # the stages know 2; 99 never existed
-    assert schedule.answered([8]) == []  # 2's token was on its way: dropped
-    assert schedule.answered([]) == [] and schedule.answered([5]) == [(1, 5)]
-    assert describe(schedule.plan()) == [(1, 2, (Row(1, 4),), (5,), ())]
+    assert schedule.answered([9]) == []  # 2's token was on its way: dropped
+    assert schedule.answered([6]) == [(1, 6)]
+    assert describe(schedule.plan()) == [(1, 2, (Row(1, 5),), (6,), ())]
 
 
 def test_schedule_prefills_newcomers_in_turn_and_fills_the_pipe_when_idle() -> None:
@@ -499,12 +519,17 @@ def test_schedule_prefills_newcomers_in_turn_and_fills_the_pipe_when_idle() -> N
     schedule.add(1, [10, 11, 12, 13])
     schedule.add(2, [20, 21])
     frames = schedule.plan()  # nobody decodes: three chunks, newcomers taking turns
-    assert [(frame.rows, frame.tokens) for frame in frames[:3]] == [
-        ((Row(1, 0),), (10,)),
-        ((Row(2, 0),), (20,)),
-        ((Row(1, 1),), (11,)),
+    assert [(frame.rows, frame.tokens, frame.last_chunk) for frame in frames] == [
+        ((Row(1, 0),), (10,), False),
+        ((Row(2, 0),), (20,), False),
+        ((Row(1, 1),), (11,), False),
     ]
-    assert describe(frames[3:]) == [(0, 1, (Row(2, 1),), (21,), ())]  # 2's prompt is done
+    assert schedule.answered([]) == [] and schedule.answered([]) == []
+    frames = schedule.plan()  # 2's prompt ends: its last chunk samples
+    assert [(frame.rows, frame.tokens, frame.last_chunk) for frame in frames] == [
+        ((Row(2, 1),), (21,), True),
+        ((Row(1, 2),), (12,), False),
+    ]
 
 
 def test_schedule_restarts_only_without_known_sequences() -> None:
@@ -515,7 +540,7 @@ def test_schedule_restarts_only_without_known_sequences() -> None:
         schedule.restart()
     schedule.clear()
     schedule.add(1, [1, 2])
-    assert describe(schedule.plan())[0] == (PREFILL_GROUP, 1, (Row(1, 0),), (1,), (1,))
+    assert describe(schedule.plan())[0] == (PREFILL_GROUP, 1, (Row(1, 0),), (1, 2), (1,))
 
 
 # -- loading and the worker contract -------------------------------------------------------------

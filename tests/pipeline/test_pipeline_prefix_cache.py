@@ -252,13 +252,17 @@ def test_an_entry_evicted_before_its_hit_begins_is_dropped_after(
 def test_schedule_prefills_a_hit_from_its_cached_length() -> None:
     schedule = MicroBatchSchedule(groups=1, prefill_chunk=4, prefill_in_flight=2)
     schedule.add(1, list(range(10, 20)), cached=3)
-    first, second, decode = schedule.plan()
+    first, second = schedule.plan()
     assert [(row.uid, row.position) for row in first.rows] == [(1, 3)]
-    assert first.tokens == (13, 14, 15, 16) and first.begins == (1,)
-    assert second.rows[0].position == 7 and second.tokens == (17, 18)
-    assert decode.rows[0].position == 9 and decode.tokens == (19,)
-    schedule.add(2, [5, 6, 7], cached=2)  # the whole prompt but its last token: decode at once
+    assert first.tokens == (13, 14, 15, 16) and first.begins == (1,) and not first.last_chunk
+    assert second.rows[0].position == 7 and second.tokens == (17, 18, 19) and second.last_chunk
+    assert schedule.answered([]) == [] and schedule.answered([42]) == [(1, 42)]
+    (decode,) = schedule.plan()
+    assert decode.rows[0].position == 10 and decode.tokens == (42,)
+    schedule.add(2, [5, 6, 7], cached=2)  # the whole prompt but its last token
     assert schedule.cached(2) == 2
+    (last,) = schedule.plan()  # (1's decode is in flight) the last token samples at once
+    assert last.rows[0].position == 2 and last.tokens == (7,) and last.last_chunk
     with pytest.raises(ValueError):
         schedule.add(3, [5, 6], cached=2)  # the last token is always computed
 
@@ -267,7 +271,8 @@ def test_schedule_start_cold_prefills_everything() -> None:
     schedule = MicroBatchSchedule(groups=1, prefill_chunk=8, prefill_in_flight=1)
     schedule.add(1, [1, 2, 3], cached=2)
     schedule.start_cold(1)
-    frame = schedule.plan()[0]  # then its first decode
-    assert frame.is_prefill and frame.rows[0].position == 0 and frame.tokens == (1, 2)
+    frame = schedule.plan()[0]  # the whole prompt, sampling its first token
+    assert frame.is_prefill and frame.rows[0].position == 0 and frame.tokens == (1, 2, 3)
+    assert frame.last_chunk
     with pytest.raises(ValueError):
         schedule.start_cold(1)  # it has begun

@@ -31,6 +31,7 @@ from engines.pipeline.sequence_documents import (
     EndOrders,
     begin_request,
     end_frame,
+    load_orders_of,
     prefix_entry_of,
 )
 from engines.pipeline.stage_worker import StageProcess
@@ -311,9 +312,10 @@ def test_a_batch_gives_each_row_its_tokens_alone(chain: Chain, baseline: list[in
 
 def test_prefill_chunks_are_acknowledged_and_fill_the_cache(chain: Chain) -> None:
     """Sequence 1 prefills positions 0-1 in one chunk, sequence 2 decodes them one by one:
-    their third token is the same."""
+    their third token is the same; sequence 3's last chunk, positions 0-2, samples it."""
     chain.begin(1)
     chain.begin(2)
+    chain.begin(3)
     number = chain.take()
     hidden = mx.concatenate([activation(0), activation(1)], axis=1)  # (1, 2, D)
     chain.send(wire.hidden_frame(number, PREFILL_GROUP, 1, [Row(1, 0)], hidden))
@@ -321,7 +323,16 @@ def test_prefill_chunks_are_acknowledged_and_fill_the_cache(chain: Chain) -> Non
     assert chain.tokens(ack) == []
     for position in (0, 1):
         chain.tokens(chain.decode(1, [Row(2, position)]))
-    assert chain.tokens(chain.decode(0, [Row(1, 2)])) == chain.tokens(chain.decode(1, [Row(2, 2)]))
+    third = chain.tokens(chain.decode(1, [Row(2, 2)]))
+    assert chain.tokens(chain.decode(0, [Row(1, 2)])) == third
+    number = chain.take()
+    hidden = mx.concatenate([activation(0), activation(1), activation(2)], axis=1)  # (1, 3, D)
+    last = wire.LAST_CHUNK
+    chain.send(wire.hidden_frame(number, PREFILL_GROUP, 2, [Row(3, 0)], hidden, flags=last))
+    assert chain.tokens(Frame(Kind.TOKEN, number, PREFILL_GROUP, 2, (Row(3, 0),), last)) == third
+    # then it decodes like the others, joining micro-batch 0 behind sequence 1
+    fourth = chain.tokens(chain.decode(1, [Row(2, 3)]))
+    assert chain.tokens(chain.decode(0, [Row(1, 3), Row(3, 3)])) == fourth * 2
 
 
 def test_a_prefix_entry_starts_sequences_where_it_left_off(
@@ -616,6 +627,12 @@ def begin_with_grammar(grammar: object) -> Frame:
             "malformed keep item",
         ),
         (Frame(Kind.END, 1, body=b'{"evict": [-1]}'), "evict must list entry ids"),
+        (Frame(Kind.END, 1, body=b'{"spill": [1.5]}'), "spill must list entry ids"),
+        (Frame(Kind.STATUS, 1, body=b'{"reports": [{}], "load": {}}'), "STATUS load must"),
+        (
+            wire.hidden_frame(1, 0, 1, [Row(1, 0)], mx.zeros((1, 1, HIDDEN_SIZE)), flags=4),
+            "HIDDEN frame of group 0 flags a prompt's last chunk",
+        ),
     ],
     ids=[
         "json",
@@ -631,6 +648,9 @@ def begin_with_grammar(grammar: object) -> Frame:
         "end-without-document",
         "end-keeps-a-boolean",
         "end-evicts-a-negative-id",
+        "end-spills-a-fraction",
+        "status-loads-an-object",
+        "decode-flagged-last-chunk",
     ],
 )
 def test_malformed_control_frames(
@@ -740,9 +760,15 @@ def test_end_orders_round_trip_and_refusals() -> None:
     assert EndOrders.of(frame) == EndOrders(((2, 30),), (7,))
     evict_only = wire.decode(wire.encode(end_frame(5, [], evict=[3])))
     assert evict_only.rows == () and EndOrders.of(evict_only).evict == (3,)
-    too_many = end_frame(6, [], evict=range(MAX_EVICT_PER_END + 1))
-    with pytest.raises(WireError, match="at most"):
-        EndOrders.of(too_many)
+    spilling = wire.decode(wire.encode(end_frame(5, [], evict=[3], spill=[4, 5])))
+    assert EndOrders.of(spilling) == EndOrders((), (3,), (4, 5))
+    for orders in ({"evict": range(MAX_EVICT_PER_END + 1)}, {"spill": range(1001)}):
+        with pytest.raises(WireError, match="at most"):
+            EndOrders.of(end_frame(6, [], **orders))
+    assert load_orders_of({"load": [2, 2**64 - 1]}) == (2, 2**64 - 1)
+    for bad in ([-1], [True], "3", list(range(MAX_EVICT_PER_END + 1))):
+        with pytest.raises(WireError, match="STATUS load"):
+            load_orders_of({"load": bad})
     for keep in ([(1, 0)], [(1, 2), (1, 3)]):  # an empty entry, a sequence kept twice
         with pytest.raises(WireError):
             EndOrders.of(end_frame(7, [1], keep=keep))
@@ -839,6 +865,31 @@ def test_answer_the_coordinator_does_not_wait_for_does_not_open(sent: Frame) -> 
         opener.open(sealed, ad)
 
 
+class Replay:
+    """A channel that opens to one frame, whatever the binding: receive_answer's own checks."""
+
+    def __init__(self, frame: Frame) -> None:
+        self.payload = wire.encode(frame)
+
+    def recv(self, timeout_s: float, associated: bytes = b"") -> bytes:
+        return self.payload
+
+
+def test_a_last_chunk_is_answered_with_its_first_token_and_nothing_else() -> None:
+    row, last = (Row(1, 30),), wire.LAST_CHUNK
+    asked = Frame(Kind.TOKEN, 5, PREFILL_GROUP, 2, row, last)
+    answer = wire.token_frame(5, PREFILL_GROUP, 2, row, [7], flags=last)
+    assert wire.receive_answer(Replay(answer), 1.0, asked, LAST).tokens() == [7]
+    acknowledgement = wire.token_frame(5, PREFILL_GROUP, 2, row, [])
+    with pytest.raises(WireError, match="binding says"):  # it did not sample
+        wire.receive_answer(Replay(acknowledgement), 1.0, asked, LAST)
+    with pytest.raises(WireError, match="binding says"):  # it sampled, unasked
+        wire.receive_answer(Replay(answer), 1.0, Frame(Kind.TOKEN, 5, PREFILL_GROUP, 2, row), LAST)
+    for tokens in ([], [7, 8]):  # a last chunk's answer carries exactly one token per row
+        with pytest.raises(WireError, match="carries"):
+            wire.decode(wire.encode(wire.token_frame(5, PREFILL_GROUP, 2, row, tokens, flags=last)))
+
+
 KEY = bytes(range(32))
 AD = wire.associated_data(1, UPSTREAM)
 SESSION = derive_session_keys(os.urandom(32), KEY, os.urandom(32))
@@ -850,6 +901,8 @@ PLAINTEXTS = [
     wire.encode(wire.document_frame(Kind.BEGIN, 1, GREEDY, [Row(1, 0)])),
     wire.encode(end_frame(1, [1, 2, 3])),
     wire.encode(end_frame(1, [1, 2], keep=[(1, 40)], evict=[7, 8])),
+    wire.encode(end_frame(1, [], evict=[7], spill=[8, 9])),
+    wire.encode(wire.token_frame(1, PREFILL_GROUP, 1, [Row(1, 0)], [42], flags=wire.LAST_CHUNK)),
     wire.encode(wire.document_frame(Kind.BEGIN, 1, {**GREEDY, "prefix_entry": 4}, [Row(1, 9)])),
 ]
 
