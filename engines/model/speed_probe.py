@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 import sys
 import time
 from typing import Any
@@ -33,7 +32,10 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 4, 8, 16)  # sequences decoded together
 CONTEXT_TOKENS = 32  # already in the KV cache when a decode step is timed
-REPEATS = 9  # timed steps per point; the median is kept
+MIN_STEPS = 5  # timed steps per point at least
+# ...and at least this long: a CPU quota (a cgroup's cfs period is 100 ms) lets a short burst run
+# at full speed and throttles what is sustained, which is what serving is
+SUSTAINED_S = 0.3
 SMALLEST_S = 1e-7  # a difference of two timings is never below this
 LONG_MODEL_LAYERS = 5
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -67,26 +69,26 @@ def _build(config: dict[str, Any], float32: bool) -> nn.Module:
     return model
 
 
-def _median_s(step: Any) -> float:
+def _sustained_s(step: Any) -> float:
+    """Seconds a step takes when they run back to back for SUSTAINED_S (after a warm-up one)."""
     step()  # warm-up: the first call compiles and allocates
-    times = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
+    steps, started = 0, time.perf_counter()
+    while steps < MIN_STEPS or time.perf_counter() - started < SUSTAINED_S:
         step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        steps += 1
+    return (time.perf_counter() - started) / steps
 
 
 def _decode_s(model: nn.Module, rows: int) -> float:
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((rows, CONTEXT_TOKENS), dtype=mx.int32), cache=cache))
     token = mx.ones((rows, 1), dtype=mx.int32)
-    return _median_s(lambda: mx.eval(model(token, cache=cache)))
+    return _sustained_s(lambda: mx.eval(model(token, cache=cache)))
 
 
 def _prefill_s(model: nn.Module, chunk: int) -> float:
     tokens = mx.ones((1, chunk), dtype=mx.int32)
-    return _median_s(lambda: mx.eval(model(tokens, cache=make_prompt_cache(model))))
+    return _sustained_s(lambda: mx.eval(model(tokens, cache=make_prompt_cache(model))))
 
 
 def _layer_and_rest(config: dict[str, Any], ranks: int, rows: tuple[int, ...], float32: bool):
