@@ -309,6 +309,16 @@ class ProtocolOutput:
             self._stream.flush()
 
 
+def configure_child_logging(label: str, level: int | str = logging.INFO) -> None:
+    """In the child: log to stderr (the parent keeps its tail for error messages), each line
+    tagged with `label` (e.g. "stage[%(process)d]" or "rank1")."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level,
+        format=f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s",
+    )
+
+
 def open_protocol_output() -> ProtocolOutput:
     """In the child: keep fd 1 for protocol lines and send anything else printed (Python or
     C++, e.g. a library's warning) to stderr, so it cannot corrupt the protocol."""

@@ -115,13 +115,12 @@ class SpeedSurvey:
     def for_plan(
         self, facts: ModelFacts, nodes: list[NodeResources], max_batch: int
     ) -> ClusterSpeeds:
-        """The speeds of `nodes` for planning `facts` at `max_batch` (float32 on the CPU)."""
-        return self.speeds(nodes, probe_spec(facts, len(nodes), max_batch, on_cpu()))
-
-    def speeds(self, nodes: list[NodeResources], spec: ProbeSpec) -> ClusterSpeeds:
-        """Measure every node of `nodes` not measured yet (at once), then what is known."""
-        missing = [node.node_id for node in nodes if node.node_id not in self._nodes]
+        """The speeds of `nodes` for planning `facts` at `max_batch` (float32 on the CPU),
+        measuring every node not measured yet at once (only then is the config read)."""
+        with self._lock:
+            missing = [node.node_id for node in nodes if node.node_id not in self._nodes]
         if missing:
+            spec = probe_spec(facts, len(nodes), max_batch, on_cpu())
             log.info("measuring %s for the planner", ", ".join(missing))
             with ThreadPoolExecutor(max_workers=len(missing)) as pool:
                 for node_id in missing:

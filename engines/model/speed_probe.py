@@ -26,7 +26,7 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
-from discovery.json_child import open_protocol_output  # noqa: E402
+from discovery.json_child import configure_child_logging, open_protocol_output  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def measure(
 
 def run() -> int:
     """The speed_probe role: the spec on stdin, one ready (or failed) line on stdout."""
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+    configure_child_logging("speed-probe[%(process)d]")
     output = open_protocol_output()
     try:
         spec = json.loads(sys.stdin.buffer.readline() or b"null")

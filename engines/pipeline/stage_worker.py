@@ -15,7 +15,12 @@ from typing import Any
 
 from mlx_lm.utils import load_config, load_tokenizer
 
-from discovery.json_child import ChildNotReady, JsonChild, open_protocol_output
+from discovery.json_child import (
+    ChildNotReady,
+    JsonChild,
+    configure_child_logging,
+    open_protocol_output,
+)
 from discovery.secure_channel import SecureChannel
 from engines.core import blas
 from engines.decoding.grammar import GrammarCompiler
@@ -85,11 +90,7 @@ class StageProcess:
 
 def run(channel_class: Any = SecureChannel) -> int:
     """Read the spec from stdin, load the stage, report ready, serve; the exit status."""
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=logging.INFO,
-        format="%(asctime)s stage[%(process)d] %(levelname)s %(name)s: %(message)s",
-    )
+    configure_child_logging("stage[%(process)d]")
     output = open_protocol_output()
     line = sys.stdin.buffer.readline()
     if not line:

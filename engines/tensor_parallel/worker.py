@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import mlx.core as mx
 
-from discovery.json_child import ProtocolOutput, open_protocol_output
+from discovery.json_child import ProtocolOutput, configure_child_logging, open_protocol_output
 from engines.core import blas
 from engines.model.precision import upcast_on_cpu
 from engines.prefix_cache.disk_tier import DiskTier, tier_root
@@ -301,11 +301,7 @@ def main() -> int:
     except (ValueError, TypeError) as error:
         output.write({"event": "failed", "reason": f"invalid worker spec: {error}"})
         return 2
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=spec.log_level,
-        format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s",
-    )
+    configure_child_logging(f"rank{spec.rank}", spec.log_level)
     return run(spec, output)
 
 

@@ -17,7 +17,7 @@ import logging
 import sys
 
 from discovery.cluster_key import parse_key
-from discovery.json_child import open_protocol_output
+from discovery.json_child import configure_child_logging, open_protocol_output
 from engines.weights.fetch import model_for_assignment, progress_events
 from planner.errors import ConfigError, ModelError
 
@@ -26,11 +26,7 @@ log = logging.getLogger(__name__)
 
 def run() -> int:
     """Fetch the assignment's model or share, report ready, wait for stdin to close."""
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=logging.INFO,
-        format="%(asctime)s weights[%(process)d] %(levelname)s %(name)s: %(message)s",
-    )
+    configure_child_logging("weights[%(process)d]")
     output = open_protocol_output()
     line = sys.stdin.buffer.readline()
     try:
