@@ -3,8 +3,12 @@ and every tensor-parallel rank (each over its own model or shard).
 
 It inserts a sequence (from a prefix-cache entry when it has one: then, when the rest of the
 prompt fits one prefill chunk, the rest and the first token in one forward pass), removes
-sequences, steps the batch, and hands every finished sequence's caches to `keep` (the owner's
+sequences, steps the batch, and hands every removed sequence's caches to `keep` (the owner's
 prefix cache) so nothing else needs to know the generator's own uids.
+
+It never ends a sequence itself: the runner's ActiveSequence alone decides that a sequence is done
+(EOS, length, stop text, cancel, deadline) and removes it, so the generator is given a length it
+never reaches.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from engines.decoding.sampling import Processor, Sampler, token_logprobs
 from engines.prefix_cache.cached_prefill import first_token_from_cache
 
 Keep = Callable[[int, list[Any], list[int]], None]  # (uid, caches, the tokens they hold)
+
+NEVER_ENDS = 1 << 62  # the generator's max_tokens: the runner ends every sequence
 
 
 class DecodeBatch:
@@ -51,7 +57,6 @@ class DecodeBatch:
         self,
         uid: int,
         rest: Sequence[int],
-        max_tokens: int,
         sampler: Sampler,
         processors: list[Processor],
         top_logprobs: int | None = None,
@@ -68,11 +73,10 @@ class DecodeBatch:
                     self.model, caches, rest, prefix + rest, sampler, processors
                 )
             first = sampled(uid, token, logprobs, top_logprobs)
-            # the generator then holds prompt + first token, and owes one token fewer
-            rest, prefix, max_tokens = [token], prefix + rest, max(max_tokens - 1, 1)
+            rest, prefix = [token], prefix + rest  # the generator goes on from the first token
         (generator_uid,) = self.generator.insert(
             [rest],
-            max_tokens=[max_tokens],
+            max_tokens=[NEVER_ENDS],
             caches=[caches],
             all_tokens=[prefix],
             samplers=[sampler],
@@ -116,13 +120,9 @@ class DecodeBatch:
             uid = self._from_generator.get(response.uid)
             if uid is None:
                 continue
+            if response.finish_reason is not None:  # only NEVER_ENDS tokens later
+                raise RuntimeError(f"the batch generator ended sequence {uid} on its own")
             outputs.append(sampled(uid, response.token, response.logprobs, self._logprobs.get(uid)))
-            if response.finish_reason is not None:  # the generator dropped it (max_tokens)
-                del self._from_generator[response.uid]
-                del self._to_generator[uid]
-                self._logprobs.pop(uid, None)
-                if self._keep is not None:
-                    self._keep(uid, response.prompt_cache, response.all_tokens)
         return outputs
 
     def close(self) -> None:

@@ -130,7 +130,7 @@ class SingleEngine(Engine):
                 self.prefix_store.drop([hit.entry_id])
                 hit = None
         first = self._batch.insert(
-            uid, prompt[len(prefix) :], request.max_tokens, sampler, processors,
+            uid, prompt[len(prefix) :], sampler, processors,
             request.logprobs, caches, prefix,
         )  # fmt: skip
         if first is not None:  # reported by the next step, before the batch advances

@@ -75,7 +75,7 @@ class ShardBatch:
                 except DiskUnreadable as error:  # this rank alone: the ranks would diverge
                     raise EngineError(f"prefix-cache disk tier: {error}") from error
             first = self._batch.insert(
-                insert.uid, request.prompt_tokens, request.max_tokens, sampler, processors,
+                insert.uid, request.prompt_tokens, sampler, processors,
                 request.logprobs, caches, prefix,
             )  # fmt: skip
             if first is not None:  # the rest and the first token in one pass, on every rank
