@@ -1,6 +1,8 @@
-"""Measuring the cluster for the planner: every node's speed for the model (an agent runs the
-`speed_probe` role, the coordinator the same module in a child process) and the link to every
-member (pings over its control channel), all at once, each bounded, cached per node.
+"""Measuring the cluster for the planner: the link to every member first, one at a time (pings
+over its control channel), then every node's speed for the model at once (an agent runs the
+`speed_probe` role, the coordinator the same module in a child process), each bounded, cached
+per node. Links go first and alone because a padded ping keeps both ends' CPUs busy sealing and
+opening: a probe timed beside it reads the machine slower than it serves.
 
 A node that cannot be measured in time is named in `problems` and left out of the speeds, so
 auto plans by the decision rules alone rather than on a guess; nothing here blocks for longer
@@ -122,9 +124,11 @@ class SpeedSurvey:
         if missing:
             spec = probe_spec(facts, len(nodes), max_batch, on_cpu())
             log.info("measuring %s for the planner", ", ".join(missing))
+            links = {node_id: self._measure_link(node_id) for node_id in missing}
             with ThreadPoolExecutor(max_workers=len(missing)) as pool:
                 for node_id in missing:
-                    pool.submit(self._measure, node_id, spec)
+                    if node_id == self.coordinator_id or links[node_id] is not None:
+                        pool.submit(self._measure, node_id, spec, links[node_id])
         with self._lock:
             return ClusterSpeeds(dict(self._nodes), dict(self._links))
 
@@ -165,25 +169,37 @@ class SpeedSurvey:
         lines += [f"not measured {node_id}: {why}" for node_id, why in status["problems"].items()]
         return lines
 
-    def _measure(self, node_id: str, spec: ProbeSpec) -> None:
+    def _measure_link(self, node_id: str) -> LinkSpeed | None:
+        """The link to a member (None for the coordinator, or when it failed: then named in
+        `problems`, and the node is not probed)."""
+        if node_id == self.coordinator_id:
+            return None
+        try:
+            measurement = self.membership.measure_link(node_id)
+        except Exception as error:  # noqa: BLE001 - any failure leaves this node unmeasured
+            self._failed(node_id, error)
+            return None
+        return LinkSpeed(node_id, measurement.latency_s, measurement.bytes_per_s)
+
+    def _measure(self, node_id: str, spec: ProbeSpec, link: LinkSpeed | None) -> None:
         try:
             if node_id == self.coordinator_id:
                 speed = node_speed(node_id, measure_here(spec))
-                link = None
             else:
-                measurement = self.membership.measure_link(node_id)
-                link = LinkSpeed(node_id, measurement.latency_s, measurement.bytes_per_s)
                 speed = node_speed(node_id, self._measure_member(node_id, spec))
         except Exception as error:  # noqa: BLE001 - any failure leaves this node unmeasured
-            log.warning("could not measure %s: %s", node_id, error)
-            with self._lock:
-                self.problems[node_id] = str(error)
+            self._failed(node_id, error)
             return
         with self._lock:
             self._nodes[node_id] = speed
             if link is not None:
                 self._links[node_id] = link
             self.problems.pop(node_id, None)
+
+    def _failed(self, node_id: str, error: Exception) -> None:
+        log.warning("could not measure %s: %s", node_id, error)
+        with self._lock:
+            self.problems[node_id] = str(error)
 
     def _measure_member(self, node_id: str, spec: ProbeSpec) -> dict[str, Any]:
         assignment = self.membership.assign(node_id, "speed_probe", spec.payload())
