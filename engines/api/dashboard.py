@@ -72,6 +72,7 @@ class DashboardState:
             "charts": view.render_charts(list(self.samples)),
             "requests": view.render_requests(list(self.recent)),
             "replans": view.render_replans(status),
+            "predictions": view.render_predictions(status),
         }
 
     async def events(self, updates: int | None) -> AsyncIterator[str]:

@@ -178,6 +178,45 @@ def _engine_line(record: RequestRecord) -> str:
     )
 
 
+def render_predictions(status: dict[str, Any]) -> str:
+    """Every candidate the measured planner predicted (the serving one first) and, beside the
+    serving one, what it really does; then what the probes measured."""
+    predictions = (status.get("plan") or {}).get("predictions") or []
+    if not predictions:
+        return '<p class="muted">not measured: auto planned by the rules alone</p>'
+    served = status.get("served") or {}
+    rows = "".join(
+        f"<tr><td>{escape(str(p.get('label', '')))}{' (serving)' if index == 0 else ''}</td>"
+        f"<td>{escape(', '.join(map(str, p.get('nodes') or [])))}</td>"
+        f'<td class="num">{p.get("decode_tps", 0):.1f}</td>'
+        f'<td class="num">{p.get("batch_tps", 0):.1f} at {p.get("batch", "")}</td>'
+        f'<td class="num">{p.get("ttft_ms", 0):.0f}</td>'
+        f'<td class="num">{_served(served) if index == 0 else ""}</td>'
+        f'<td class="muted">{escape(str(p.get("dominant", "")))}</td></tr>'
+        for index, p in enumerate(predictions)
+    )
+    head = (
+        "<tr><th>plan</th><th>nodes</th><th>predicted tok/s, 1 stream</th><th>full batch</th>"
+        "<th>TTFT ms</th><th>served tok/s a stream</th><th>where the time goes</th></tr>"
+    )
+    speeds = status.get("speeds") or {}
+    probes = "".join(
+        f'<li>{escape(node)}: a layer {escape(str(speed.get("layer_ms")))} ms by rows</li>'
+        for node, speed in (speeds.get("nodes") or {}).items()
+    ) + "".join(
+        f"<li>link to {escape(node)}: {link.get('latency_us')} us one way, "
+        f"{link.get('mbit_per_s')} Mbit/s</li>"
+        for node, link in (speeds.get("links") or {}).items()
+    )
+    probed = f'<ul class="muted">{probes}</ul>' if probes else ""
+    return f'<div class="scroll"><table>{head}{rows}</table></div>{probed}'
+
+
+def _served(served: dict[str, Any]) -> str:
+    rate = served.get("decode_tps_per_stream")
+    return f"{rate:.1f} ({served.get('requests', 0)} requests)" if rate else "no requests yet"
+
+
 def render_replans(status: dict[str, Any]) -> str:
     history = status.get("replan_history") or []
     if not history:

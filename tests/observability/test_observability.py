@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.api.dashboard_view import render_members, render_summary
+from engines.api.dashboard_view import render_members, render_predictions, render_summary
 from engines.api.metrics import _prefix_cache
 from engines.cluster.replan_history import ReplanHistory, reason_kind
 from engines.observability.request_log import RequestLog, RequestLogSettings
 from engines.observability.request_timing import SEGMENTS, RequestRecord
+from planner.speed import Prediction
 from tests.helpers.api import (
     HELLO,
     LONG,
@@ -260,7 +261,7 @@ async def test_the_dashboard_stream_delivers_updates(runner: Any) -> None:
     ]
     assert [update["sequence"] for update in updates] == [1, 2, 3]
     last = updates[-1]["fragments"]
-    assert set(last) == {"summary", "rules", "members", "charts", "requests", "replans"}
+    assert set(last) == {"summary", "rules", "members", "charts", "requests", "replans", "predictions"}
     assert done.json()["id"][-8:] in last["requests"]
     assert "tokens/s" in last["charts"]
 
@@ -387,3 +388,18 @@ def test_the_dashboard_summary_shows_the_prefix_cache_in_memory_and_on_disk() ->
     without_disk = {**cache, "disk_max_bytes": 0}
     html = render_summary({"engine": {"prefix_cache": without_disk}}, {"status": "ok"}, "demo")
     assert "3/4 hits, 5 MB<" in html
+
+
+def test_the_dashboard_shows_every_prediction_and_what_the_serving_plan_does() -> None:
+    tp = Prediction("tp", ("c", "a"), 25.6, 8, 121.1, 1.6, "compute 32.3 ms")
+    single = Prediction("single", ("c",), 16.2, 8, 50.7, 2.8, "16 layers x 3.6 ms")
+    status = {
+        "plan": {"predictions": [tp.to_dict(), single.to_dict()]},
+        "served": {"requests": 4, "decode_tps_per_stream": 24.2},
+        "speeds": {"nodes": {"c": {"layer_ms": {1: 3.6}}}, "links": {"a": {"latency_us": 90.0}}},
+    }
+    html = render_predictions(status)
+    assert html.index("tp=2 (serving)") < html.index("single")
+    assert "25.6" in html and "24.2 (4 requests)" in html and "16.2" in html
+    assert "link to a: 90.0 us" in html
+    assert "not measured" in render_predictions({"plan": {"predictions": []}})
