@@ -4,22 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from engines.model.demo import ensure_demo_model
-from engines.model.demo_spec import DemoSpec
 from tests.helpers.cluster import AgentPool
+from tests.helpers.demo_models import make_demo_model
 from tests.helpers.serve import ServeProcess
 
 # Three heads: a model that tensor parallelism over two ranks cannot split.
 ODD_HEADS = {"heads": 3, "kv_heads": 3}
-
-
-def make_demo_model(tmp_path: Path, **overrides: Any) -> Path:
-    """A demo model for DemoSpec(**overrides) under `tmp_path`, reused if already there."""
-    return ensure_demo_model(Path(tmp_path), DemoSpec(**overrides))
 
 
 @pytest.fixture(scope="session")

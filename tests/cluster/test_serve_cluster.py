@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from openai import APIError, OpenAI
 
-from tests.conftest import make_demo_model
 from tests.helpers.cluster import AgentPool
+from tests.helpers.demo_models import make_demo_model
 from tests.helpers.reference import completions, single_outputs
 from tests.helpers.serve import ServeProcess, start_serve
 

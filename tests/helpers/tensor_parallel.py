@@ -19,6 +19,7 @@ WORKER = [sys.executable, "-m", "engines.tensor_parallel.worker"]
 # JSON mode as the API compiles it (engines/api/constraints.py)
 GRAMMAR = LLMatcher.grammar_from_json_schema(ANY_OBJECT, overrides=JSON_OPTIONS)
 LOAD_TIMEOUT_S = 60.0
+PROMPTS = ("The quick brown fox", "Once upon a time, in a city by the sea,", "def main():")
 
 
 def start_rank(spec: dict[str, Any]) -> subprocess.Popen[bytes]:

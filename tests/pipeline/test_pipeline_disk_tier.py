@@ -21,7 +21,7 @@ from engines.prefix_cache.disk_tier import tier_root
 from engines.single.engine import SingleEngine
 from planner import allocate_layers
 from tests.helpers.pipeline import HOST, status, stop_workers
-from tests.pipeline.test_pipeline_prefix_cache import SYSTEM, Turn, ask
+from tests.helpers.prefix_turns import SYSTEM, Turn, ask
 
 pytestmark = pytest.mark.cluster
 

@@ -3,7 +3,6 @@ die on every stage together."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,19 +17,11 @@ from engines.pipeline.schedule import MicroBatchSchedule
 from engines.single.engine import SingleEngine
 from planner import allocate_layers
 from tests.helpers.pipeline import make_engine, start_workers, status, stop_workers
+from tests.helpers.prefix_turns import MAX_TOKENS, SYSTEM, Turn, ask, ask_all
 
 pytestmark = pytest.mark.cluster
 
 CACHE_BYTES = 64 * 1024 * 1024
-SYSTEM = "You are a careful assistant. Answer in one short paragraph and cite the rules. " * 3
-MAX_TOKENS = 12
-
-
-@dataclass(frozen=True)
-class Turn:
-    tokens: list[int]
-    finish: str | None
-    cached: int
 
 
 @dataclass
@@ -70,29 +61,6 @@ def warm(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         cold.close()
         engine.close()
         stop_workers(workers)
-
-
-async def _collect(runner: EngineRunner, prompt: tuple[int, ...]) -> Turn:
-    request = GenerationRequest(f"turn-{len(prompt)}", prompt, MAX_TOKENS)
-    tokens: list[int] = []
-    async for event in runner.submit(request).events():
-        if event.token is not None:
-            tokens.append(event.token)
-        if event.finish_reason is not None:
-            assert event.error is None, event.error
-            return Turn(tokens, event.finish_reason, event.cached_tokens)
-    raise AssertionError("the event stream ended without a final event")
-
-
-def ask(runner: EngineRunner, prompt: tuple[int, ...]) -> Turn:
-    return asyncio.run(asyncio.wait_for(_collect(runner, prompt), timeout=60))
-
-
-def ask_all(runner: EngineRunner, prompts: list[tuple[int, ...]]) -> list[Turn]:
-    async def burst() -> list[Turn]:
-        return list(await asyncio.gather(*(_collect(runner, prompt) for prompt in prompts)))
-
-    return asyncio.run(asyncio.wait_for(burst(), timeout=90))
 
 
 def encode(warm: Warm, text: str) -> tuple[int, ...]:

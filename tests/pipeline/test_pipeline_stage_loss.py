@@ -1,0 +1,150 @@
+"""Losing a stage (killed, frozen, or the operator's abort): the batch fails fast, every stream
+ends with an error naming the stage."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engines.core.request import GenerationRequest
+from engines.core.runner import EngineRunner
+from engines.pipeline.engine import EncryptedPipelineEngine
+from planner import allocate_layers
+from planner.errors import EngineError
+from tests.helpers.pipeline import PROMPTS, make_engine, run_all, start_workers, stop_workers
+
+pytestmark = pytest.mark.cluster
+
+# -- losing a stage ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fragile(five_layer_model: Path, cluster_key: bytes, tmp_path: Path) -> Iterator[Any]:
+    """A private 3-stage pipeline a test may kill or freeze; always cleaned up."""
+    ranges = allocate_layers(5, [1, 1, 1])
+    listener, workers = start_workers(five_layer_model, ranges, cluster_key, tmp_path)
+    engine = make_engine(
+        five_layer_model, ranges, cluster_key, listener, workers, token_timeout_s=2.0
+    )
+    try:
+        engine.load()
+        yield engine, workers
+    finally:
+        engine.close()
+        stop_workers(workers)
+
+
+def long_requests(engine: EncryptedPipelineEngine, count: int = 8) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            f"doomed-{index}",
+            tuple(engine.tokenizer.encode(PROMPTS[index % len(PROMPTS)])),
+            max_tokens=100_000,
+        )
+        for index in range(count)
+    ]
+
+
+def decode_a_while(engine: EncryptedPipelineEngine, tokens: int = 40) -> None:
+    """Insert a batch of 8 and step until `tokens` tokens came back (all 8 decoding)."""
+    for uid, request in enumerate(long_requests(engine)):
+        engine.insert(uid, request)
+    seen: set[int] = set()
+    produced = 0
+    while produced < tokens or len(seen) < 8:
+        outputs = engine.step()
+        seen.update(output.uid for output in outputs)
+        produced += len(outputs)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killed_stage_fails_the_batch_fast(fragile: Any, victim: int) -> None:
+    engine, workers = fragile
+    decode_a_while(engine)
+    workers[victim].popen.kill()
+    workers[victim].popen.wait(5)
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=r"pipeline stage lost .*\(8 sequences\)") as caught:
+        while True:
+            engine.step()
+            assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 10
+    assert not engine.healthy()
+    # every stage the frames pass is named, with its layers and address
+    for index, stage in enumerate(engine.stages, 1):
+        assert stage.describe(index) in str(caught.value)
+    assert "layers [" in str(caught.value)
+    assert "failure" in engine.info().detail
+    engine.remove(range(8))  # as the runner does: the batch is gone
+    engine.insert(100, long_requests(engine, 1)[0])
+    started = time.monotonic()
+    with pytest.raises(EngineError):  # the next step tries to reconnect and cannot
+        engine.step()
+    assert time.monotonic() - started < 12
+
+
+def test_frozen_stage_times_out(fragile: Any) -> None:
+    engine, workers = fragile
+    decode_a_while(engine)
+    os.kill(workers[1].pid, signal.SIGSTOP)  # alive but silent: only a timeout catches it
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineError, match="pipeline stage lost"):
+            while True:
+                engine.step()
+        assert time.monotonic() - started < engine.token_timeout_s + 3
+        assert not engine.healthy()
+    finally:
+        os.kill(workers[1].pid, signal.SIGCONT)
+
+
+def test_abort_wakes_a_blocked_step(fragile: Any) -> None:
+    engine, workers = fragile
+    engine.token_timeout_s = 60.0
+    decode_a_while(engine, tokens=8)
+    os.kill(workers[0].pid, signal.SIGSTOP)
+    timer = threading.Timer(0.5, engine.abort, args=("operator requested a re-plan",))
+    try:
+        started = time.monotonic()
+        timer.start()
+        with pytest.raises(EngineError, match="re-plan"):
+            while True:
+                engine.step()
+        assert time.monotonic() - started < 5
+    finally:
+        timer.cancel()
+        os.kill(workers[0].pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_lost_stage_ends_every_stream_of_a_batch_with_an_error(fragile: Any, fault: str) -> None:
+    engine, workers = fragile
+    runner = EngineRunner(engine)
+    runner.start(load_timeout_s=10)  # load() again: a fresh session
+    victim = workers[1]
+    try:
+        if fault == "kill":
+            timer = threading.Timer(1.0, victim.popen.kill)
+        else:
+            timer = threading.Timer(1.0, os.kill, args=(victim.pid, signal.SIGSTOP))
+        timer.start()
+        started = time.monotonic()
+        outcomes = run_all(runner, long_requests(engine))
+        elapsed = time.monotonic() - started
+        timer.join()
+        assert [outcome.finish for outcome in outcomes] == ["error"] * 8
+        assert all("pipeline stage lost" in (outcome.error or "") for outcome in outcomes)
+        assert all(outcome.tokens for outcome in outcomes)  # they were decoding
+        assert elapsed < 1.0 + engine.token_timeout_s + 3
+        assert not engine.healthy()
+    finally:
+        if victim.popen.poll() is None:
+            os.kill(victim.pid, signal.SIGCONT)
+        runner.close()
