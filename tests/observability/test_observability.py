@@ -261,7 +261,8 @@ async def test_the_dashboard_stream_delivers_updates(runner: Any) -> None:
     ]
     assert [update["sequence"] for update in updates] == [1, 2, 3]
     last = updates[-1]["fragments"]
-    assert set(last) == {"summary", "rules", "members", "charts", "requests", "replans", "predictions"}
+    sections = {"summary", "rules", "members", "charts", "requests", "replans", "predictions"}
+    assert set(last) == sections
     assert done.json()["id"][-8:] in last["requests"]
     assert "tokens/s" in last["charts"]
 
