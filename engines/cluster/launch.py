@@ -52,6 +52,7 @@ class LaunchSettings:
     token_timeout_s: float = 10.0
     ring_port_base: int = DEFAULT_RING_PORT_BASE
     max_batch: int = 16  # sequences decoded together
+    kv_bits: int = 0  # every engine's KV cache quantized to this many bits; 0: not
     # What other machines resolve to the same files (repo@commit through their own Hugging
     # Face cache, or a path that must exist there); None: model_path.
     model_reference: str | None = None
@@ -100,6 +101,7 @@ def build_engine(
             prefix_cache_bytes=plan.prefix_cache_bytes,
             prefix_cache_disk_bytes=settings.prefix_cache_disk_bytes if disk_root else 0,
             prefix_cache_disk_root=disk_root,
+            kv_bits=settings.kv_bits,
         )
     if membership is None or settings.cluster_key is None:
         raise EngineError(f"a {chosen.value} plan needs cluster membership and a cluster key")
@@ -122,6 +124,7 @@ def _build_tensor_parallel(
         "max_batch": settings.max_batch,
         "upcast_float32": _upcast(plan),
         "prefix_cache_bytes": plan.prefix_cache_bytes,
+        "kv_bits": settings.kv_bits,
     }
     if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
         options["prefix_cache_disk_bytes"] = settings.prefix_cache_disk_bytes
