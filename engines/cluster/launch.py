@@ -221,6 +221,7 @@ def _build_pipeline(
         prefix_cache_bytes=plan.prefix_cache_bytes,
         prefix_cache_disk_bytes=disk,
         prefix_cache_dir=settings.prefix_cache_dir,  # stage 0's; an agent names its own
+        kv_bits=settings.kv_bits,
     )
 
 
@@ -261,6 +262,7 @@ def _assign_stages(
             "read_timeout_s": settings.token_timeout_s,
             "blas_threads": _threads_at(address, share, settings),
             "upcast_float32": _upcast(plan),
+            "kv_bits": settings.kv_bits,
         }
         if settings.weights is not None:
             spec["weights"] = settings.weights.offer(stage.layers, spec["is_last"])
