@@ -96,9 +96,10 @@ def add_planning_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--kv-bits",
         default="off",
-        help="quantize every engine's KV cache (prefix cache included) to 8 or 4 bits, "
-        "from the first token: about 1.9x / 3.2x more tokens of KV in the same memory, "
-        "which the plan counts; off keeps it in the compute precision",
+        metavar="{8,4,off}",
+        help="quantize every engine's KV cache (prefix cache included) to 8 or 4 bits from "
+        "the first token: with bfloat16 heads of 128, 1.9x / 3.6x the tokens of KV in the "
+        "same memory, which the plan counts; off keeps it in the compute precision",
     )
     add_flag(
         parser,

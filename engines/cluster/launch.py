@@ -93,7 +93,8 @@ def build_engine(
 
         disk_root = None
         if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
-            disk_root = tier_root(settings.prefix_cache_dir, settings.model_path, "single")
+            share = f"single-kv{settings.kv_bits}" if settings.kv_bits else "single"
+            disk_root = tier_root(settings.prefix_cache_dir, settings.model_path, share)
         return SingleEngine(
             settings.model_path,
             max_batch=settings.max_batch,

@@ -64,7 +64,9 @@ class SingleEngine(Engine):
         # memory and, with a disk budget and a directory, on disk
         disk = None
         if prefix_cache_disk_root is not None:
-            disk = DiskTier(prefix_cache_disk_root, identity=str(prefix_cache_disk_root))
+            # entries of another KV quantization are another cache's: never read as this one's
+            identity = str(prefix_cache_disk_root) + (f"|kv{kv_bits}" if kv_bits else "")
+            disk = DiskTier(prefix_cache_disk_root, identity=identity)
         disk_bytes = prefix_cache_disk_bytes if disk is not None else 0
         self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
         self.prefix_store = PrefixStore(disk if self.prefix_index.disk_max_bytes else None)

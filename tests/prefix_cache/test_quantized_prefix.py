@@ -99,3 +99,31 @@ def test_the_disk_tier_round_trips_a_quantized_entry(tmp_path: Path):
     got = [part[..., :5, :] for part in (*read.keys, *read.values)]
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, expected, strict=True))
     again.close()
+
+
+def test_entries_on_disk_of_another_kv_quantization_are_never_read(
+    demo_model_dir: Path, tmp_path: Path
+):
+    root = tmp_path / "tier"
+
+    def engine(bits: int) -> SingleEngine:
+        return SingleEngine(
+            demo_model_dir, prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28,
+            prefix_cache_disk_root=root, kv_bits=bits,
+        )  # fmt: skip
+
+    plain = started(engine(0))
+    try:
+        first = tuple(plain.engine.tokenizer.encode(SYSTEM + " Question one?"))
+        run_one(plain, GenerationRequest("t1", first, 4))
+        evict_all(plain)
+        assert plain.engine.prefix_store.disk.flush()
+    finally:
+        plain.close()
+    quantized = started(engine(BITS))
+    try:
+        assert quantized.engine.prefix_index.snapshot()["disk_entries"] == 0
+        again = run_one(quantized, GenerationRequest("t1", first + (5, 6), 4))
+        assert again.cached_tokens == 0 and len(again.tokens) == 4
+    finally:
+        quantized.close()
