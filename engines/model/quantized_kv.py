@@ -14,7 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    KVCache,
+    QuantizedKVCache,
+    dynamic_roll,
+    make_prompt_cache,
+)
 
 from planner.errors import EngineError
 from planner.memory import KV_BITS, kv_group_size
@@ -164,13 +170,16 @@ class QuantizedBatchCache(BatchKVCache):
 def make_quantized_caches(model: Any, bits: int) -> list[QuantizedSequenceCache]:
     """Fresh per-layer quantized caches for one sequence of `model`.
 
-    Only for models whose every layer keeps a plain KV cache: a sliding-window or recurrent
-    layer has no quantized batched form here.
+    Only for models whose every layer keeps a plain KV cache of per-head keys and values: a
+    sliding-window or recurrent layer, or a latent (MLA), has no quantized batched form here.
     """
     if bits not in KV_BITS:
         raise EngineError(f"KV cache bits must be one of {KV_BITS}, got {bits}")
-    from mlx_lm.models.cache import make_prompt_cache
-
+    if getattr(model.args, "kv_lora_rank", None):  # deepseek's multi-head latent attention
+        raise EngineError(
+            "a quantized KV cache needs per-head keys and values; this model caches a "
+            "compressed latent (multi-head latent attention): serve it without --kv-bits"
+        )
     plain = make_prompt_cache(model)
     if not all(type(cache) is KVCache for cache in plain):
         kinds = sorted({type(cache).__name__ for cache in plain if type(cache) is not KVCache})

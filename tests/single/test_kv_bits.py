@@ -69,9 +69,17 @@ def test_unquantized_tokens_differ_so_the_comparison_means_something(quantized, 
         assert [run_one(quantized, r).tokens for r in requests()] != unquantized
 
 
-def test_a_model_whose_caches_cannot_be_quantized_is_refused_at_load(demo_model_factory):
-    model_dir = demo_model_factory(arch="gemma3_text", layers=2)
-    engine = SingleEngine(model_dir, kv_bits=8)
-    with pytest.raises(EngineError, match="plain KV caches in every layer"):
+@pytest.mark.parametrize(
+    ("arch", "reason"),
+    [
+        ("gemma3_text", "plain KV caches in every layer; this model keeps RotatingKVCache"),
+        ("deepseek_v3", "this model caches a compressed latent"),
+    ],
+)
+def test_a_model_whose_caches_cannot_be_quantized_is_refused_at_load(
+    demo_model_factory, arch: str, reason: str
+):
+    engine = SingleEngine(demo_model_factory(arch=arch, layers=2), kv_bits=8)
+    with pytest.raises(EngineError, match=reason):
         engine.load()
     engine.close()
