@@ -141,7 +141,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     from engines.cluster.supervisor import PlanSettings, plan_nodes
     from engines.weights.source import WeightSource
 
-    from .options import prefix_cache_bytes_from
+    from .options import kv_bits_from, prefix_cache_bytes_from
 
     key, _ = resolve_cluster_key(
         args.cluster_key, args.cluster_key_file, args.state_dir, create=False
@@ -183,6 +183,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
         cpu_float32=args.cpu_float32 == "auto",
         prefix_cache_bytes=prefix_cache_bytes_from(args.prefix_cache_bytes),
         measure=args.measure_speeds,
+        kv_bits=kv_bits_from(args.kv_bits),
     )
     for member in members:
         status = "verified" if member.verified else f"unverified: {member.reason}"
@@ -264,6 +265,7 @@ def serve(config: ServeConfig) -> int:
             config.cpu_float32,
             config.prefix_cache_bytes,
             measure=config.measure_speeds,
+            kv_bits=config.kv_bits,
         ),
         launch_settings=None,  # set below, once the members (and so our address) are known
         coordinator=lambda: coordinator,
@@ -293,6 +295,7 @@ def serve(config: ServeConfig) -> int:
         cluster_key=key,
         coordinator_address=address,
         max_batch=config.max_batch,
+        kv_bits=config.kv_bits,
         prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
         prefix_cache_dir=config.cache_dir / "prefix-cache",
         rdma_rows=rdma_rows(config.hostfile),

@@ -20,6 +20,7 @@ from .options import (
     add_memory_budget_flag,
     add_planning_flags,
     apply_blas_flags,
+    kv_bits_from,
     prefix_cache_bytes_from,
 )
 from .serve_config import ServeConfig
@@ -193,6 +194,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_batch=args.max_batch,
         prefix_cache_bytes=prefix_cache_bytes,
         prefix_cache_disk_bytes=prefix_cache_disk_bytes,
+        kv_bits=kv_bits_from(args.kv_bits),
         cpu_float32=args.cpu_float32 == "auto",
         measure_speeds=args.measure_speeds,
         max_tokens_cap=args.max_tokens_cap,

@@ -50,3 +50,4 @@ class ServeConfig:
     http: HttpLimits = field(default_factory=HttpLimits)
     prefix_cache_disk_bytes: int = 0  # the prefix cache's disk tier; 0: none
     measure_speeds: str = "auto"  # auto | on | off (engines/cluster/speed_survey.py)
+    kv_bits: int = 0  # the KV cache's quantization in every engine; 0: none

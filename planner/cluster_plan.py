@@ -382,6 +382,8 @@ def _plan_memory(
         batch_capacity=max_batch,
         context_tokens=context_tokens,
         prefix_cache_bytes=cached_tokens * _kv_bytes_per_token(shape),
+        kv_bits=shape.kv_bits,
+        kv_bytes_per_token=_kv_bytes_per_token(shape),
     )
 
 

@@ -12,6 +12,17 @@ DEFAULT_CONTEXT_TOKENS = 4096
 BYTE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
 # RAM is sold and reported in powers of two ("16 GB" = 16 * 2**30), so scale by 1024.
 UNIT_STEP = 1024
+KV_BITS = (4, 8)  # the KV cache quantizations engines offer (--kv-bits); 0 means none
+PACKED_BITS = 32  # mx.quantize packs the quantized values into uint32 words
+
+
+def kv_group_size(head_dim: int) -> int:
+    """Values sharing one scale and bias in a quantized KV vector: 64 when the head size
+    allows it, else 32 (mx.quantize's group sizes must divide the head)."""
+    for group_size in (64, 32):
+        if head_dim % group_size == 0:
+            return group_size
+    raise PlanError(f"a quantized KV cache needs a head size divisible by 32, got {head_dim}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +43,7 @@ class ModelShape:
     has_tp_variant: bool
     intermediate_size: int = 0  # MLP width (0 when unknown): tp splits it too
     pipeline_problem: str = ""  # why the pipeline engine cannot split it; "" when it can
+    kv_bits: int = 0  # the KV cache's quantization (one of KV_BITS); 0: the compute dtype
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "attention_heads", "kv_heads", "head_dim", "dtype_bytes"):
@@ -40,6 +52,10 @@ class ModelShape:
         for name in ("weight_bytes", "embedding_bytes", "head_bytes"):
             if getattr(self, name) < 0:
                 raise PlanError(f"model shape {name}={getattr(self, name)} must not be negative")
+        if self.kv_bits and self.kv_bits not in KV_BITS:
+            raise PlanError(f"KV cache bits must be one of {KV_BITS} or 0, got {self.kv_bits}")
+        if self.kv_bits:
+            kv_group_size(self.head_dim)  # a head size quantization cannot group is refused
         if self.weight_bytes < self.non_layer_bytes:
             raise PlanError(
                 f"model shape weight_bytes={self.weight_bytes} is smaller than its embedding "
@@ -58,8 +74,13 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
-        """One K and one V vector per KV head, per token, per layer."""
-        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+        """One K and one V vector per KV head, per token, per layer; quantized, each vector
+        is its packed values plus a scale and a bias (compute dtype) per group."""
+        if not self.kv_bits:
+            return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+        groups = self.head_dim // kv_group_size(self.head_dim)
+        packed = self.head_dim * self.kv_bits // PACKED_BITS * (PACKED_BITS // 8)
+        return 2 * self.kv_heads * (packed + 2 * groups * self.dtype_bytes)
 
     @property
     def output_bytes(self) -> int:

@@ -64,6 +64,8 @@ class ClusterPlan:
     context_tokens: int = 0  # the KV budget of one sequence
     compute_dtype: str = "as stored"  # "float32" when half-precision weights are upcast
     prefix_cache_bytes: int = 0  # KV kept for reuse, whole model; each node holds its share
+    kv_bits: int = 0  # the KV cache's quantization (--kv-bits); 0: the compute dtype
+    kv_bytes_per_token: int = 0  # KV of one token over every layer, as the plan counts it
     # From measured speeds (planner/speed.py): this plan's prediction first, then every other
     # candidate auto weighed; () when the members' speeds were not measured.
     predictions: tuple[Prediction, ...] = ()
@@ -85,6 +87,8 @@ class ClusterPlan:
             "context_tokens": self.context_tokens,
             "compute_dtype": self.compute_dtype,
             "prefix_cache_bytes": self.prefix_cache_bytes,
+            "kv_bits": self.kv_bits,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
             "stages": [
                 {
                     "node_id": stage.node_id,
@@ -121,7 +125,12 @@ class ClusterPlan:
             "of KV cache, counted in every node's need"
         )
         lines.append(f"compute precision on every node: {self.compute_dtype}")
+        if self.kv_bytes_per_token:
+            bits = f"{self.kv_bits}-bit" if self.kv_bits else "unquantized"
+            lines.append(f"KV cache: {bits}, {format_bytes(self.kv_bytes_per_token)} per token")
         cache = format_bytes(self.prefix_cache_bytes) if self.prefix_cache_bytes else "off"
+        if self.prefix_cache_bytes and self.kv_bytes_per_token:
+            cache += f" (~{self.prefix_cache_bytes // self.kv_bytes_per_token} tokens)"
         lines.append(f"prefix cache: {cache} of KV (each node its share, counted in its need)")
         if self.stages:
             for index, stage in enumerate(self.stages):

@@ -52,6 +52,7 @@ class LaunchSettings:
     token_timeout_s: float = 10.0
     ring_port_base: int = DEFAULT_RING_PORT_BASE
     max_batch: int = 16  # sequences decoded together
+    kv_bits: int = 0  # every engine's KV cache quantized to this many bits; 0: not
     # What other machines resolve to the same files (repo@commit through their own Hugging
     # Face cache, or a path that must exist there); None: model_path.
     model_reference: str | None = None
@@ -92,7 +93,8 @@ def build_engine(
 
         disk_root = None
         if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
-            disk_root = tier_root(settings.prefix_cache_dir, settings.model_path, "single")
+            share = f"single-kv{settings.kv_bits}" if settings.kv_bits else "single"
+            disk_root = tier_root(settings.prefix_cache_dir, settings.model_path, share)
         return SingleEngine(
             settings.model_path,
             max_batch=settings.max_batch,
@@ -100,6 +102,7 @@ def build_engine(
             prefix_cache_bytes=plan.prefix_cache_bytes,
             prefix_cache_disk_bytes=settings.prefix_cache_disk_bytes if disk_root else 0,
             prefix_cache_disk_root=disk_root,
+            kv_bits=settings.kv_bits,
         )
     if membership is None or settings.cluster_key is None:
         raise EngineError(f"a {chosen.value} plan needs cluster membership and a cluster key")
@@ -122,6 +125,7 @@ def _build_tensor_parallel(
         "max_batch": settings.max_batch,
         "upcast_float32": _upcast(plan),
         "prefix_cache_bytes": plan.prefix_cache_bytes,
+        "kv_bits": settings.kv_bits,
     }
     if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
         options["prefix_cache_disk_bytes"] = settings.prefix_cache_disk_bytes
@@ -218,6 +222,7 @@ def _build_pipeline(
         prefix_cache_bytes=plan.prefix_cache_bytes,
         prefix_cache_disk_bytes=disk,
         prefix_cache_dir=settings.prefix_cache_dir,  # stage 0's; an agent names its own
+        kv_bits=settings.kv_bits,
     )
 
 
@@ -258,6 +263,7 @@ def _assign_stages(
             "read_timeout_s": settings.token_timeout_s,
             "blas_threads": _threads_at(address, share, settings),
             "upcast_float32": _upcast(plan),
+            "kv_bits": settings.kv_bits,
         }
         if settings.weights is not None:
             spec["weights"] = settings.weights.offer(stage.layers, spec["is_last"])

@@ -53,6 +53,7 @@ class PlanSettings:
     # Measure every node's speed and link and let auto pick the fastest plan (speed_survey.py):
     # "auto" when a member is another machine, "on", or "off" (the decision rules alone).
     measure: str = "off"
+    kv_bits: int = 0  # the KV cache's quantization (--kv-bits); 0: none
 
 
 def plan_nodes(
@@ -78,7 +79,7 @@ def plan_nodes(
         transfer = TransferSizes(facts.to_shape(), weights.model_bytes())
 
     def plan(float32: bool) -> ClusterPlan:
-        shape = facts.to_shape(float32=float32)
+        shape = facts.to_shape(float32=float32, kv_bits=settings.kv_bits)
         if speeds is not None:
             return plan_measured(
                 settings.choice, shape, nodes, speeds, settings.collective,

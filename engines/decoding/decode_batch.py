@@ -21,6 +21,7 @@ from mlx_lm.generate import BatchGenerator
 
 from engines.core.engine import StepOutput
 from engines.decoding.sampling import Processor, Sampler, token_logprobs
+from engines.model.quantized_kv import make_quantized_caches
 from engines.prefix_cache.cached_prefill import first_token_from_cache
 
 Keep = Callable[[int, list[Any], list[int]], None]  # (uid, caches, the tokens they hold)
@@ -29,14 +30,23 @@ NEVER_ENDS = 1 << 62  # the generator's max_tokens: the runner ends every sequen
 
 
 class DecodeBatch:
-    """The sequences of one batch; `keep=None` keeps no caches of finished sequences."""
+    """The sequences of one batch; `keep=None` keeps no caches of finished sequences;
+    `kv_bits` (8 or 4) quantizes every sequence's KV cache, 0 keeps it as computed."""
 
     def __init__(
-        self, model: Any, max_batch: int, prefill_chunk: int, keep: Keep | None = None
+        self,
+        model: Any,
+        max_batch: int,
+        prefill_chunk: int,
+        keep: Keep | None = None,
+        kv_bits: int = 0,
     ) -> None:
         self.model = model
         self.prefill_chunk = prefill_chunk
         self._keep = keep
+        self.kv_bits = kv_bits
+        if kv_bits:
+            make_quantized_caches(model, kv_bits)  # refuses a model it cannot quantize, now
         self.generator = BatchGenerator(
             model,
             completion_batch_size=max_batch,
@@ -74,6 +84,8 @@ class DecodeBatch:
                 )
             first = sampled(uid, token, logprobs, top_logprobs)
             rest, prefix = [token], prefix + rest  # the generator goes on from the first token
+        if caches is None and self.kv_bits:  # else the generator makes unquantized ones
+            caches = make_quantized_caches(self.model, self.kv_bits)
         (generator_uid,) = self.generator.insert(
             [rest],
             max_tokens=[NEVER_ENDS],

@@ -75,8 +75,9 @@ class ModelFacts:
         """Half-precision, not quantized: worth computing in float32 on the CPU."""
         return self.dtype_bytes == 2 and not self.quantized
 
-    def to_shape(self, float32: bool = False) -> ModelShape:
-        """The planner's view of this model; `float32`: as computed upcast (twice the bytes)."""
+    def to_shape(self, float32: bool = False, kv_bits: int = 0) -> ModelShape:
+        """The planner's view of this model; `float32`: as computed upcast (twice the bytes);
+        `kv_bits`: with its KV cache quantized to that many bits."""
         from planner import ModelShape
 
         scale = 4 // self.dtype_bytes if float32 and self.can_upcast else 1
@@ -95,6 +96,7 @@ class ModelFacts:
             has_tp_variant=self.has_tp_variant,
             intermediate_size=self.intermediate_size,
             pipeline_problem=self.pipeline_problem,
+            kv_bits=kv_bits,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -88,6 +88,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         prefix_cache_bytes: int = 0,
         prefix_cache_disk_bytes: int = 0,
         prefix_cache_dir: Path | None = None,
+        kv_bits: int = 0,
     ) -> None:
         """`return_listener`: an already listening socket for the last stage's connection (its
         port must be known before the last stage starts); else one is opened on
@@ -115,6 +116,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         self._cluster_key = cluster_key
         self._channel_class = channel_class
         self.upcast = upcast  # half-precision weights to float32 on the CPU
+        self.kv_bits = kv_bits  # stage 0's KV caches quantized (each stage's spec says its own)
         self.tokenizer = None
         self.stage: StageModel | None = None
         self._weight_bytes = 0  # stage 0's, in this process
@@ -169,7 +171,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             )
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer of {self.model_path}: {error}") from error
-        self.stage = StageModel.load(self.model_path, self.layers, False, self.upcast)
+        self.stage = StageModel.load(self.model_path, self.layers, False, self.upcast, self.kv_bits)
         stage = self.stage
         parts = (*stage.blocks, stage.embed_tokens, stage.norm, stage.head)
         self._weight_bytes = parameter_bytes(*parts)
@@ -256,6 +258,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             "model_path": str(self.model_path),
             "stages": stages,
             "prefill_chunk": self.prefill_chunk,
+            "kv_bits": self.kv_bits,
             "micro_batches": self._schedule.groups,
             "healthy": self._healthy,
             "prefix_cache": self.prefix_index.snapshot(),

@@ -15,6 +15,7 @@ from mlx_lm.utils import load_config, load_model
 
 from engines.model.layers import StageLayout, apply_softcap, describe, pipeline_problem
 from engines.model.precision import upcast_on_cpu
+from engines.model.quantized_kv import make_quantized_caches
 from engines.model.reference import local_model_path
 from engines.weights.manifest import is_partial_copy
 from planner.errors import EngineError, ModelError
@@ -70,9 +71,15 @@ class StageModel:
 
     @classmethod
     def load(
-        cls, model_path: Path, layers: range, is_last: bool, upcast: bool = False
+        cls,
+        model_path: Path,
+        layers: range,
+        is_last: bool,
+        upcast: bool = False,
+        kv_bits: int = 0,
     ) -> StageModel:
-        """Load the weights of `layers` (and the embeddings / head when this stage needs them).
+        """Load the weights of `layers` (and the embeddings / head when this stage needs them);
+        `kv_bits` (8 or 4) quantizes its KV caches.
 
         `model_path` is a directory, or repo@commit resolved through this machine's Hugging
         Face cache (what an agent is sent).
@@ -116,7 +123,10 @@ class StageModel:
         embed = embedding if (is_first or (is_last and layout.tied_head)) else None
         norm = getattr(inner, layout.norm) if is_last else None
         head = model.lm_head if (is_last and not layout.tied_head) else None
-        cache_template = make_prompt_cache(model)[layers.start : layers.stop]
+        if kv_bits:
+            cache_template = make_quantized_caches(model, kv_bits)[layers.start : layers.stop]
+        else:
+            cache_template = make_prompt_cache(model)[layers.start : layers.stop]
         kept = [module for module in (*blocks, embed, norm, head) if module is not None]
         # Evaluating only the kept modules reads only their tensors from the safetensors files.
         mx.eval([module.parameters() for module in kept])

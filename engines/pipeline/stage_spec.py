@@ -9,6 +9,7 @@ from typing import Any
 
 from discovery.cluster_key import KEY_BYTES, KEY_PREFIX, parse_key
 from planner.errors import ConfigError
+from planner.memory import KV_BITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,7 @@ class StageSpec:
     read_timeout_s: float = 10.0
     blas_threads: int = 0  # this process's share of the cores; 0 keeps the default
     upcast_float32: bool = False  # half-precision weights to float32 on the CPU
+    kv_bits: int = 0  # this stage's KV caches quantized to 8 or 4 bits; 0: as computed
     # Where to fetch the model when this machine lacks it (engines/weights/fetch.py).
     weights: dict[str, Any] | None = None
     # The prefix cache's disk tier: on when the coordinator gives it a budget (which its
@@ -56,6 +58,7 @@ class StageSpec:
                 read_timeout_s=float(raw.get("read_timeout_s", 10.0)),
                 blas_threads=int(raw.get("blas_threads", 0)),
                 upcast_float32=bool(raw.get("upcast_float32", False)),
+                kv_bits=int(raw.get("kv_bits", 0)),
                 weights=dict(raw["weights"]) if raw.get("weights") else None,
                 prefix_cache_disk_bytes=int(raw.get("prefix_cache_disk_bytes", 0)),
                 prefix_cache_dir=_optional_path(raw.get("prefix_cache_dir")),
@@ -68,6 +71,8 @@ class StageSpec:
             raise ConfigError(f"the stage spec's layers [{start}, {stop}) are empty or negative")
         if not (0 <= spec.listen_port < 65536 and 0 < spec.next_port < 65536):
             raise ConfigError(f"invalid ports: listen {spec.listen_port}, next {spec.next_port}")
+        if spec.kv_bits not in (0, *KV_BITS):
+            raise ConfigError(f"kv_bits must be 0 or one of {KV_BITS}, got {spec.kv_bits}")
         if spec.read_timeout_s <= 0:
             raise ConfigError(f"read_timeout_s must be positive, got {spec.read_timeout_s}")
         return spec

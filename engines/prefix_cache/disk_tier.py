@@ -32,6 +32,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+from engines.model.quantized_kv import (
+    QuantizedSequenceCache,
+    as_mlx_cache,
+    as_sequence_cache,
+    sliced_copy,
+)
+
 log = logging.getLogger(__name__)
 
 _STOP = None  # the writer's queue item that ends it; an Event is a flush marker
@@ -116,7 +123,7 @@ class DiskTier:
     def write(self, entry_id: int, caches: list[Any], tokens: tuple[int, ...]) -> None:
         """Engine thread: copy the entry's KV now, write it in the background."""
         copies = [_evaluated_copy(cache) for cache in caches]
-        mx.eval([(copy.keys, copy.values) for copy in copies if copy.keys is not None])
+        mx.eval([copy.state for copy in copies if copy.keys is not None])
         with self._lock:
             self._pending[entry_id] = (copies, tuple(tokens))
         self._queue.put(entry_id)
@@ -134,7 +141,10 @@ class DiskTier:
             raise DiskUnreadable(f"entry {entry_id} is not on disk")
         stored = self._verified(key)
         try:
-            caches = load_prompt_cache(str(self._data_path(key)))
+            # a quantized entry comes back as mlx-lm's class: tandem's batches need its own
+            caches = [
+                as_sequence_cache(cache) for cache in load_prompt_cache(str(self._data_path(key)))
+            ]
             mx.eval([cache.state for cache in caches])
         except (OSError, RuntimeError, ValueError) as error:
             raise DiskUnreadable(f"entry {entry_id}: {error}") from error
@@ -238,7 +248,8 @@ class DiskTier:
         data, meta = self._data_path(key), self._meta_path(key)
         try:
             temporary = data.with_suffix(".tmp.safetensors")
-            save_prompt_cache(str(temporary), caches)
+            # mlx-lm's loader finds classes by name in its own module: save them as its own
+            save_prompt_cache(str(temporary), [as_mlx_cache(cache) for cache in caches])
             os.replace(temporary, data)
             size = data.stat().st_size
             record = {
@@ -288,8 +299,10 @@ def _digest(path: Path) -> str:
     return hasher.hexdigest()
 
 
-def _evaluated_copy(cache: KVCache) -> KVCache:
-    """A KVCache holding exactly its tokens' keys and values, in arrays of its own."""
+def _evaluated_copy(cache: Any) -> Any:
+    """A cache holding exactly its tokens' keys and values, in arrays of its own."""
+    if type(cache) is QuantizedSequenceCache:
+        return sliced_copy(cache, cache.offset, own=True)
     fresh = KVCache()
     if cache.keys is not None:
         keys, values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
@@ -298,8 +311,10 @@ def _evaluated_copy(cache: KVCache) -> KVCache:
     return fresh
 
 
-def _sharing(cache: KVCache) -> KVCache:
-    """A new KVCache over the same arrays (mlx arrays are values: its writes stay its own)."""
+def _sharing(cache: Any) -> Any:
+    """A new cache over the same arrays (mlx arrays are values: its writes stay its own)."""
+    if type(cache) is QuantizedSequenceCache:
+        return sliced_copy(cache, cache.offset, own=False)
     fresh = KVCache()
     fresh.keys, fresh.values, fresh.offset = cache.keys, cache.values, cache.offset
     return fresh

@@ -1,12 +1,12 @@
 """PrefixStore: one node's share of every prefix-cache entry (its layers, or its tp shard).
 
 The index (engines/prefix_cache/index.py) decides; the store only keeps, hands out and drops.
-Handing out never changes the stored entry: a plain KV cache is re-wrapped around a slice of
-the stored arrays (mlx arrays are values, so the new sequence's writes cannot reach them);
-any other cache is deep-copied and trimmed. Two conversations branching from one system
-prompt therefore both start from the same entry. With a disk tier, `spill` moves entries
-out of memory to disk (engines/prefix_cache/disk_tier.py), and a hit reads them back (or
-`load` reads one ahead, checking it, for the next `take_prefix`).
+Handing out never changes the stored entry: a plain KV cache (quantized or not) is re-wrapped
+around a slice of the stored arrays (mlx arrays are values, so the new sequence's writes
+cannot reach them); any other cache is deep-copied and trimmed. Two conversations branching
+from one system prompt therefore both start from the same entry. With a disk tier, `spill`
+moves entries out of memory to disk (engines/prefix_cache/disk_tier.py), and a hit reads them
+back (or `load` reads one ahead, checking it, for the next `take_prefix`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
+from engines.model.quantized_kv import QuantizedSequenceCache, sliced_copy
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from planner.errors import EngineError
 
@@ -79,6 +80,9 @@ class PrefixStore:
             )
         if all(type(cache) is KVCache for cache in caches):
             return [_kv_prefix(cache, length) for cache in caches], list(tokens[:length])
+        if all(type(cache) is QuantizedSequenceCache for cache in caches):
+            fresh = [sliced_copy(cache, length, own=False) for cache in caches]
+            return fresh, list(tokens[:length])
         fresh = copy.deepcopy(caches)
         if length < len(tokens):
             if not can_trim_prompt_cache(fresh):
@@ -120,12 +124,13 @@ class PrefixStore:
 
 
 def reusable(caches: list[Any]) -> bool:
-    """Whether a model's caches can be kept and restarted from: plain KV caches only.
+    """Whether a model's caches can be kept and restarted from: plain KV caches (quantized
+    or not) only.
 
     Sliding-window (rotating) and recurrent caches hold a window or a state, not every
     token's KV, so a prefix of them is not what a fresh prefill of that prefix would give.
     """
-    return all(type(cache) is KVCache for cache in caches)
+    return all(type(cache) in (KVCache, QuantizedSequenceCache) for cache in caches)
 
 
 NOT_REUSABLE = "the model's sliding-window or recurrent caches cannot be reused"

@@ -56,13 +56,17 @@ class SingleEngine(Engine):
         prefix_cache_bytes: int = 0,
         prefix_cache_disk_bytes: int = 0,
         prefix_cache_disk_root: Path | None = None,
+        kv_bits: int = 0,
     ) -> None:
         self.model_path = Path(model_path)
+        self.kv_bits = kv_bits  # 8 or 4: every sequence's KV cache quantized; 0: as computed
         # the prefix cache: which token prefixes are kept (index) and their KV (store), in
         # memory and, with a disk budget and a directory, on disk
         disk = None
         if prefix_cache_disk_root is not None:
-            disk = DiskTier(prefix_cache_disk_root, identity=str(prefix_cache_disk_root))
+            # entries of another KV quantization are another cache's: never read as this one's
+            identity = str(prefix_cache_disk_root) + (f"|kv{kv_bits}" if kv_bits else "")
+            disk = DiskTier(prefix_cache_disk_root, identity=identity)
         disk_bytes = prefix_cache_disk_bytes if disk is not None else 0
         self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
         self.prefix_store = PrefixStore(disk if self.prefix_index.disk_max_bytes else None)
@@ -97,7 +101,9 @@ class SingleEngine(Engine):
         vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", 0)
         self._grammars = GrammarCompiler(self.tokenizer, max(vocab_size, len(self.tokenizer)))
         keep = self._keep_prefix if self.prefix_index.enabled else None
-        self._batch = DecodeBatch(self.model, self.max_batch, self.prefill_chunk, keep)
+        self._batch = DecodeBatch(
+            self.model, self.max_batch, self.prefill_chunk, keep, kv_bits=self.kv_bits
+        )
         log.info("single engine loaded %s (batch of up to %d)", self.model_path, self.max_batch)
 
     def insert(self, uid: int, request: GenerationRequest) -> int:
@@ -225,6 +231,7 @@ class SingleEngine(Engine):
             "max_batch": self.max_batch,
             "prefill_chunk": self.prefill_chunk,
             "compute_dtype": self.compute_dtype,
+            "kv_bits": self.kv_bits,
             "prefix_cache": {
                 **self.prefix_index.snapshot(),
                 "shared_prefills": self._sharing.shared,

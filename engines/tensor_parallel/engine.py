@@ -311,6 +311,7 @@ class TensorParallelEngine(Engine):
             "backend": self.spec.backend,
             "model_path": str(self.model_path),
             "sync_every": self.spec.sync_every,
+            "kv_bits": self.spec.kv_bits,
             "ranks": ranks,
             "prefix_cache": self.prefix_index.snapshot(),
             "step_timing": self.step_timing.snapshot(),

@@ -41,6 +41,7 @@ class ShardBatch:
         keep_prefixes: bool = False,
         grammars: RankGrammars | None = None,
         disk: DiskTier | None = None,
+        kv_bits: int = 0,
     ):
         self._grammars = grammars
         self.checksum = 0
@@ -49,7 +50,7 @@ class ShardBatch:
         self.prefixes = PrefixStore(disk if self.keep_prefixes else None)
         self._kept: list[list[int]] = []  # [uid, tokens held, bytes] since the last drain
         keep = self._keep if self.keep_prefixes else None
-        self._batch = DecodeBatch(model, max_batch, prefill_chunk, keep)
+        self._batch = DecodeBatch(model, max_batch, prefill_chunk, keep, kv_bits=kv_bits)
 
     def __len__(self) -> int:
         return len(self._batch)

@@ -270,6 +270,7 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
             keep_prefixes=spec.prefix_cache_bytes > 0,
             grammars=grammars,
             disk=rank_disk_tier(spec),
+            kv_bits=spec.kv_bits,
         )
         rank = Rank(spec, lockstep, batch, vocab_size, output, watchdog, grammars)
         if spec.rank == 0:

@@ -60,8 +60,10 @@ def start_workers(
     key: bytes,
     log_dir: Path,
     read_timeout_s: float = 10.0,
+    stage_options: dict[str, Any] | None = None,
 ) -> tuple[socket.socket, list[StageProcess]]:
-    """The coordinator's return listener and a worker per stage 1.., started last to first."""
+    """The coordinator's return listener and a worker per stage 1.., started last to first;
+    `stage_options` joins every stage's spec (e.g. kv_bits)."""
     listener = socket.create_server((HOST, 0))
     next_port = listener.getsockname()[1]
     workers: list[StageProcess] = []
@@ -78,6 +80,7 @@ def start_workers(
                 "next_port": next_port,
                 "cluster_key": key.hex() if index % 2 else format_key(key),
                 "read_timeout_s": read_timeout_s,
+                **(stage_options or {}),
             }
             with open(log_dir / f"stage{index}.log", "ab") as log:
                 worker = StageProcess.start(spec, stderr=log, ready_timeout_s=60)
