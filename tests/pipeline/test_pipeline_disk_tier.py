@@ -52,10 +52,12 @@ class Spilling:
         return sorted(self.directories[stage].glob(f"*.{suffix}"))
 
     def wait_written(self, count: int) -> None:
-        """Until every stage has `count` entries' files (written in the background)."""
+        """Until every stage has `count` entries' files, both kinds (written and deleted in the
+        background)."""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if all(len(self.files(stage)) == count for stage in (0, 1)):
+            kinds = ("json", "safetensors")
+            if all(len(self.files(stage, kind)) == count for stage in (0, 1) for kind in kinds):
                 return
             time.sleep(0.05)
         raise AssertionError(f"stage files: {[self.files(stage) for stage in (0, 1)]}")

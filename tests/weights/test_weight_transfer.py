@@ -19,6 +19,7 @@ from engines.weights.fetch import cached_model, fetch_model
 from engines.weights.manifest import MANIFEST_NAME, Manifest, build_manifest, sha256_of
 from engines.weights.server import WeightServer
 from planner.errors import ModelError
+from tests.helpers.cluster import wait_until
 from tests.helpers.strangers import open_strangers
 
 HOST = "127.0.0.1"
@@ -39,6 +40,10 @@ def server(demo_model_dir: Path, key: bytes) -> Iterator[WeightServer]:
 
 def sent(server: WeightServer) -> int:
     return sum(server.bytes_sent.values())
+
+
+def source_sent(source: Any) -> int:
+    return sum(source.status()["sent_bytes"].values())
 
 
 def weights_size(model: Path) -> int:
@@ -306,10 +311,14 @@ def test_a_tp_rank_receives_only_its_slices_and_shards_the_same(
         for rank in (0, 1):
             offer = source.offer_rank(rank, 2)
             assert source.offer_rank(rank, 2) == offer  # built once
-            before = sum(source.status()["sent_bytes"].values())
+            before = source_sent(source)
             share = fetch_model(HOST, offer["port"], key, offer["content_hash"], tmp_path / "a")
-            received = sum(source.status()["sent_bytes"].values()) - before
-            assert received == Manifest.from_json((share / MANIFEST_NAME).read_text()).total_bytes
+            expected_bytes = Manifest.from_json((share / MANIFEST_NAME).read_text()).total_bytes
+            # the server counts a file as sent once its last write returns, maybe just after
+            # the fetch has read it
+            wait_until(lambda: source_sent(source) - before >= expected_bytes, 5)  # noqa: B023
+            received = source_sent(source) - before
+            assert received == expected_bytes
             assert received <= at_most * whole, (received, whole)
             group = StandInGroup(rank, 2)
             got, _ = load_rank_share(share, group)
