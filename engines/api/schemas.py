@@ -20,6 +20,7 @@ from engines.core.request import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_TEMPERATURE,
+    MAX_TOP_K,
     MAX_TOP_LOGPROBS,
     MIN_REPETITION_PENALTY,
 )
@@ -161,6 +162,9 @@ class SamplingFields(RequestModel):
     max_completion_tokens: Integer | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # vLLM's and mlx_lm.server's extensions; 0 turns each off
+    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K), BeforeValidator(_integral)] | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     stop: (
         Annotated[str, Field(max_length=MAX_STOP_CHARS)]
         | Annotated[

@@ -19,6 +19,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_
 MIN_REPETITION_PENALTY = 0.01  # mlx-lm's multiplicative penalty; None turns it off
 MAX_REPETITION_PENALTY = 10.0
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat
+MAX_TOP_K = 2**31 - 1  # 0 turns top-k off (vLLM's -1 is refused: one spelling for off)
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256  # each stop sequence; held-back text is bounded by the longest
 
@@ -35,6 +36,8 @@ class GenerationRequest:
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # sample among the k most likely tokens; 0: all
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0: off
     stop: tuple[str, ...] = ()
     seed: int | None = None
     timeout_s: float = 300.0
@@ -57,6 +60,8 @@ class GenerationRequest:
             ("temperature", _is_number(self.temperature, 0.0, MAX_TEMPERATURE),
              f"a number in [0, {MAX_TEMPERATURE:g}]"),
             ("top_p", _is_number(self.top_p, 0.0, 1.0) and self.top_p > 0, "a number in (0, 1]"),
+            ("top_k", _is_integer(self.top_k, 0, MAX_TOP_K), f"an integer in [0, {MAX_TOP_K}]"),
+            ("min_p", _is_number(self.min_p, 0.0, 1.0), "a number in [0, 1]"),
             ("stop", _are_stop_texts(self.stop),
              f"a tuple of at most {MAX_STOP_SEQUENCES} texts of at most {MAX_STOP_CHARS} "
              "characters each"),

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from engines.core.engine import TopLogprobs
 from engines.core.request import GenerationRequest
@@ -16,7 +16,7 @@ Sampler = Callable[[mx.array], mx.array]
 Processor = Callable[[mx.array, mx.array], mx.array]  # (tokens so far, logits) -> logits
 SEED_BITS = 31
 # the request fields a sampler reads: unseeded requests alike in these share one
-SAMPLER_FIELDS = ("temperature", "top_p")
+SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 MASK64 = 2**64 - 1
 
 
@@ -52,15 +52,20 @@ def make_request_sampler(request: GenerationRequest, seed: int | None = None) ->
         raise ValueError(f"request {request.request_id} samples without a seed")
     draws = 0
     scale = 1.0 / request.temperature
-    top_p = request.top_p
+    top_p, top_k, min_p = request.top_p, request.top_k, request.min_p
     nucleus = 0.0 < top_p < 1.0  # OpenAI's default 1.0 means "off"
 
     def sample(logprobs: mx.array) -> mx.array:  # (B, V) -> (B,)
         nonlocal draws
         key = mx.random.key(mix64(seed, draws))
         draws += 1
+        # mlx-lm's filters, in mlx-lm's own order (make_sampler's): top-p, min-p, top-k
         if nucleus:
             logprobs = apply_top_p(logprobs, top_p)
+        if min_p > 0:
+            logprobs = apply_min_p(logprobs, min_p)
+        if 0 < top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, top_k)
         return mx.random.categorical(logprobs * scale, key=key)
 
     return sample

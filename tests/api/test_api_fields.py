@@ -269,7 +269,7 @@ REFUSED = [
     (CHAT, {"repetition_penalty": 0}, "repetition_penalty"),
     (CHAT, {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
-    (CHAT, {"top_k": 5}, "top_k"),
+    (CHAT, {"mirostat_tau": 5.0}, "mirostat_tau"),
     (COMPLETIONS, {"echo": True}, "echo"),
     (COMPLETIONS, {"best_of": 3}, "best_of"),
     (COMPLETIONS, {"suffix": "end"}, "suffix"),

@@ -180,9 +180,13 @@ def test_logprobs_json_and_tools_reach_the_client_typed(client: openai.OpenAI) -
     assert 0 <= json.loads(call.function.arguments)["id"] <= 9
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model=MODEL_ID, messages=MESSAGES, max_tokens=5, extra_body={"top_k": 3}
+            model=MODEL_ID, messages=MESSAGES, max_tokens=5, extra_body={"mirostat_tau": 3.0}
         )
-    assert refused.value.body["param"] == "top_k"
+    assert refused.value.body["param"] == "mirostat_tau"
+    filtered = client.chat.completions.create(  # vLLM's extensions, as its clients send them
+        model=MODEL_ID, messages=MESSAGES, max_tokens=5, extra_body={"top_k": 3, "min_p": 0.1}
+    )
+    assert filtered.choices[0].message.content is not None
 
 
 def test_completions(client: openai.OpenAI) -> None:

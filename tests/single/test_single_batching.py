@@ -34,6 +34,17 @@ def test_each_greedy_request_in_a_batch_of_8_equals_it_alone(runner):
     assert all(len(o.tokens) >= 8 for o in alone)  # the comparison means something
 
 
+def test_top_k_1_and_min_p_1_sample_the_greedy_tokens(runner):
+    """top_k=1 (and min_p=1, which keeps only the most likely token) leave the sampler one
+    choice at any temperature: the greedy one, so the filters really run."""
+    greedy = run_one(runner, make_request(runner.engine, PROMPTS[1], 24))
+    for options in ({"top_k": 1}, {"min_p": 1.0}):
+        sampled = make_request(runner.engine, PROMPTS[1], 24, temperature=1.5, seed=3, **options)
+        assert run_one(runner, sampled).tokens == greedy.tokens, options
+    free = make_request(runner.engine, PROMPTS[1], 24, temperature=1.5, seed=3)
+    assert run_one(runner, free).tokens != greedy.tokens  # without a filter it would differ
+
+
 def test_a_burst_ends_every_way_with_the_right_usage(runner):
     reference = run_one(runner, make_request(runner.engine, PROMPTS[1], 48))
     stop = reference.text[len(reference.text) // 2 :][:3]
