@@ -105,7 +105,7 @@ def test_the_document_round_trips_through_json_exactly() -> None:
     [
         (None, "request must be a JSON object, got None"),
         ([], "request must be a JSON object"),
-        ({**FULL.document(), "top_k": 5}, "top_k must be absent (not a request field), got 5"),
+        ({**FULL.document(), "typ_p": 5}, "typ_p must be absent (not a request field), got 5"),
         ({"prompt_tokens": [1], "max_tokens": 1}, "request_id must be present"),
         ({**FULL.document(), "temperature": 3}, "temperature must be a number in [0, 2], got 3"),
         ({**FULL.document(), "prompt_tokens": [[1]]}, "prompt_tokens must be"),
