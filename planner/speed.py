@@ -9,6 +9,11 @@ measurements (engines/model/speed_probe.py measures them); no clock of its own.
     pp:     one stream pays every stage and every hop; a full pipeline keeps one micro-batch
             per stage in flight, so a cycle is the slowest stage times the micro-batches, or
             one trip around the ring, whichever is longer
+
+Layer times are sustained ones (a machine busy all the time). A machine held to a share of a
+core (a cgroup's CPU quota) runs a short burst at full speed: a pipeline stage idle while the
+others work gets its layers done at `cpu_share` of its sustained time, as long as its work
+fits its share of the trip (a token's trip is at least every stage's sustained time).
 """
 
 from __future__ import annotations
@@ -63,6 +68,11 @@ class NodeSpeed:
     prefill_layer_s: float  # one decoder layer over one prefill chunk
     prefill_chunk: int  # the tokens of that chunk
     shards: tuple[tuple[int, Curve], ...] = ()  # (tp ranks, one layer's 1/ranks shard)
+    cpu_share: float = 1.0  # of a core, sustained (a CPU quota): a burst runs 1/share faster
+
+    def __post_init__(self) -> None:
+        if not (0 < self.cpu_share <= 1):
+            raise PlanError(f"node {self.node_id}'s cpu share {self.cpu_share} must be in (0, 1]")
 
     def shard(self, ranks: int) -> Curve | None:
         return next((curve for size, curve in self.shards if size == ranks), None)
@@ -243,12 +253,19 @@ def predict_pp(
         head = speeds.nodes[node].head.at(rows) if index == len(stages) - 1 else 0.0
         return layers * speeds.nodes[node].layer.at(rows) + head
 
-    def trip(rows: float) -> float:
+    def burst_s(index: int, rows: float) -> float:
+        return stage_s(index, rows) * speeds.nodes[stages[index][0]].cpu_share
+
+    def hops_s(rows: float) -> float:
         # the last hop carries only sampled tokens back to the coordinator
         carried = [rows * row_bytes] * (len(hops) - 1) + [rows * 8]
-        return sum(stage_s(i, rows) for i in range(len(stages))) + sum(
-            hop.transfer_s(size) for hop, size in zip(hops, carried, strict=True)
-        )
+        return sum(hop.transfer_s(size) for hop, size in zip(hops, carried, strict=True))
+
+    def trip(rows: float) -> float:
+        """Every stage at its burst speed and every hop; no shorter than a stage's sustained
+        time, or that stage's CPU quota would run out within the trip."""
+        through = sum(burst_s(i, rows) for i in range(len(stages))) + hops_s(rows)
+        return max(through, *(stage_s(i, rows) for i in range(len(stages))))
 
     micro = min(len(stages), batch)
     rows = batch / micro
@@ -262,7 +279,7 @@ def predict_pp(
     node, layers = stages[slowest]
     dominant = (
         f"slowest stage {node}: {layers} layers x {_ms(speeds.nodes[node].layer.at(rows))} at "
-        f"{rows:g} rows; hops {_ms(trip(1) - sum(stage_s(i, 1) for i in range(len(stages))))}"
+        f"{rows:g} rows; hops {_ms(hops_s(1))}{_shares(speeds, nodes)}"
     )
     return Prediction(
         "pp",
@@ -273,6 +290,13 @@ def predict_pp(
         prefill + transfers + trip(1),
         dominant,
     )
+
+
+def _shares(speeds: ClusterSpeeds, nodes: Sequence[str]) -> str:
+    """ "; vm-2 at 0.4 of a core" for the nodes held to a CPU quota."""
+    shares = {node: speeds.nodes[node].cpu_share for node in nodes}
+    held = [f"{node} at {share:.2g} of a core" for node, share in shares.items() if share < 1]
+    return f"; {', '.join(held)}" if held else ""
 
 
 def split_by_speed(

@@ -100,6 +100,7 @@ def node_speed(node_id: str, measured: dict[str, Any]) -> NodeSpeed:
         float(measured["prefill_layer_s"]),
         int(measured["prefill_chunk"]),
         tuple((int(ranks), curve(points)) for ranks, points in measured.get("shards", [])),
+        float(measured.get("cpu_share", 1.0)),
     )
 
 
@@ -140,6 +141,7 @@ class SpeedSurvey:
                         "layer_ms": {r: round(s * 1000, 3) for r, s in speed.layer.points},
                         "head_ms": {r: round(s * 1000, 3) for r, s in speed.head.points},
                         "prefill_layer_ms": round(speed.prefill_layer_s * 1000, 2),
+                        "cpu_share": speed.cpu_share,
                     }
                     for node_id, speed in self._nodes.items()
                 },
@@ -158,7 +160,8 @@ class SpeedSurvey:
         status = self.status()
         lines = [
             f"measured {node_id}: a layer {speed['layer_ms']} ms by rows, head "
-            f"{speed['head_ms']} ms, a prefill chunk {speed['prefill_layer_ms']} ms a layer"
+            f"{speed['head_ms']} ms, a prefill chunk {speed['prefill_layer_ms']} ms a layer, "
+            f"{speed['cpu_share']:g} of a core sustained"
             for node_id, speed in status["nodes"].items()
         ]
         lines += [

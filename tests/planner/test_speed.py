@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planner import NodeResources, Parallelism, PlanError, plan_cluster
@@ -116,6 +118,30 @@ def test_pp_one_stream_pays_every_stage_and_hop_a_full_batch_the_slowest_stage()
     last_stage = 16 * (1 + 3 / 7) * MS + (2 + 6 / 7) * MS
     assert prediction.batch_tps == pytest.approx(8 / (2 * last_stage))
     assert prediction.dominant.startswith("slowest stage b: 16 layers")
+
+
+def test_a_stage_held_to_a_cpu_quota_runs_its_layers_at_burst_speed_while_it_would_rest() -> None:
+    """b sustains half a core (2 ms a layer), so a burst runs 1 ms a layer: at 1 stream its 8
+    layers and the head (20 ms sustained) take 10 ms while a's 24 layers rest it; a full
+    pipeline keeps b busy, at its sustained speed."""
+    held = replace(speed("b", slowdown=2.0), cpu_share=0.5)
+    prediction = predict_pp(SHAPE, cluster(speed("a"), held), [("a", 24), ("b", 8)], batch=8)
+    hops_1 = (50e-6 + ROW_BYTES / GIGABIT) + (50e-6 + 8 / GIGABIT)
+    assert prediction.decode_tps == pytest.approx(1 / (24 * MS + 10 * MS + hops_1))
+    unheld = predict_pp(SHAPE, cluster(speed("a"), speed("b", 2.0)), [("a", 24), ("b", 8)], 8)
+    assert unheld.decode_tps == pytest.approx(1 / (24 * MS + 20 * MS + hops_1))
+    assert prediction.batch_tps == pytest.approx(unheld.batch_tps)
+    assert "b at 0.5 of a core" in prediction.dominant
+
+
+def test_a_quota_never_lets_a_stage_beat_its_sustained_time() -> None:
+    """A stage holding most of the trip cannot burst through it: b's 16 layers at 0.25 of a
+    core take 4 ms each sustained, 64 + 8 ms a token, however short its bursts."""
+    held = replace(speed("b", slowdown=4.0), cpu_share=0.25)
+    prediction = predict_pp(SHAPE, cluster(speed("a"), held), [("a", 16), ("b", 16)], batch=8)
+    assert prediction.decode_tps == pytest.approx(1 / (16 * 4 * MS + 2 * 4 * MS))
+    with pytest.raises(PlanError, match="cpu share 0 must be in"):
+        replace(held, cpu_share=0)
 
 
 # ---- the speed-weighted split -------------------------------------------------------------
