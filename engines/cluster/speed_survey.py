@@ -1,12 +1,13 @@
-"""Measuring the cluster for the planner: the link to every member first, one at a time (pings
-over its control channel), then every node's speed for the model at once (an agent runs the
-`speed_probe` role, the coordinator the same module in a child process), each bounded, cached
-per node. Links go first and alone because a padded ping keeps both ends' CPUs busy sealing and
-opening: a probe timed beside it reads the machine slower than it serves.
+"""Measuring the cluster for the planner: the link to every member (pings over its control
+channel), then every node's speed for the model (an agent runs the `speed_probe` role, the
+coordinator the same module in a child process), one at a time, each bounded, cached per node.
+One at a time because a padded ping keeps both ends' CPUs busy sealing and opening, and because
+machines that share a host (a lab, VMs) share its memory bandwidth: a probe timed beside
+another reads its machine slower than it serves alone.
 
 A node that cannot be measured in time is named in `problems` and left out of the speeds, so
-auto plans by the decision rules alone rather than on a guess; nothing here blocks for longer
-than PROBE_TIMEOUT_S.
+auto plans by the decision rules alone rather than on a guess; no node's probe waits longer than
+PROBE_TIMEOUT_S (a few seconds each when they answer).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import ipaddress
 import logging
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,10 +126,9 @@ class SpeedSurvey:
             spec = probe_spec(facts, len(nodes), max_batch, on_cpu())
             log.info("measuring %s for the planner", ", ".join(missing))
             links = {node_id: self._measure_link(node_id) for node_id in missing}
-            with ThreadPoolExecutor(max_workers=len(missing)) as pool:
-                for node_id in missing:
-                    if node_id == self.coordinator_id or links[node_id] is not None:
-                        pool.submit(self._measure, node_id, spec, links[node_id])
+            for node_id in missing:
+                if node_id == self.coordinator_id or links[node_id] is not None:
+                    self._measure(node_id, spec, links[node_id])
         with self._lock:
             return ClusterSpeeds(dict(self._nodes), dict(self._links))
 

@@ -1,9 +1,11 @@
 """How fast this machine runs the model being served: one decoder layer's decode step at a few
-batch sizes, the same layer sharded for tp, the output head and one prefill chunk.
+batch sizes, the same layer sharded for tp, the output head and one prefill chunk; and the share
+of a core its cgroup's CPU quota leaves it (discovery/cgroup_cpu.py).
 
-Measured on one- and three-layer models of the model's own architecture (mlx-lm's class, built
+Measured on one- and five-layer models of the model's own architecture (mlx-lm's class, built
 from its config, with random weights), so a machine that has not received the model yet can be
-measured; a layer's time is half the difference, the rest of the one-layer model is the head.
+measured; a layer's time is a quarter of the difference, the rest of the one-layer model is the
+head.
 `python -m engines.model.speed_probe` runs it as an agent's `speed_probe` role: a JSON spec on
 stdin ({"config": ..., "rows": [...], "tp_sizes": [...], ...}), one ready line with the
 measurement on stdout.
@@ -26,6 +28,7 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
+from discovery.cgroup_cpu import read_cpu_share  # noqa: E402
 from discovery.json_child import configure_child_logging, open_protocol_output  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -37,11 +40,6 @@ MIN_STEPS = 5  # timed steps per point at least
 # at full speed and throttles what is sustained, which is what serving is
 SUSTAINED_S = 0.3
 SMALLEST_S = 1e-7  # a difference of two timings is never below this
-# A step after a rest longer than the cfs period (100 ms) runs on a refilled quota: the fastest
-# of a few such steps against the sustained time gives the share of a core the machine keeps.
-RESTED_STEPS = 3
-REST_S = 0.12
-FULL_CORE = 0.9  # a share above this is a whole core read through noise
 LONG_MODEL_LAYERS = 5
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
@@ -91,23 +89,6 @@ def _decode_s(model: nn.Module, rows: int) -> float:
     return _sustained_s(lambda: mx.eval(model(token, cache=cache)))
 
 
-def _cpu_share(model: nn.Module) -> float:
-    """The share of a core this process keeps when busy: a rested step's time over a sustained
-    step's (1.0 without a CPU quota, ~0.4 under a quota of 0.4 core)."""
-    cache = make_prompt_cache(model)
-    token = mx.ones((1, 1), dtype=mx.int32)
-    mx.eval(model(mx.zeros((1, CONTEXT_TOKENS), dtype=mx.int32), cache=cache))
-    sustained = _sustained_s(lambda: mx.eval(model(token, cache=cache)))
-    rested = []
-    for _ in range(RESTED_STEPS):
-        time.sleep(REST_S)
-        started = time.perf_counter()
-        mx.eval(model(token, cache=cache))
-        rested.append(time.perf_counter() - started)
-    share = min(rested) / sustained
-    return 1.0 if share > FULL_CORE else max(share, 0.01)
-
-
 def _prefill_s(model: nn.Module, chunk: int) -> float:
     tokens = mx.ones((1, chunk), dtype=mx.int32)
     return _sustained_s(lambda: mx.eval(model(tokens, cache=make_prompt_cache(model))))
@@ -149,7 +130,7 @@ def measure(
         "prefill_layer_s": prefill,
         "prefill_chunk": prefill_chunk,
         "shards": shards,
-        "cpu_share": round(_cpu_share(long), 3),
+        "cpu_share": round(read_cpu_share(), 3),
         "probe_s": round(time.monotonic() - started, 3),
         "blas": blas.status().describe(),
     }
