@@ -143,3 +143,30 @@ def start_serve(
             server.stop()
             raise
     return server
+
+
+LONG_SYSTEM = "You are a careful assistant who answers in full sentences. " * 20
+
+
+def chat_two_turns(
+    server: ServeProcess, max_tokens: int, model_id: str = "demo"
+) -> tuple[list[str], list[int]]:
+    """Two greedy turns of one conversation with a long system prompt, through the openai
+    client: the texts and each turn's cached prompt tokens."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120)
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "One?"}]
+    texts, cached = [], []
+    for follow_up in ("Two?", None):
+        reply = client.chat.completions.create(
+            model=model_id, messages=messages, max_tokens=max_tokens, temperature=0
+        )
+        texts.append(reply.choices[0].message.content)
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        if follow_up is not None:
+            messages += [
+                {"role": "assistant", "content": texts[-1]},
+                {"role": "user", "content": follow_up},
+            ]
+    return texts, cached

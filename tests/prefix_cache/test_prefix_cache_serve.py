@@ -5,34 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from openai import OpenAI
 
 from tests.helpers.cluster import AgentPool
-from tests.helpers.serve import ServeProcess, start_serve
+from tests.helpers.serve import LONG_SYSTEM, chat_two_turns, start_serve
 
 pytestmark = pytest.mark.cluster
 
-SYSTEM = "You are a careful assistant who answers in full sentences. " * 20
 MAX_TOKENS = 24
-
-
-def chat_two_turns(server: ServeProcess, model_id: str) -> tuple[list[str], list[int]]:
-    """Two turns of one conversation: the texts and each turn's cached prompt tokens."""
-    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "One?"}]
-    texts, cached = [], []
-    for follow_up in ("Two?", None):
-        reply = client.chat.completions.create(
-            model=model_id, messages=messages, max_tokens=MAX_TOKENS, temperature=0
-        )
-        texts.append(reply.choices[0].message.content)
-        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
-        if follow_up is not None:
-            messages += [
-                {"role": "assistant", "content": texts[-1]},
-                {"role": "user", "content": follow_up},
-            ]
-    return texts, cached
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +21,7 @@ def cold_texts(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     args = ["--parallelism", "single", "--model-id", "demo", "--prefix-cache-bytes", "0"]
     server = start_serve(tmp, demo_model_dir, "tandem-" + "A" * 43, args, name="cold")
     try:
-        texts, cached = chat_two_turns(server, "demo")
+        texts, cached = chat_two_turns(server, MAX_TOKENS)
     finally:
         server.stop()
     assert cached == [0, 0]
@@ -62,11 +41,11 @@ def test_the_second_turn_hits_the_cache_and_says_what_a_cold_server_says(
         cluster = server.cluster()
         assert cluster["strategy"] == strategy
         assert cluster["plan"]["prefix_cache_bytes"] > 0  # auto: derived from memory left
-        texts, cached = chat_two_turns(server, "demo")
+        texts, cached = chat_two_turns(server, MAX_TOKENS)
         snapshot = server.cluster()["engine"]["prefix_cache"]
     finally:
         server.stop()
-    assert cached[0] == 0 and cached[1] > len(SYSTEM) // 8  # most of turn one
+    assert cached[0] == 0 and cached[1] > len(LONG_SYSTEM) // 8  # most of turn one
     assert texts == cold_texts
     assert snapshot["hits"] == 1 and snapshot["entries"] >= 1
 
@@ -81,14 +60,14 @@ def test_entries_on_disk_serve_the_next_turn_and_the_next_server(
     for run in ("first", "restarted"):
         server = start_serve(tmp_path, demo_model_dir, "tandem-" + "A" * 43, args, name=run)
         try:
-            texts, cached = chat_two_turns(server, "demo")
+            texts, cached = chat_two_turns(server, MAX_TOKENS)
             status = server.cluster()["engine"]["prefix_cache"]
         finally:
             code = server.stop()
         assert code == 0, server.log_text()[-2000:]  # SIGTERM: a clean shutdown, not a kill
         assert texts == cold_texts
-        assert cached[1] > len(SYSTEM) // 10  # the follow-up started from the first turn
+        assert cached[1] > len(LONG_SYSTEM) // 10  # the follow-up started from the first turn
         assert status["entries"] == 0 and status["disk_entries"] >= 1
         assert list((tmp_path / "cache" / "prefix-cache").rglob("*.safetensors"))
-    assert cached[0] > len(SYSTEM) // 10  # the restarted server's first turn hit the disk
+    assert cached[0] > len(LONG_SYSTEM) // 10  # the restarted server's first turn hit the disk
     assert status["disk_hits"] == 2
