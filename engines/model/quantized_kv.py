@@ -198,19 +198,6 @@ def model_head_dim(model: Any) -> int:
     return int(head_dim or args.hidden_size // args.num_attention_heads)
 
 
-def sliced_copy(cache: QuantizedSequenceCache, length: int, own: bool) -> QuantizedSequenceCache:
-    """A cache holding `cache`'s first `length` tokens: sharing its arrays (mlx arrays are
-    values, so the copy's writes stay its own), or with `own`, evaluated arrays of its own."""
-    fresh = QuantizedSequenceCache(cache.group_size, cache.bits)
-    if cache.keys is not None and length > 0:
-        keys, values = _cut(cache.keys, 0, length), _cut(cache.values, 0, length)
-        if own:
-            keys, values = tuple(map(mx.contiguous, keys)), tuple(map(mx.contiguous, values))
-            mx.eval(keys, values)
-        fresh.keys, fresh.values, fresh.offset = keys, values, length
-    return fresh
-
-
 def as_sequence_cache(cache: Any) -> Any:
     """mlx-lm's QuantizedKVCache (what load_prompt_cache rebuilds) as tandem's own class;
     any other cache as it is."""

@@ -30,14 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from engines.model.quantized_kv import (
-    QuantizedSequenceCache,
-    as_mlx_cache,
-    as_sequence_cache,
-    sliced_copy,
-)
+from engines.model.quantized_kv import as_mlx_cache, as_sequence_cache
+from engines.prefix_cache.kv_prefix import kv_prefix
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +118,7 @@ class DiskTier:
 
     def write(self, entry_id: int, caches: list[Any], tokens: tuple[int, ...]) -> None:
         """Engine thread: copy the entry's KV now, write it in the background."""
-        copies = [_evaluated_copy(cache) for cache in caches]
+        copies = [kv_prefix(cache, cache.offset, own=True) for cache in caches]
         mx.eval([copy.state for copy in copies if copy.keys is not None])
         with self._lock:
             self._pending[entry_id] = (copies, tuple(tokens))
@@ -136,7 +132,7 @@ class DiskTier:
             key = self._keys.get(entry_id)
         if pending is not None:
             copies, tokens = pending
-            return [_sharing(cache) for cache in copies], tokens
+            return [kv_prefix(cache, cache.offset) for cache in copies], tokens
         if key is None:
             raise DiskUnreadable(f"entry {entry_id} is not on disk")
         stored = self._verified(key)
@@ -297,24 +293,3 @@ def _digest(path: Path) -> str:
         while chunk := file.read(_CHUNK):
             hasher.update(chunk)
     return hasher.hexdigest()
-
-
-def _evaluated_copy(cache: Any) -> Any:
-    """A cache holding exactly its tokens' keys and values, in arrays of its own."""
-    if type(cache) is QuantizedSequenceCache:
-        return sliced_copy(cache, cache.offset, own=True)
-    fresh = KVCache()
-    if cache.keys is not None:
-        keys, values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
-        fresh.keys, fresh.values = mx.contiguous(keys), mx.contiguous(values)
-        fresh.offset = cache.offset
-    return fresh
-
-
-def _sharing(cache: Any) -> Any:
-    """A new cache over the same arrays (mlx arrays are values: its writes stay its own)."""
-    if type(cache) is QuantizedSequenceCache:
-        return sliced_copy(cache, cache.offset, own=False)
-    fresh = KVCache()
-    fresh.keys, fresh.values, fresh.offset = cache.keys, cache.values, cache.offset
-    return fresh

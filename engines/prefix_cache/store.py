@@ -17,10 +17,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from engines.model.quantized_kv import QuantizedSequenceCache, sliced_copy
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
+from engines.prefix_cache.kv_prefix import PLAIN_KV, kv_prefix
 from planner.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -78,11 +78,8 @@ class PrefixStore:
             raise EngineError(
                 f"prefix-cache entry {entry_id} holds {len(tokens)} tokens, asked for {length}"
             )
-        if all(type(cache) is KVCache for cache in caches):
-            return [_kv_prefix(cache, length) for cache in caches], list(tokens[:length])
-        if all(type(cache) is QuantizedSequenceCache for cache in caches):
-            fresh = [sliced_copy(cache, length, own=False) for cache in caches]
-            return fresh, list(tokens[:length])
+        if reusable(caches):
+            return [kv_prefix(cache, length) for cache in caches], list(tokens[:length])
         fresh = copy.deepcopy(caches)
         if length < len(tokens):
             if not can_trim_prompt_cache(fresh):
@@ -130,7 +127,7 @@ def reusable(caches: list[Any]) -> bool:
     Sliding-window (rotating) and recurrent caches hold a window or a state, not every
     token's KV, so a prefix of them is not what a fresh prefill of that prefix would give.
     """
-    return all(type(cache) in (KVCache, QuantizedSequenceCache) for cache in caches)
+    return all(type(cache) in PLAIN_KV for cache in caches)
 
 
 NOT_REUSABLE = "the model's sliding-window or recurrent caches cannot be reused"
@@ -138,12 +135,3 @@ NOT_REUSABLE = "the model's sliding-window or recurrent caches cannot be reused"
 
 def cache_bytes(caches: list[Any]) -> int:
     return sum(cache.nbytes for cache in caches)
-
-
-def _kv_prefix(cache: KVCache, length: int) -> KVCache:
-    fresh = KVCache()
-    if cache.keys is not None:
-        fresh.keys = cache.keys[..., :length, :]  # (B, kv_heads, length, head_dim)
-        fresh.values = cache.values[..., :length, :]
-        fresh.offset = length
-    return fresh

@@ -171,6 +171,16 @@ class Chain:
             self.back.close()
 
 
+def assert_fresh_session_serves(stage: LiveStage, baseline: list[int]) -> None:
+    """A new session set up on `stage` answers exactly `baseline`: the stage survived."""
+    fresh = Chain(stage)
+    try:
+        fresh.setup()
+        assert fresh.first_tokens() == baseline
+    finally:
+        fresh.close()
+
+
 def activation(position: int, width: int = HIDDEN_SIZE) -> mx.array:
     """The (1, 1, D) activation every test sends for a sequence at `position`."""
     values = np.random.default_rng(position).standard_normal((1, 1, width), dtype=np.float32)

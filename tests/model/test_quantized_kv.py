@@ -11,8 +11,8 @@ from engines.model.quantized_kv import (
     QuantizedSequenceCache,
     as_mlx_cache,
     as_sequence_cache,
-    sliced_copy,
 )
+from engines.prefix_cache.kv_prefix import kv_prefix
 from planner.errors import PlanError
 from planner.memory import kv_group_size
 
@@ -87,10 +87,10 @@ def test_a_right_padded_prefill_is_rolled_left_by_finalize():
 
 def test_copies_and_mlx_lms_class_round_trip():
     cache = filled(9, 1, bits=4)
-    prefix = sliced_copy(cache, 4, own=True)
+    prefix = kv_prefix(cache, 4, own=True)
     assert prefix.offset == 4 and prefix.keys[0].shape[2] == 4
     prefix.update_and_fetch(*(mx.zeros((1, HEADS, 1, HEAD_DIM)),) * 2)  # its writes stay its own
-    assert_same(sliced_copy(cache, 9, own=False), cache)
+    assert_same(kv_prefix(cache, 9), cache)
     plain = as_mlx_cache(cache)
     assert type(plain) is QuantizedKVCache and (plain.group_size, plain.bits) == (32, 4)
     assert_same(as_sequence_cache(plain), cache)

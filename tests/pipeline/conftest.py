@@ -13,7 +13,14 @@ import pytest
 from discovery.cluster_key import generate_key
 from engines.pipeline.stage_worker import StageProcess
 from planner import allocate_layers
-from tests.helpers.live_stage import HOST, LAST, READ_TIMEOUT_S, Chain, LiveStage
+from tests.helpers.live_stage import (
+    HOST,
+    LAST,
+    READ_TIMEOUT_S,
+    Chain,
+    LiveStage,
+    assert_fresh_session_serves,
+)
 from tests.helpers.pipeline import Pipeline, open_pipeline
 
 # -- pipelines on real stage processes, each with a SingleEngine twin -----------------------------
@@ -116,9 +123,4 @@ def chain(stage: LiveStage, baseline: list[int]) -> Iterator[Chain]:
     finally:
         session.close()
     assert stage.worker.popen.poll() is None, "the stage worker died"
-    fresh = Chain(stage)
-    try:
-        fresh.setup()
-        assert fresh.first_tokens() == baseline
-    finally:
-        fresh.close()
+    assert_fresh_session_serves(stage, baseline)

@@ -22,6 +22,7 @@ from tests.helpers.live_stage import (
     Chain,
     LiveStage,
     activation,
+    assert_fresh_session_serves,
     cut_body,
     flip_byte,
     reject,
@@ -140,12 +141,7 @@ def test_wrong_cluster_key_fails_the_handshake(stage: LiveStage, baseline: list[
         Chain(stage, key=generate_key())
     stage.wait_for_log("handshake .* failed", since)
     assert stage.worker.popen.poll() is None
-    fresh = Chain(stage)
-    try:
-        fresh.setup()
-        assert fresh.first_tokens() == baseline
-    finally:
-        fresh.close()
+    assert_fresh_session_serves(stage, baseline)
 
 
 def test_garbage_instead_of_a_handshake(stage: LiveStage, baseline: list[int]) -> None:
@@ -153,12 +149,7 @@ def test_garbage_instead_of_a_handshake(stage: LiveStage, baseline: list[int]) -
         sock.sendall(b"GET / HTTP/1.1\r\nHost: stage\r\n\r\n")
         # Refused and closed by the stage (logged once per source and minute, so not asserted).
         assert sock.recv(64) == b""
-    fresh = Chain(stage)
-    try:
-        fresh.setup()
-        assert fresh.first_tokens() == baseline
-    finally:
-        fresh.close()
+    assert_fresh_session_serves(stage, baseline)
 
 
 def test_a_new_session_takes_over_from_a_silent_one(stage: LiveStage, baseline: list[int]) -> None:
