@@ -5,9 +5,10 @@ burst at full speed and is throttled when busy, which the cost model needs to kn
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-from discovery.cgroup_memory import CGROUP_ROOT, PROC_CGROUP
+from discovery.cgroups import CGROUP_ROOT, PROC_CGROUP, directories_up, read_cgroup_paths
 
 
 def read_cpu_share(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> float:
@@ -21,36 +22,23 @@ def read_cpu_share(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) ->
 
 
 def _quota_cores(proc_cgroup: Path, root: Path) -> float | None:
-    try:
-        lines = proc_cgroup.read_text(encoding="ascii").splitlines()
-    except OSError:
+    paths = read_cgroup_paths(proc_cgroup)
+    if paths is None:
         return None
-    tightest = None
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if "cpu" in controllers.split(","):  # v1: cpu.cfs_quota_us / cpu.cfs_period_us
-            mount = next((m for m in (root / "cpu", root / "cpu,cpuacct") if m.is_dir()), None)
-            if mount is not None:
-                tightest = _least(tightest, _walk(mount, path, _v1_cores))
-        elif hierarchy == "0" and controllers == "":  # v2: cpu.max "quota period" or "max ..."
-            for mount in (root, root / "unified"):
-                if mount.is_dir():
-                    tightest = _least(tightest, _walk(mount, path, _v2_cores))
-    return tightest
+    quotas = []
+    if "cpu" in paths.v1:  # v1: cpu.cfs_quota_us / cpu.cfs_period_us
+        quotas += _quotas((root / "cpu", root / "cpu,cpuacct"), paths.v1["cpu"], _v1_cores)
+    if paths.v2 is not None:  # v2: cpu.max, "quota period" or "max period"
+        quotas += _quotas((root, root / "unified"), paths.v2, _v2_cores)
+    return min(quotas, default=None)
 
 
-def _walk(mount: Path, cgroup: str, read) -> float | None:
-    """The smallest quota from `cgroup` up to `mount` (a namespace may show "/" only)."""
-    directory = mount / cgroup.lstrip("/")
-    if not directory.is_dir():
-        directory = mount
-    tightest = None
-    while True:
-        tightest = _least(tightest, read(directory))
-        if directory == mount or mount not in directory.parents:
-            return tightest
-        directory = directory.parent
+def _quotas(
+    mounts: tuple[Path, ...], cgroup: str, read: Callable[[Path], float | None]
+) -> list[float]:
+    """Every quota set on the way from `cgroup` up, in whichever of `mounts` exists."""
+    found = [read(directory) for mount in mounts for directory in directories_up(mount, cgroup)]
+    return [quota for quota in found if quota is not None]
 
 
 def _v1_cores(directory: Path) -> float | None:
@@ -75,7 +63,3 @@ def _number(path: Path) -> int | None:
         return int(path.read_text(encoding="ascii").strip())
     except (OSError, ValueError):
         return None
-
-
-def _least(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else min(a, b)

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PROC_CGROUP = Path("/proc/self/cgroup")
+from discovery.cgroups import CGROUP_ROOT, PROC_CGROUP, directories_up, read_cgroup_paths
+
 # v1 writes "no limit" as the largest page-aligned 64-bit value; anything this large is none.
 UNLIMITED_FROM = 1 << 60
 
@@ -39,25 +39,18 @@ def read_cgroup_memory(
     proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT
 ) -> CgroupMemory | None:
     """The limit that applies to this process, or None when no cgroup limits its memory."""
-    try:
-        lines = proc_cgroup.read_text(encoding="ascii").splitlines()
-    except OSError:
+    paths = read_cgroup_paths(proc_cgroup)
+    if paths is None:
         return None  # not Linux, or no cgroups
-    v1_path = v2_path = None
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if "memory" in controllers.split(","):
-            v1_path = path
-        elif hierarchy == "0" and controllers == "":
-            v2_path = path
-    if v1_path is not None:
-        found = _tightest(root / "memory", v1_path, "memory.limit_in_bytes", _read_v1_usage)
+    if "memory" in paths.v1:
+        found = _tightest(
+            root / "memory", paths.v1["memory"], "memory.limit_in_bytes", _read_v1_usage
+        )
         if found:
             return CgroupMemory(found[0], found[1], 1, found[2])
-    if v2_path is not None:
+    if paths.v2 is not None:
         for mount in (root, root / "unified"):  # unified alone, or beside v1 (hybrid)
-            found = _tightest(mount, v2_path, "memory.max", _read_v2_usage)
+            found = _tightest(mount, paths.v2, "memory.max", _read_v2_usage)
             if found:
                 return CgroupMemory(found[0], found[1], 2, found[2])
     return None
@@ -67,21 +60,14 @@ def _tightest(
     mount: Path, cgroup: str, limit_file: str, read_usage: Callable[[Path], int | None]
 ) -> tuple[int, int, Path] | None:
     """(limit, usage, directory) of the smallest limit from `cgroup` up to `mount`, or None."""
-    if not mount.is_dir():
-        return None
-    directory = mount / cgroup.lstrip("/")
-    if not directory.is_dir():
-        directory = mount  # a cgroup namespace shows "/" for a directory we cannot see
     best: tuple[int, int, Path] | None = None
-    while True:
+    for directory in directories_up(mount, cgroup):
         limit = _read_limit(directory / limit_file)
         if limit is not None and (best is None or limit < best[0]):
             usage = read_usage(directory)
             if usage is not None:
                 best = (limit, usage, directory)
-        if directory == mount or mount not in directory.parents:
-            return best
-        directory = directory.parent
+    return best
 
 
 def _read_limit(path: Path) -> int | None:
