@@ -3,7 +3,8 @@ keeps the coordinator, predicted from measured speeds (planner/speed.py); the fa
 
 The rules stay the floor: tp is a candidate only where its capabilities hold, and an explicit
 --parallelism is planned exactly as asked (it only gains its prediction). Fastest means the
-highest predicted decode speed of one stream, then of a full batch.
+highest predicted decode speed of one stream, then of a full batch; a plan over more machines
+must be predicted MORE_MACHINES_MARGIN faster than the best over fewer to be chosen.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from planner.plan_data import ClusterPlan, NodeResources
 from planner.speed import ClusterSpeeds, Prediction, predict_pp, predict_single, predict_tp
 
 RUNNERS_UP_IN_REASON = 2
+# The cost model's predictions land within about this much of what a plan serves (the lab's
+# "Measured planner" benchmark); a plan over more machines that is predicted faster by less may
+# well be slower, and every machine added is one more that can fail or lag.
+MORE_MACHINES_MARGIN = 0.10
 
 
 def predict(plan: ClusterPlan, shape: ModelShape, speeds: ClusterSpeeds) -> Prediction | None:
@@ -82,21 +87,42 @@ def plan_measured(
     if not candidates:
         return floor
     candidates.sort(key=lambda pair: (-pair[1].decode_tps, -pair[1].batch_tps))
-    best, prediction = candidates[0]
-    runners_up = "; ".join(
-        f"{other.label} on {len(other.nodes)} predicted {other.decode_tps:.1f} tok/s"
-        for _, other in candidates[1 : 1 + RUNNERS_UP_IN_REASON]
-    )
-    reason = (
-        f"auto -> {prediction.label}: fastest of {len(candidates)} measured candidates, "
-        f"predicted {prediction.decode_tps:.1f} tok/s at 1 stream ({prediction.dominant})"
-        + (f"; {runners_up}" if runners_up else "")
-    )
+    best, prediction = _pick(candidates)
+    fastest = candidates[0][1]
+    others = [other for _, other in candidates if other is not prediction]
+    if prediction is fastest:
+        runners_up = "; ".join(
+            f"{other.label} on {len(other.nodes)} predicted {other.decode_tps:.1f} tok/s"
+            for other in others[:RUNNERS_UP_IN_REASON]
+        )
+        reason = (
+            f"auto -> {prediction.label}: fastest of {len(candidates)} measured candidates, "
+            f"predicted {prediction.decode_tps:.1f} tok/s at 1 stream ({prediction.dominant})"
+            + (f"; {runners_up}" if runners_up else "")
+        )
+    else:
+        reason = (
+            f"auto -> {prediction.label} on {len(prediction.nodes)}: predicted "
+            f"{prediction.decode_tps:.1f} tok/s at 1 stream ({prediction.dominant}); "
+            f"{fastest.label} on {len(fastest.nodes)} predicted {fastest.decode_tps:.1f}, less "
+            f"than {MORE_MACHINES_MARGIN:.0%} faster on more machines"
+        )
     left_out = [node.node_id for node in nodes if node.node_id not in best.ranks]
     if left_out:
         reason += f"; sitting out: {', '.join(left_out)}"
     return replace(
         best,
         decision=Decision(Parallelism(prediction.strategy), reason),
-        predictions=tuple(p for _, p in candidates),
+        predictions=(prediction, *others),
     )
+
+
+def _pick(candidates: list[tuple[ClusterPlan, Prediction]]) -> tuple[ClusterPlan, Prediction]:
+    """The fastest candidate on the fewest machines, unless one on more machines is predicted
+    MORE_MACHINES_MARGIN faster (`candidates` fastest first)."""
+    by_size = sorted(candidates, key=lambda pair: len(pair[1].nodes))  # stable: fastest first
+    best = by_size[0]
+    for candidate in by_size[1:]:
+        if candidate[1].decode_tps > best[1].decode_tps * (1 + MORE_MACHINES_MARGIN):
+            best = candidate
+    return best

@@ -5,7 +5,14 @@ of a core its cgroup's CPU quota leaves it (discovery/cgroup_cpu.py).
 Measured on one- and five-layer models of the model's own architecture (mlx-lm's class, built
 from its config, with random weights), so a machine that has not received the model yet can be
 measured; a layer's time is a quarter of the difference, the rest of the one-layer model is the
-head.
+head. The two models step in turns and each point is the median of the pairs' differences: a
+difference of two timings taken seconds apart moved a layer's time by 25% between runs, a median
+of interleaved pairs by a few percent.
+
+A step is timed as this process's own work: its CPU time when that is less than the wall time
+(a CPU quota's throttling, or another process on the core, adds wall time that says nothing of
+this machine). That is the speed of a burst; what a busy machine sustains is the burst over its
+share of a core, which every time reported here is.
 `python -m engines.model.speed_probe` runs it as an agent's `speed_probe` role: a JSON spec on
 stdin ({"config": ..., "rows": [...], "tp_sizes": [...], ...}), one ready line with the
 measurement on stdout.
@@ -15,8 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engines.core import blas
@@ -35,10 +44,9 @@ log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 4, 8, 16)  # sequences decoded together
 CONTEXT_TOKENS = 32  # already in the KV cache when a decode step is timed
-MIN_STEPS = 5  # timed steps per point at least
-# ...and at least this long: a CPU quota (a cgroup's cfs period is 100 ms) lets a short burst run
-# at full speed and throttles what is sustained, which is what serving is
-SUSTAINED_S = 0.3
+MIN_PAIRS = 5  # timed pairs of decode steps per point at least
+POINT_BUDGET_S = 0.25  # ...and about this much of this process's work per point
+PREFILL_PAIRS = 3  # a prefill chunk takes a long time, and varies little
 SMALLEST_S = 1e-7  # a difference of two timings is never below this
 LONG_MODEL_LAYERS = 5
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -72,37 +80,54 @@ def _build(config: dict[str, Any], float32: bool) -> nn.Module:
     return model
 
 
-def _sustained_s(step: Any) -> float:
-    """Seconds a step takes when they run back to back for SUSTAINED_S (after a warm-up one)."""
-    step()  # warm-up: the first call compiles and allocates
-    steps, started = 0, time.perf_counter()
-    while steps < MIN_STEPS or time.perf_counter() - started < SUSTAINED_S:
-        step()
-        steps += 1
-    return (time.perf_counter() - started) / steps
+def _own_s(step: Callable[[], None]) -> float:
+    """One step's seconds of this process's own work (see the module docstring)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    step()
+    return min(time.perf_counter() - wall, time.process_time() - cpu)
 
 
-def _decode_s(model: nn.Module, rows: int) -> float:
+def _paired(
+    short: Callable[[], None], long: Callable[[], None], min_pairs: int = MIN_PAIRS
+) -> tuple[float, float]:
+    """(the median of long minus short, the median of short) over pairs of steps taken in
+    turns, after a warm-up of each (the first call compiles and allocates)."""
+    short()
+    long()
+    differences: list[float] = []
+    shorts: list[float] = []
+    spent = 0.0
+    while len(differences) < min_pairs or spent < POINT_BUDGET_S:
+        short_s, long_s = _own_s(short), _own_s(long)
+        differences.append(long_s - short_s)
+        shorts.append(short_s)
+        spent += short_s + long_s
+    return statistics.median(differences), statistics.median(shorts)
+
+
+def _decode_step(model: nn.Module, rows: int) -> Callable[[], None]:
+    """A decode step of `rows` sequences with CONTEXT_TOKENS in their cache (which grows by a
+    token a step, as serving's does)."""
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((rows, CONTEXT_TOKENS), dtype=mx.int32), cache=cache))
     token = mx.ones((rows, 1), dtype=mx.int32)
-    return _sustained_s(lambda: mx.eval(model(token, cache=cache)))
+    return lambda: mx.eval(model(token, cache=cache))
 
 
-def _prefill_s(model: nn.Module, chunk: int) -> float:
+def _prefill_step(model: nn.Module, chunk: int) -> Callable[[], None]:
     tokens = mx.ones((1, chunk), dtype=mx.int32)
-    return _sustained_s(lambda: mx.eval(model(tokens, cache=make_prompt_cache(model))))
+    return lambda: mx.eval(model(tokens, cache=make_prompt_cache(model)))
 
 
 def _layer_and_rest(config: dict[str, Any], ranks: int, rows: tuple[int, ...], float32: bool):
-    """Per rows: (one layer's seconds, the rest's seconds), from one- and five-layer models."""
+    """Per rows: (one layer's burst seconds, the rest's), from one- and five-layer models."""
     one, long = (_build(_with(config, n, ranks), float32) for n in (1, LONG_MODEL_LAYERS))
     points = []
     layer_floor = rest_floor = SMALLEST_S
     for count in rows:
-        short_s, long_s = _decode_s(one, count), _decode_s(long, count)
+        difference, short_s = _paired(_decode_step(one, count), _decode_step(long, count))
         # more rows never cost less: a dip is noise, so each point is at least the last
-        layer_floor = max((long_s - short_s) / (LONG_MODEL_LAYERS - 1), layer_floor)
+        layer_floor = max(difference / (LONG_MODEL_LAYERS - 1), layer_floor)
         rest_floor = max(short_s - layer_floor, rest_floor)
         points.append((count, layer_floor, rest_floor))
     return one, long, points
@@ -115,22 +140,24 @@ def measure(
     prefill_chunk: int = 256,
     float32: bool = True,
 ) -> dict[str, Any]:
-    """This machine's speed for `config` as planner/speed.py's NodeSpeed reads it."""
+    """This machine's sustained speed for `config` as planner/speed.py's NodeSpeed reads it."""
     started = time.monotonic()
+    share = read_cpu_share()
     one, long, points = _layer_and_rest(config, 1, rows, float32)
-    difference = _prefill_s(long, prefill_chunk) - _prefill_s(one, prefill_chunk)
+    prefills = (_prefill_step(model, prefill_chunk) for model in (one, long))
+    difference, _ = _paired(*prefills, min_pairs=PREFILL_PAIRS)
     prefill = max(difference / (LONG_MODEL_LAYERS - 1), SMALLEST_S)
     shards = []
     for ranks in tp_sizes:
         _, _, shard_points = _layer_and_rest(config, ranks, rows, float32)
-        shards.append([ranks, [[count, layer] for count, layer, _ in shard_points]])
+        shards.append([ranks, [[count, layer / share] for count, layer, _ in shard_points]])
     return {
-        "layer": [[count, layer] for count, layer, _ in points],
-        "head": [[count, rest] for count, _, rest in points],
-        "prefill_layer_s": prefill,
+        "layer": [[count, layer / share] for count, layer, _ in points],
+        "head": [[count, rest / share] for count, _, rest in points],
+        "prefill_layer_s": prefill / share,
         "prefill_chunk": prefill_chunk,
         "shards": shards,
-        "cpu_share": round(read_cpu_share(), 3),
+        "cpu_share": round(share, 3),
         "probe_s": round(time.monotonic() - started, 3),
         "blas": blas.status().describe(),
     }
