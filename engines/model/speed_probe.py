@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 PROBE_ROWS = (1, 4, 8, 16)  # sequences decoded together
 CONTEXT_TOKENS = 32  # already in the KV cache when a decode step is timed
 MIN_PAIRS = 5  # timed pairs of decode steps per point at least
-POINT_BUDGET_S = 0.25  # ...and about this much of this process's work per point
-PREFILL_PAIRS = 3  # a prefill chunk takes a long time, and varies little
+POINT_BUDGET_S = 0.25  # ...and pairs for about this long (wall time: a quota slows the probe)
+PREFILL_PAIRS = 1  # after its warm-up: a prefill chunk takes long and varies little
 SMALLEST_S = 1e-7  # a difference of two timings is never below this
 LONG_MODEL_LAYERS = 5
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -96,12 +96,11 @@ def _paired(
     long()
     differences: list[float] = []
     shorts: list[float] = []
-    spent = 0.0
-    while len(differences) < min_pairs or spent < POINT_BUDGET_S:
+    started = time.perf_counter()
+    while len(differences) < min_pairs or time.perf_counter() - started < POINT_BUDGET_S:
         short_s, long_s = _own_s(short), _own_s(long)
         differences.append(long_s - short_s)
         shorts.append(short_s)
-        spent += short_s + long_s
     return statistics.median(differences), statistics.median(shorts)
 
 
@@ -115,8 +114,16 @@ def _decode_step(model: nn.Module, rows: int) -> Callable[[], None]:
 
 
 def _prefill_step(model: nn.Module, chunk: int) -> Callable[[], None]:
+    """A prompt chunk into an empty cache; as the engines prefill, only the cache is computed
+    (the logits of every position would be the output head over the whole chunk)."""
     tokens = mx.ones((1, chunk), dtype=mx.int32)
-    return lambda: mx.eval(model(tokens, cache=make_prompt_cache(model)))
+
+    def step() -> None:
+        cache = make_prompt_cache(model)
+        model(tokens, cache=cache)
+        mx.eval([layer.state for layer in cache])
+
+    return step
 
 
 def _layer_and_rest(config: dict[str, Any], ranks: int, rows: tuple[int, ...], float32: bool):
