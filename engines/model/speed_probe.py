@@ -3,16 +3,17 @@ batch sizes, the same layer sharded for tp, the output head and one prefill chun
 of a core its cgroup's CPU quota leaves it (discovery/cgroup_cpu.py).
 
 Measured on one- and five-layer models of the model's own architecture (mlx-lm's class, built
-from its config, with random weights), so a machine that has not received the model yet can be
-measured; a layer's time is a quarter of the difference, the rest of the one-layer model is the
-head. The two models step in turns and each point is the median of the pairs' differences: a
-difference of two timings taken seconds apart moved a layer's time by 25% between runs, a median
-of interleaved pairs by a few percent.
+from its config, its weights a cheap repeating pattern: values never change the timing), so a
+machine that has not received the model yet can be measured; a layer's time is a quarter of the
+difference, the rest of the one-layer model is the head. The two models step in turns and each
+point is the median of the pairs' differences: a difference of two timings taken seconds apart
+moved a layer's time by 25% between runs.
 
 A step is timed as this process's own work: its CPU time when that is less than the wall time
 (a CPU quota's throttling, or another process on the core, adds wall time that says nothing of
 this machine). That is the speed of a burst; what a busy machine sustains is the burst over its
 share of a core, which every time reported here is.
+
 `python -m engines.model.speed_probe` runs it as an agent's `speed_probe` role: a JSON spec on
 stdin ({"config": ..., "rows": [...], "tp_sizes": [...], ...}), one ready line with the
 measurement on stdout.
@@ -34,6 +35,7 @@ blas.activate()  # before mlx loads: the BLAS the engines run on
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
+from mlx.utils import tree_map  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
@@ -71,6 +73,9 @@ def _with(config: dict[str, Any], layers: int, ranks: int = 1) -> dict[str, Any]
 def _build(config: dict[str, Any], float32: bool) -> nn.Module:
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
+    # Drawing random numbers for every weight took most of a build (3x that under a 0.3-core
+    # quota); a cheap repeating pattern times the same, values never change a matmul's speed.
+    model.update(tree_map(_patterned, model.parameters()))
     quantization = config.get("quantization")
     if isinstance(quantization, dict):
         nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"])
@@ -102,6 +107,12 @@ def _paired(
         differences.append(long_s - short_s)
         shorts.append(short_s)
     return statistics.median(differences), statistics.median(shorts)
+
+
+def _patterned(weight: mx.array) -> mx.array:
+    """Small nonzero values in a repeating pattern, of `weight`'s shape and dtype."""
+    pattern = (mx.arange(weight.size) % 13 - 6).astype(weight.dtype) * 0.01
+    return pattern.reshape(weight.shape)
 
 
 def _decode_step(model: nn.Module, rows: int) -> Callable[[], None]:
