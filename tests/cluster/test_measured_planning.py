@@ -59,9 +59,13 @@ def test_serve_measures_its_agent_and_serves_the_fastest_predicted_plan(
     assert not speeds["problems"]
     [link] = speeds["links"].values()
     assert link["latency_us"] > 0 and link["mbit_per_s"] > 0
+    # tp is possible, so the all_sum it would run was measured too, at 1 row and a full batch
+    assert list(link["all_sum_ms"]) == ["1", "4"] and min(link["all_sum_ms"].values()) > 0
     plan = cluster["plan"]
     labels = [p["label"] for p in plan["predictions"]]
     assert sorted(labels) == ["pp=2", "single", "tp=2"], labels
+    tp = next(p for p in plan["predictions"] if p["label"] == "tp=2")
+    assert "measured all_sum of" in tp["dominant"], tp
     chosen = plan["predictions"][0]
     assert cluster["reason"].startswith(f"auto -> {chosen['label']}: fastest of 3 measured")
     assert chosen["decode_tps"] == max(p["decode_tps"] for p in plan["predictions"])
