@@ -34,7 +34,7 @@ PROBE_ROWS = (1, 8)  # hidden states summed at once: one stream, a batch
 WARMUP_ROUNDS = 3  # the first all_sums open the connections and allocate
 MIN_ROUNDS = 5
 MAX_ROUNDS = 40
-BUDGET_S = 2.0  # timed rounds stop once any rank has measured this long
+BUDGET_S = 2.0  # timed rounds: as many as rank 0's warm-up says fit in this
 TIMEOUT_S = 20.0  # joining and measuring; past it the process ends itself
 
 
@@ -49,29 +49,36 @@ def time_all_sums(
     """The median seconds of one all_sum of (rows, hidden_size) by rows, and the rounds timed.
 
     Sizes are interleaved so a slow moment weighs on all of them alike. Every rank must run the
-    same all_sums: whether to go on is itself summed, so all stop on the same round."""
+    same all_sums, so rank 0 picks how many rounds fit the budget from its warm-up and tells
+    the others once, before any is timed."""
     vectors = {count: mx.ones((count, hidden_size), dtype=dtype) for count in rows}
     mx.eval(*vectors.values())
-    for _ in range(WARMUP_ROUNDS):
+
+    def round_of_all_sums() -> list[float]:
+        seconds = []
         for vector in vectors.values():
-            mx.eval(mx.distributed.all_sum(vector, group=group))
-    times: dict[int, list[float]] = {count: [] for count in rows}
-    started = time.perf_counter()
-    timed = 0
-    while timed < rounds:
-        for count, vector in vectors.items():
             began = time.perf_counter()
             mx.eval(mx.distributed.all_sum(vector, group=group))
-            times[count].append(time.perf_counter() - began)
-        timed += 1
-        if timed >= MIN_ROUNDS and _any_rank(group, time.perf_counter() - started > budget_s):
-            break
-    return {count: statistics.median(samples) for count, samples in times.items()}, timed
+            seconds.append(time.perf_counter() - began)
+        return seconds
+
+    warmup_s = sum(sum(round_of_all_sums()) for _ in range(WARMUP_ROUNDS))
+    fitting = int(budget_s / max(warmup_s / WARMUP_ROUNDS, 1e-9))
+    rounds = _from_rank_0(group, min(max(fitting, MIN_ROUNDS), rounds))
+    # The all_sum after such a sync stalled a scheduler tick (4 ms) in about half the lab's
+    # runs, skewing a median: one more untimed round takes that stall.
+    round_of_all_sums()
+    times = [round_of_all_sums() for _ in range(rounds)]
+    medians = {
+        count: statistics.median(t[index] for t in times) for index, count in enumerate(vectors)
+    }
+    return medians, rounds
 
 
-def _any_rank(group: mx.distributed.Group, flag: bool) -> bool:
-    flags = mx.distributed.all_sum(mx.array([int(flag)], dtype=mx.int32), group=group)
-    return int(flags.item()) > 0
+def _from_rank_0(group: mx.distributed.Group, value: int) -> int:
+    """Rank 0's `value` on every rank (the others add zeros)."""
+    mine = value if group.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group).item())
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
