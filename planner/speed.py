@@ -18,10 +18,10 @@ fits its share of the trip (a token's trip is at least every stage's sustained t
 A ring step over a link: where the link's 2-rank all_sum was measured (by rows of hidden
 states, engines/model/collective_probe.py), half of it at twice the step's rows, since a
 2-rank ring all_sum is 2 steps each carrying half of them; elsewhere the ping's one-way
-latency plus the step's bytes at the pinged rate. The pings alone under-predict a small
-all_sum (mlx's ring protocol, both ends waking up: in the lab 0.21 ms against 0.5 ms); the
-measured rows are a batch's, not a prefill chunk's, so a step is never predicted faster than
-the pings' estimate (which the bandwidth dominates at a chunk's rows).
+latency plus the step's bytes at the pinged rate. The measured rows are a batch's, not a
+prefill chunk's, so a measured step is never predicted faster than its bytes at the pinged rate
+(which is what a chunk's rows cost); its latency is the measurement's, not the ping's (a ping
+crosses the encrypted control channel, an all_sum mlx's ring).
 """
 
 from __future__ import annotations
@@ -100,10 +100,9 @@ class LinkSpeed:
 
     def ring_step_s(self, rows: float, row_bytes: float) -> float:
         """One ring step carrying `rows` hidden states of `row_bytes` (the module docstring)."""
-        pinged = self.transfer_s(rows * row_bytes)
         if self.all_sum is None:
-            return pinged
-        return max(self.all_sum.at(2 * rows) / 2, pinged)
+            return self.transfer_s(rows * row_bytes)
+        return max(self.all_sum.at(2 * rows) / 2, rows * row_bytes / self.bytes_per_s)
 
 
 @dataclass(frozen=True, slots=True)

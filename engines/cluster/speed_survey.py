@@ -2,7 +2,7 @@
 channel), then every node's speed for the model (an agent runs the `speed_probe` role, the
 coordinator the same module in a child process), one at a time, each bounded, cached per node;
 and, when tp is possible, the all_sum tp would run between the coordinator and each member
-(engines/cluster/all_sum_survey.py), which the pings under-predict.
+(engines/cluster/all_sum_survey.py), which pings over the control channel only estimate.
 One at a time because a padded ping keeps both ends' CPUs busy sealing and opening, and because
 machines that share a host (a lab, VMs) share its memory bandwidth: a probe timed beside
 another reads its machine slower than it serves alone.

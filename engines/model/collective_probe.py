@@ -1,8 +1,9 @@
 """How long one all_sum of a few hidden states takes between ranks: the collective tp runs twice
 a layer, timed through mlx's own ring group over the same "ip:port" hostfile rows tp uses.
 
-Pings over the control channel under-predict it (an all_sum also pays mlx's ring protocol and
-both ends' wake-ups), so the planner reads this where it was measured (planner/speed.py).
+A ping over the control channel crosses tandem's encrypted channel, an all_sum mlx's ring
+protocol: the planner prices tp's collectives from this where it was measured
+(planner/speed.py).
 `python -m engines.model.collective_probe` runs one rank as an agent's `collective_probe` role:
 a JSON spec on stdin ({"rank", "hosts", "hidden_size", "rows", "float32", "rounds",
 "budget_s", "timeout_s"}), one ready line with the median seconds per all_sum by rows on stdout.

@@ -96,9 +96,11 @@ SLOW = 20e6 / 8  # 20 Mbit/s
         (2, 8, [LinkSpeed("b", 50e-6, GIGABIT, MEASURED)], 0.8 * MS),
         # 4 ranks, 1 row: 6 steps of 1/4 row, below the first point: half of 0.5 ms each
         (4, 1, [LinkSpeed("b", 50e-6, GIGABIT, MEASURED)] * 3, 6 * 0.25 * MS),
-        # a prefill chunk: 2 steps of 128 rows; the measurement (flat) under the pings'
-        # 50 us + 128 KiB at a gigabit, so the pings' estimate
-        (2, 256, [LinkSpeed("b", 50e-6, GIGABIT, FLAT)], 2 * (50e-6 + 128 * 1024 / GIGABIT)),
+        # a prefill chunk: 2 steps of 128 rows; the measurement (flat, 0.25 ms a step) under
+        # 128 KiB at the pinged gigabit (1.05 ms), so the bytes at that rate
+        (2, 256, [LinkSpeed("b", 50e-6, GIGABIT, FLAT)], 2 * 128 * 1024 / GIGABIT),
+        # a measured all_sum faster than the pings: its own latency, not the ping's 1 ms
+        (2, 1, [LinkSpeed("b", 1e-3, GIGABIT, Curve(((1, 0.1 * MS),)))], 0.1 * MS),
         # 3 ranks, 3 rows: steps of 1 row; the measured link's (0.5 + 0.3/7) / 2 ms is faster
         # than the unmeasured 20 Mbit link's 50 us + 1 KiB at 2.5 MB/s = 459.6 us
         (
