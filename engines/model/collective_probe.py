@@ -4,6 +4,7 @@ a layer, timed through mlx's own ring group over the same "ip:port" hostfile row
 A ping over the control channel crosses tandem's encrypted channel, an all_sum mlx's ring
 protocol: the planner prices tp's collectives from this where it was measured
 (planner/speed.py).
+
 `python -m engines.model.collective_probe` runs one rank as an agent's `collective_probe` role:
 a JSON spec on stdin ({"rank", "hosts", "hidden_size", "rows", "float32", "rounds",
 "budget_s", "timeout_s"}), one ready line with the median seconds per all_sum by rows on stdout.
@@ -84,9 +85,9 @@ def _from_rank_0(group: mx.distributed.Group, value: int) -> int:
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Join the ring `spec` describes and time its all_sums (see the module docstring)."""
-    hosts = [list(row) for row in spec["hosts"]]
+    hosts = tuple(tuple(row) for row in spec["hosts"])  # one "ip:port" row per rank, as tp's
     rank = int(spec["rank"])
-    group_spec = WorkerSpec(rank, len(hosts), "ring", "", hosts=tuple(tuple(r) for r in hosts))
+    group_spec = WorkerSpec(rank, len(hosts), "ring", model_path="", hosts=hosts)
     rows = tuple(sorted({int(count) for count in spec.get("rows", PROBE_ROWS)}))
     hidden_size = int(spec["hidden_size"])
     if hidden_size < 1 or not rows or rows[0] < 1:
