@@ -168,7 +168,8 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
                 for m in verified
             ]
             if wants_measuring(args.measure_speeds, nodes):
-                survey = SpeedSurvey(membership, nodes[0].node_id)
+                here = coordinator_address(args.interface, members)
+                survey = SpeedSurvey(membership, nodes[0].node_id, here)
                 speeds = survey.for_plan(facts, nodes, args.max_batch)
                 for line in survey.describe():
                     print(line)
@@ -281,8 +282,9 @@ def serve(config: ServeConfig) -> int:
             supervisor,
         )
         supervisor.membership = membership
-        supervisor.survey = SpeedSurvey(membership, node_id)
     address = coordinator_address(config.interface, membership.members() if membership else [])
+    if membership is not None:
+        supervisor.survey = SpeedSurvey(membership, node_id, address)
     weights = None
     if membership is not None and key is not None and config.send_weights:
         from engines.weights.source import WeightSource

@@ -4,8 +4,8 @@ measurements (engines/model/speed_probe.py measures them); no clock of its own.
 
     single: a token costs layers x layer(rows) + head(rows)
     tp:     the slowest rank's layers x shard(rows) + head(rows), plus 2 all_sums a layer
-            (a ring's 2(n-1) steps of latency + its share of a hidden state), plus rank 0's
-            step command to the others
+            (a ring's 2(n-1) steps, each carrying 1/n of the rows, at the slowest link's
+            step), plus rank 0's step command to the others
     pp:     one stream pays every stage and every hop; a full pipeline keeps one micro-batch
             per stage in flight, so a cycle is the slowest stage times the micro-batches, or
             one trip around the ring, whichever is longer
@@ -14,6 +14,14 @@ Layer times are sustained ones (a machine busy all the time). A machine held to 
 core (a cgroup's CPU quota) runs a short burst at full speed: a pipeline stage idle while the
 others work gets its layers done at `cpu_share` of its sustained time, as long as its work
 fits its share of the trip (a token's trip is at least every stage's sustained time).
+
+A ring step over a link: where the link's 2-rank all_sum was measured (by rows of hidden
+states, engines/model/collective_probe.py), half of it at twice the step's rows, since a
+2-rank ring all_sum is 2 steps each carrying half of them; elsewhere the ping's one-way
+latency plus the step's bytes at the pinged rate. The measured rows are a batch's, not a
+prefill chunk's, so a measured step is never predicted faster than its bytes at the pinged rate
+(which is what a chunk's rows cost); its latency is the measurement's, not the ping's (a ping
+crosses the encrypted control channel, an all_sum mlx's ring).
 """
 
 from __future__ import annotations
@@ -85,9 +93,16 @@ class LinkSpeed:
     node_id: str
     latency_s: float  # one way
     bytes_per_s: float
+    all_sum: Curve | None = None  # a 2-rank all_sum with the coordinator, by rows, measured
 
     def transfer_s(self, size: float) -> float:
         return self.latency_s + size / self.bytes_per_s
+
+    def ring_step_s(self, rows: float, row_bytes: float) -> float:
+        """One ring step carrying `rows` hidden states of `row_bytes` (the module docstring)."""
+        if self.all_sum is None:
+            return self.transfer_s(rows * row_bytes)
+        return max(self.all_sum.at(2 * rows) / 2, rows * row_bytes / self.bytes_per_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,13 +194,12 @@ def predict_single(
     )
 
 
-def all_sum_s(ranks: int, size: float, links: Sequence[LinkSpeed]) -> float:
-    """One ring all_sum of `size` bytes: 2(ranks-1) steps, each a latency and a 1/ranks share."""
+def all_sum_s(ranks: int, rows: float, row_bytes: float, links: Sequence[LinkSpeed]) -> float:
+    """One ring all_sum of `rows` hidden states of `row_bytes` each: 2(ranks-1) steps, each
+    carrying 1/ranks of them, at the slowest link's step."""
     if ranks < 2:
         return 0.0
-    latency = max(link.latency_s for link in links)
-    rate = min(link.bytes_per_s for link in links)
-    return 2 * (ranks - 1) * (latency + size / ranks / rate)
+    return 2 * (ranks - 1) * max(link.ring_step_s(rows / ranks, row_bytes) for link in links)
 
 
 def predict_tp(
@@ -212,7 +226,7 @@ def predict_tp(
         )
 
     def collectives(rows: float) -> float:
-        return 2 * shape.num_layers * all_sum_s(ranks, rows * row_bytes, links)
+        return 2 * shape.num_layers * all_sum_s(ranks, rows, row_bytes, links)
 
     def step(rows: float) -> float:
         return compute(rows) + collectives(rows) + command
@@ -227,9 +241,10 @@ def predict_tp(
     chunks = _chunks(prompt_tokens, chunk)
     prefill = chunks * (shape.num_layers * slowest * shard_share + collectives(chunk)) + step(1)
     count = 2 * shape.num_layers
+    measured = " measured" if all(link.all_sum is not None for link in links) else ""
     dominant = (
-        f"compute {_ms(compute(1))}, {count} all_sum of {_ms(all_sum_s(ranks, row_bytes, links))}"
-        f" = {_ms(collectives(1))}"
+        f"compute {_ms(compute(1))}, {count}{measured} all_sum of "
+        f"{_ms(all_sum_s(ranks, 1, row_bytes, links))} = {_ms(collectives(1))}"
     )
     return Prediction(
         "tp", tuple(node_ids), 1 / step(1), batch, batch / step(batch), prefill, dominant

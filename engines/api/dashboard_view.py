@@ -205,11 +205,17 @@ def render_predictions(status: dict[str, Any]) -> str:
         for node, speed in (speeds.get("nodes") or {}).items()
     ) + "".join(
         f"<li>link to {escape(node)}: {link.get('latency_us')} us one way, "
-        f"{link.get('mbit_per_s')} Mbit/s</li>"
+        f"{link.get('mbit_per_s')} Mbit/s{_all_sum(link)}</li>"
         for node, link in (speeds.get("links") or {}).items()
     )
     probed = f'<ul class="muted">{probes}</ul>' if probes else ""
     return f'<div class="scroll"><table>{head}{rows}</table></div>{probed}'
+
+
+def _all_sum(link: dict[str, Any]) -> str:
+    """The link's measured 2-rank all_sum, when there is one (speed_survey.py)."""
+    by_rows = link.get("all_sum_ms")
+    return f"; all_sum 2 ranks {escape(str(by_rows))} ms by rows" if by_rows else ""
 
 
 def _served(served: dict[str, Any]) -> str:

@@ -349,11 +349,16 @@ def _on_this_machine(address: str, here: str) -> bool:
 
 
 def _ring_port(address: str, rank: int, settings: LaunchSettings) -> int:
-    # On loopback every rank shares this machine, so any free port works; elsewhere the
-    # remote machine's free ports are unknown here, so ranks use a fixed, configurable base.
+    return ring_port(address, rank, settings.ring_port_base)
+
+
+def ring_port(address: str, rank: int, base: int = DEFAULT_RING_PORT_BASE) -> int:
+    """Where ring rank `rank` listens at `address`. On loopback every rank shares this
+    machine, so any free port works; elsewhere the remote machine's free ports are unknown
+    here, so ranks use a fixed, configurable base."""
     if _is_loopback(address):
         return free_port(address)
-    return settings.ring_port_base + rank
+    return base + rank
 
 
 def _is_loopback(address: str) -> bool:

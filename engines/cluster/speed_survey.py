@@ -1,13 +1,16 @@
 """Measuring the cluster for the planner: the link to every member (pings over its control
 channel), then every node's speed for the model (an agent runs the `speed_probe` role, the
-coordinator the same module in a child process), one at a time, each bounded, cached per node.
+coordinator the same module in a child process), one at a time, each bounded, cached per node;
+and, when tp is possible, the all_sum tp would run between the coordinator and each member
+(engines/cluster/all_sum_survey.py), which pings over the control channel only estimate.
 One at a time because a padded ping keeps both ends' CPUs busy sealing and opening, and because
 machines that share a host (a lab, VMs) share its memory bandwidth: a probe timed beside
 another reads its machine slower than it serves alone.
 
 A node that cannot be measured in time is named in `problems` and left out of the speeds, so
 auto plans by the decision rules alone rather than on a guess; no node's probe waits longer than
-PROBE_TIMEOUT_S (a few seconds each when they answer).
+PROBE_TIMEOUT_S (a few seconds each when they answer). An all_sum that cannot be measured is
+named there too, and leaves that link's tp prediction on the pings.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import ipaddress
 import logging
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from discovery.json_child import ChildNotReady, JsonChild
+from engines.cluster.all_sum_survey import AllSumProbe, measure_all_sum
 from engines.core.engine import DEFAULT_PREFILL_CHUNK
 from engines.model.info import ModelFacts, read_config
 from engines.model.precision import on_cpu
@@ -46,6 +50,12 @@ class ProbeSpec:
     rows: tuple[int, ...]
     tp_sizes: tuple[int, ...]
     float32: bool
+    hidden_size: int = 0
+
+    def all_sum(self) -> AllSumProbe:
+        """The all_sums tp would run: one hidden state, and a full batch's."""
+        rows = tuple(sorted({1, max(self.rows)}))
+        return AllSumProbe(self.hidden_size, rows, self.float32)
 
     def payload(self, blas_threads: int = 0) -> dict[str, Any]:
         return {
@@ -67,7 +77,7 @@ def probe_spec(facts: ModelFacts, world_size: int, max_batch: int, float32: bool
         and can_shard(facts.kv_heads, ranks)
         and (facts.intermediate_size == 0 or facts.intermediate_size % ranks == 0)
     )
-    return ProbeSpec(read_config(facts.path), rows, tp_sizes, float32)
+    return ProbeSpec(read_config(facts.path), rows, tp_sizes, float32, facts.hidden_size)
 
 
 def wants_measuring(measure: str, nodes: list[NodeResources]) -> bool:
@@ -107,9 +117,13 @@ def node_speed(node_id: str, measured: dict[str, Any]) -> NodeSpeed:
 class SpeedSurvey:
     """The measured speeds of the nodes seen so far, and why any could not be measured."""
 
-    def __init__(self, membership: Any, coordinator_id: str) -> None:
+    def __init__(
+        self, membership: Any, coordinator_id: str, coordinator_address: str | None = None
+    ) -> None:
         self.membership = membership
         self.coordinator_id = coordinator_id
+        # Where members reach this machine (tp's rank 0); None: no all_sum is measured.
+        self.coordinator_address = coordinator_address
         self._nodes: dict[str, NodeSpeed] = {}
         self._links: dict[str, LinkSpeed] = {}
         self.problems: dict[str, str] = {}
@@ -126,9 +140,12 @@ class SpeedSurvey:
             spec = probe_spec(facts, len(nodes), max_batch, on_cpu())
             log.info("measuring %s for the planner", ", ".join(missing))
             links = {node_id: self._measure_link(node_id) for node_id in missing}
+            addresses = {node.node_id: node.address for node in nodes}
             for node_id in missing:
                 if node_id == self.coordinator_id or links[node_id] is not None:
                     self._measure(node_id, spec, links[node_id])
+                if spec.tp_sizes and node_id in self._links:
+                    self._measure_all_sum(node_id, addresses[node_id], spec)
         with self._lock:
             return ClusterSpeeds(dict(self._nodes), dict(self._links))
 
@@ -144,13 +161,7 @@ class SpeedSurvey:
                     }
                     for node_id, speed in self._nodes.items()
                 },
-                "links": {
-                    node_id: {
-                        "latency_us": round(link.latency_s * 1e6, 1),
-                        "mbit_per_s": round(link.bytes_per_s * 8 / 1e6, 1),
-                    }
-                    for node_id, link in self._links.items()
-                },
+                "links": {node_id: _link_status(link) for node_id, link in self._links.items()},
                 "problems": dict(self.problems),
             }
 
@@ -165,7 +176,7 @@ class SpeedSurvey:
         ]
         lines += [
             f"measured link to {node_id}: {link['latency_us']} us one way, "
-            f"{link['mbit_per_s']} Mbit/s"
+            f"{link['mbit_per_s']} Mbit/s{_describe_all_sum(link.get('all_sum_ms'))}"
             for node_id, link in status["links"].items()
         ]
         lines += [f"not measured {node_id}: {why}" for node_id, why in status["problems"].items()]
@@ -198,6 +209,21 @@ class SpeedSurvey:
                 self._links[node_id] = link
             self.problems.pop(node_id, None)
 
+    def _measure_all_sum(self, node_id: str, address: str, spec: ProbeSpec) -> None:
+        """The 2-rank all_sum with a measured member, onto its link; a failure is named in
+        `problems` and leaves the link on its pings."""
+        if self.coordinator_address is None:
+            return
+        try:
+            curve = measure_all_sum(
+                self.membership, node_id, self.coordinator_address, address, spec.all_sum()
+            )
+        except Exception as error:  # noqa: BLE001 - any failure leaves the pings' estimate
+            self._failed(node_id, PeerError(f"all_sum not measured: {error}"))
+            return
+        with self._lock:
+            self._links[node_id] = replace(self._links[node_id], all_sum=curve)
+
     def _failed(self, node_id: str, error: Exception) -> None:
         log.warning("could not measure %s: %s", node_id, error)
         with self._lock:
@@ -213,6 +239,26 @@ class SpeedSurvey:
         if not isinstance(measured, dict):
             raise PeerError(f"node {node_id}'s speed probe answered no measurement")
         return measured
+
+
+def _link_status(link: LinkSpeed) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "latency_us": round(link.latency_s * 1e6, 1),
+        "mbit_per_s": round(link.bytes_per_s * 8 / 1e6, 1),
+    }
+    if link.all_sum is not None:
+        status["all_sum_ms"] = {rows: round(s * 1000, 3) for rows, s in link.all_sum.points}
+    return status
+
+
+def _describe_all_sum(by_rows: dict[int, float] | None) -> str:
+    """ "; all_sum 2 ranks: 0.48 ms at 1 row, 0.61 ms at 8 rows" when it was measured."""
+    if not by_rows:
+        return ""
+    points = ", ".join(
+        f"{ms:g} ms at {rows} row{'s' if rows != 1 else ''}" for rows, ms in by_rows.items()
+    )
+    return f"; all_sum 2 ranks: {points}"
 
 
 def measure_here(spec: ProbeSpec) -> dict[str, Any]:

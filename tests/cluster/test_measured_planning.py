@@ -4,6 +4,9 @@ over a real control channel, and `tandem serve` with an agent choosing by measur
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,8 @@ from tests.helpers.cluster import AgentPool
 from tests.helpers.serve import ServeProcess, start_serve
 
 pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_probe_measures_a_layer_its_shard_and_the_head(demo_model_dir: Path) -> None:
@@ -60,9 +65,13 @@ def test_serve_measures_its_agent_and_serves_the_fastest_predicted_plan(
     assert not speeds["problems"]
     [link] = speeds["links"].values()
     assert link["latency_us"] > 0 and link["mbit_per_s"] > 0
+    # tp is possible, so the all_sum it would run was measured too, at 1 row and a full batch
+    assert list(link["all_sum_ms"]) == ["1", "4"] and min(link["all_sum_ms"].values()) > 0
     plan = cluster["plan"]
     labels = [p["label"] for p in plan["predictions"]]
     assert sorted(labels) == ["pp=2", "single", "tp=2"], labels
+    tp = next(p for p in plan["predictions"] if p["label"] == "tp=2")
+    assert "measured all_sum of" in tp["dominant"], tp
     chosen = plan["predictions"][0]
     fastest = max(plan["predictions"], key=lambda p: p["decode_tps"])
     if chosen == fastest:
@@ -77,3 +86,23 @@ def test_serve_measures_its_agent_and_serves_the_fastest_predicted_plan(
     after = server.cluster()  # what the plan was predicted to do, beside what it did
     assert after["predicted"] == chosen
     assert after["served"]["requests"] == 1 and after["served"]["decode_tps_per_stream"] > 0
+
+
+def test_tandem_plan_prints_the_measured_link_and_its_all_sum(
+    demo_model_dir: Path, pool: AgentPool, tmp_path: Path
+) -> None:
+    pool.start("planned", real_roles=True)
+    command = [
+        sys.executable, "-m", "cli.main", "plan", "--model", str(demo_model_dir),
+        "--cluster-key", pool.cluster_key, "--interface", "127.0.0.1", "--discovery-timeout", "3",
+        "--state-dir", str(tmp_path / "state"), "--measure-speeds", "on", "--max-batch", "4",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    [link] = [line for line in done.stdout.splitlines() if line.startswith("measured link to ")]
+    assert "; all_sum 2 ranks: " in link and " ms at 1 row, " in link, link
+    assert link.endswith(" ms at 4 rows"), link
+    assert "not measured" not in done.stdout, done.stdout

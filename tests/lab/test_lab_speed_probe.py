@@ -1,13 +1,15 @@
 """The speed probe on a lab machine held to a CPU quota: it reads the share of a core the
 machine keeps when busy (its cgroup's quota over the cores it may use, as the machine itself
 sees its cgroups), which the cost model needs to predict a pipeline stage that rests while the
-others work; and the layer time it reports is the throttled one."""
+others work; and the layer time it reports is the throttled one. And the collective probe
+between two lab machines: the all_sum tp would run, slower over a capped link."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,47 @@ def test_the_probe_reads_a_cpu_quota_as_the_share_of_a_core_kept(demo_model_dir:
     assert (held["cpu_share"], free["cpu_share"]) == (0.3, 1.0)
     # sustained steps under the quota: ~3x the free machine's (noise allowed)
     assert held["layer"][0][1] > 1.8 * free["layer"][0][1], (held["layer"], free["layer"])
+
+
+def all_sums(lab: Lab, ranks: tuple[int, int], hidden_size: int = 1024) -> dict[int, float]:
+    """Rank 0 on one lab machine, rank 1 on another, joined over the lab's bridge: rank 0's
+    median seconds per all_sum by rows."""
+    machines = [lab.machines[index] for index in ranks]
+    hosts = [[f"{machine.address}:52400"] for machine in machines]
+    processes = [
+        subprocess.Popen(
+            machine.command([sys.executable, "-m", "engines.model.collective_probe"]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=machine.env(),
+            cwd=PROJECT_ROOT,
+            text=True,
+        )
+        for machine in machines
+    ]
+    for machine, process in zip(machines, processes, strict=True):
+        machine.processes.append(process)  # stopped by the lab, should the test fail first
+
+    def answer(rank: int) -> tuple[str, str]:
+        spec = {"rank": rank, "hosts": hosts, "hidden_size": hidden_size, "rows": [1, 8]}
+        # stdin closes after the spec: a rank leaves once it has answered
+        return processes[rank].communicate(json.dumps(spec) + "\n", timeout=60)
+
+    with ThreadPoolExecutor(2) as pool:  # both ranks at once: each waits for the other
+        outputs = list(pool.map(answer, (0, 1)))
+    ready = [json.loads(line) for line in outputs[0][0].splitlines() if '"ready"' in line]
+    assert ready, outputs
+    return {int(rows): seconds for rows, seconds in ready[0]["collective"]["all_sum"]}
+
+
+def test_the_collective_probe_times_the_all_sum_between_two_machines() -> None:
+    # a core each, as bench_planner's machines: unpinned, two ranks sharing the host's cores
+    # read 4-8 ms medians in some runs (a scheduler tick or two), whatever the link
+    specs = [MachineSpec(cores="0"), MachineSpec(cores="1"), MachineSpec("1", link_rate="20mbit")]
+    with Lab(3, specs) as lab:
+        free = all_sums(lab, (0, 1))
+        capped = all_sums(lab, (0, 2))
+    assert all(0 < seconds < 0.05 for seconds in free.values()), free
+    # 8 hidden states of 1024 float32 (32 KB) cross the ring both ways: ~13 ms at 20 Mbit/s
+    assert capped[8] > 0.005 and capped[8] > 5 * free[8], (free, capped)

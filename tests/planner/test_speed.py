@@ -78,9 +78,57 @@ def test_single_is_its_layers_and_head() -> None:
 
 def test_a_ring_all_sum_is_two_steps_a_rank_of_latency_and_share() -> None:
     link = LinkSpeed("b", 50e-6, GIGABIT)
-    assert all_sum_s(1, ROW_BYTES, [link]) == 0.0
-    assert all_sum_s(2, ROW_BYTES, [link]) == pytest.approx(2 * (50e-6 + 512 / GIGABIT))
-    assert all_sum_s(4, ROW_BYTES, [link] * 3) == pytest.approx(6 * (50e-6 + 256 / GIGABIT))
+    assert all_sum_s(1, 1, ROW_BYTES, [link]) == 0.0
+    assert all_sum_s(2, 1, ROW_BYTES, [link]) == pytest.approx(2 * (50e-6 + 512 / GIGABIT))
+    assert all_sum_s(4, 1, ROW_BYTES, [link] * 3) == pytest.approx(6 * (50e-6 + 256 / GIGABIT))
+
+
+MEASURED = Curve(((1, 0.5 * MS), (8, 0.8 * MS)))  # a 2-rank all_sum: 0.5 ms at 1 row, 0.8 at 8
+FLAT = Curve(((1, 0.5 * MS), (8, 0.5 * MS)))
+SLOW = 20e6 / 8  # 20 Mbit/s
+
+
+@pytest.mark.parametrize(
+    ("ranks", "rows", "links", "expected"),
+    [
+        # 2 ranks: 2 steps of half the rows, each half the measured all_sum: the measurement
+        (2, 1, [LinkSpeed("b", 50e-6, GIGABIT, MEASURED)], 0.5 * MS),
+        (2, 8, [LinkSpeed("b", 50e-6, GIGABIT, MEASURED)], 0.8 * MS),
+        # 4 ranks, 1 row: 6 steps of 1/4 row, below the first point: half of 0.5 ms each
+        (4, 1, [LinkSpeed("b", 50e-6, GIGABIT, MEASURED)] * 3, 6 * 0.25 * MS),
+        # a prefill chunk: 2 steps of 128 rows; the measurement (flat, 0.25 ms a step) under
+        # 128 KiB at the pinged gigabit (1.05 ms), so the bytes at that rate
+        (2, 256, [LinkSpeed("b", 50e-6, GIGABIT, FLAT)], 2 * 128 * 1024 / GIGABIT),
+        # a measured all_sum faster than the pings: its own latency, not the ping's 1 ms
+        (2, 1, [LinkSpeed("b", 1e-3, GIGABIT, Curve(((1, 0.1 * MS),)))], 0.1 * MS),
+        # 3 ranks, 3 rows: steps of 1 row; the measured link's (0.5 + 0.3/7) / 2 ms is faster
+        # than the unmeasured 20 Mbit link's 50 us + 1 KiB at 2.5 MB/s = 459.6 us
+        (
+            3,
+            3,
+            [LinkSpeed("b", 50e-6, GIGABIT, MEASURED), LinkSpeed("c", 50e-6, SLOW)],
+            4 * (50e-6 + 1024 / SLOW),
+        ),
+        (
+            3,
+            3,
+            [LinkSpeed("b", 50e-6, GIGABIT, MEASURED), LinkSpeed("c", 50e-6, GIGABIT)],
+            4 * (0.5 + 0.3 / 7) / 2 * MS,
+        ),
+    ],
+)
+def test_a_measured_all_sum_prices_a_ring_step_at_half_of_it(ranks, rows, links, expected) -> None:
+    assert all_sum_s(ranks, rows, ROW_BYTES, links) == pytest.approx(expected)
+
+
+def test_tp_over_a_measured_link_pays_the_measured_all_sums() -> None:
+    speeds = cluster(speed("a"), speed("b"))
+    measured_links = {"b": replace(speeds.links["b"], all_sum=MEASURED)}
+    prediction = predict_tp(SHAPE, replace(speeds, links=measured_links), ["a", "b"], batch=8)
+    assert prediction is not None
+    compute = 32 * 0.6 * MS + 2 * MS
+    assert prediction.decode_tps == pytest.approx(1 / (compute + 64 * 0.5 * MS + 50e-6))
+    assert "64 measured all_sum of 0.50 ms" in prediction.dominant
 
 
 def test_tp_pays_its_shard_two_all_sums_a_layer_and_a_step_command() -> None:

@@ -1,0 +1,96 @@
+"""The measured 2-rank all_sum between the coordinator and one member, for the planner's tp
+prediction: rank 0 runs here in a child process, rank 1 on the member as its agent's
+`collective_probe` role (engines/model/collective_probe.py), joined in a ring over the
+addresses tp would use. Bounded: a peer that never joins fails within ALL_SUM_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from discovery.framing import free_port
+from discovery.json_child import ChildNotReady, JsonChild
+from engines.cluster.launch import DEFAULT_RING_PORT_BASE, ring_port
+from planner.errors import PeerError
+from planner.speed import Curve
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_ROLE = "collective_probe"
+COLLECTIVE_MODULE = "engines.model.collective_probe"
+ALL_SUM_TIMEOUT_S = 20.0  # both ranks start, join the ring and time their all_sums
+# Each rank ends itself this much later than the coordinator stops waiting, so the wait, not
+# the rank's own watchdog, names what went wrong.
+RANK_GRACE_S = 5.0
+PEER_ANSWER_S = 2.0  # the member's own outcome, once rank 0 is done (or failed)
+STOP_GRACE_S = 5.0
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True, slots=True)
+class AllSumProbe:
+    """What both ranks time: all_sums of (rows, hidden_size) in float32 or bfloat16."""
+
+    hidden_size: int
+    rows: tuple[int, ...]
+    float32: bool
+
+    def payload(self, rank: int, hosts: list[list[str]]) -> dict[str, Any]:
+        return {
+            "rank": rank,
+            "hosts": hosts,
+            "hidden_size": self.hidden_size,
+            "rows": list(self.rows),
+            "float32": self.float32,
+            "timeout_s": ALL_SUM_TIMEOUT_S + RANK_GRACE_S,
+        }
+
+
+def measure_all_sum(
+    membership: Any,
+    node_id: str,
+    here: str,
+    member_address: str,
+    probe: AllSumProbe,
+    port_base: int = DEFAULT_RING_PORT_BASE,
+) -> Curve:
+    """The median seconds of one 2-rank all_sum by rows between this machine (reached at
+    `here`) and `node_id`; PeerError naming the ranks and addresses when it was not measured."""
+    # Rank 0 runs here, so any free port works (tp's own rank 0 may hold the base port);
+    # the member's free ports are unknown here, so rank 1 takes the one tp would use.
+    member_port = ring_port(member_address, 1, port_base)
+    hosts = [[f"{here}:{free_port(here)}"], [f"{member_address}:{member_port}"]]
+    what = f"the all_sum probe between here ({hosts[0][0]}) and {node_id} ({hosts[1][0]})"
+    assignment = membership.assign(node_id, COLLECTIVE_ROLE, probe.payload(1, hosts))
+    command = [sys.executable, "-m", COLLECTIVE_MODULE]
+    child = JsonChild(command, name="all_sum probe", cwd=PROJECT_ROOT)
+    ready = None
+    try:
+        try:
+            child.start(probe.payload(0, hosts))
+            ready = child.wait_ready(ALL_SUM_TIMEOUT_S)
+        except ChildNotReady as error:
+            member = _member_outcome(membership, assignment)
+            raise PeerError(f"{what} failed: {error}{member}") from None
+        _member_outcome(membership, assignment)  # settles the member's assignment
+    finally:
+        # A rank still joining holds the GIL and never reads stdin: SIGTERM ends it.
+        child.stop(STOP_GRACE_S, ask=child.close_stdin if ready else None)
+        membership.release(node_id, "all_sum measured", wait_s=STOP_GRACE_S)
+    points = ready.get("collective", {}).get("all_sum")
+    if not isinstance(points, list) or not points:
+        raise PeerError(f"{what} answered no measurement: {ready}")
+    return Curve(tuple((int(rows), float(seconds)) for rows, seconds in points))
+
+
+def _member_outcome(membership: Any, assignment: str) -> str:
+    """'; the member: <why>' when the member's rank failed, else ''."""
+    try:
+        membership.wait_ready(assignment, PEER_ANSWER_S)
+    except PeerError as error:
+        return f"; the member: {error}"
+    return ""

@@ -1,0 +1,150 @@
+"""The measured all_sum: two real collective_probe processes joined in an mlx ring on 127.0.0.1,
+a peer that never comes failing in time, and the survey putting the measurement on the link."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from discovery.assignment_waits import AssignmentResult
+from discovery.framing import free_port
+from discovery.json_child import ChildNotReady, JsonChild
+from discovery.link_probe import LinkMeasurement
+from engines.cluster import all_sum_survey
+from engines.cluster.all_sum_survey import AllSumProbe, measure_all_sum
+from engines.cluster.speed_survey import SpeedSurvey
+from engines.model.collective_probe import MIN_ROUNDS
+from engines.model.info import inspect_model
+from planner import NodeResources
+from planner.errors import PeerError
+
+pytestmark = pytest.mark.cluster
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROBE = [sys.executable, "-m", "engines.model.collective_probe"]
+CANNED_SPEED = {
+    "layer": [[1, 0.001], [4, 0.002]],
+    "head": [[1, 0.001], [4, 0.002]],
+    "prefill_layer_s": 0.01,
+    "prefill_chunk": 256,
+}
+
+
+def rank_payload(rank: int, hosts: list[list[str]], **extra: Any) -> dict[str, Any]:
+    return {"rank": rank, "hosts": hosts, "hidden_size": 256, "rows": [1, 8], **extra}
+
+
+def test_two_ranks_on_loopback_time_their_all_sums() -> None:
+    hosts = [[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]
+    ranks = [JsonChild(PROBE, name=f"rank {r}", cwd=PROJECT_ROOT) for r in (0, 1)]
+    try:
+        for rank, child in enumerate(ranks):
+            child.start(rank_payload(rank, hosts))
+        ready = [child.wait_ready(30.0)["collective"] for child in ranks]
+    finally:
+        for child in ranks:
+            child.stop(5.0, ask=child.close_stdin)
+    for measured in ready:
+        assert measured["ranks"] == 2 and MIN_ROUNDS <= measured["rounds"] <= 40
+        assert [rows for rows, _ in measured["all_sum"]] == [1, 8]
+        # a median all_sum on loopback: more than nothing, far less than a second
+        assert all(0 < seconds < 0.2 for _, seconds in measured["all_sum"]), measured
+    assert ready[0]["rounds"] == ready[1]["rounds"]  # they stopped on the same round
+
+
+def test_a_rank_whose_peer_never_joins_ends_itself_in_time() -> None:
+    hosts = [[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]
+    started = time.monotonic()
+    done = subprocess.run(
+        PROBE, input=json.dumps(rank_payload(0, hosts, timeout_s=2)) + "\n",
+        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0 and "ready" not in done.stdout
+    assert "joining the ring as rank 0 of 2" in done.stderr
+    assert time.monotonic() - started < 2 + 15  # its timeout, plus starting Python and mlx
+
+
+class LocalAgent:
+    """A membership whose members run their roles as processes here: the collective probe for
+    real, the speed probe canned; `absent` members accept an assignment and never start it."""
+
+    def __init__(self, absent: tuple[str, ...] = ()) -> None:
+        self.absent = absent
+        self.children: dict[str, JsonChild] = {}
+        self.released: list[str] = []
+
+    def measure_link(self, node_id: str) -> LinkMeasurement:
+        return LinkMeasurement(50e-6, 125e6)
+
+    def assign(self, node_id: str, role: str, payload: dict[str, Any]) -> str:
+        if role == "collective_probe" and node_id not in self.absent:
+            child = JsonChild(PROBE, name=f"{node_id} rank", cwd=PROJECT_ROOT)
+            child.start(payload)
+            self.children[node_id] = child
+        return f"{node_id}/{role}"
+
+    def wait_ready(self, assignment: str, timeout_s: float, stall_s: float | None = None):
+        node_id, role = assignment.split("/")
+        if role == "speed_probe":
+            return AssignmentResult(node_id, assignment, {"speed": CANNED_SPEED})
+        if node_id in self.absent:
+            time.sleep(timeout_s)
+            raise PeerError(f"node {node_id}'s worker was not ready within {timeout_s:g} s")
+        try:
+            message = self.children[node_id].wait_ready(timeout_s)
+        except ChildNotReady as error:
+            raise PeerError(str(error)) from None
+        return AssignmentResult(node_id, assignment, message)
+
+    def release(self, node_id: str, reason: str = "", wait_s: float = 0.0) -> bool:
+        self.released.append(node_id)
+        child = self.children.pop(node_id, None)
+        if child is not None:
+            child.stop(5.0, ask=child.close_stdin)
+        return True
+
+
+def test_a_member_that_never_joins_fails_the_probe_in_time_naming_both_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(all_sum_survey, "ALL_SUM_TIMEOUT_S", 3.0)
+    agent = LocalAgent(absent=("b",))
+    started = time.monotonic()
+    with pytest.raises(PeerError) as failure:
+        measure_all_sum(agent, "b", "127.0.0.1", "127.0.0.1", AllSumProbe(256, (1, 8), True))
+    message = str(failure.value)
+    assert message.startswith("the all_sum probe between here (127.0.0.1:")
+    assert " and b (127.0.0.1:" in message
+    assert "no ready line within 3 s" in message and "joining the ring as rank 0" in message
+    assert "the member: node b's worker was not ready" in message
+    # rank 0's wait, the member's answer, a SIGTERM to rank 0
+    assert time.monotonic() - started < 3 + all_sum_survey.PEER_ANSWER_S + 3
+    assert agent.released == ["b"]
+
+
+def test_the_survey_puts_a_measured_all_sum_on_the_link_or_names_why_not(
+    demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(all_sum_survey, "ALL_SUM_TIMEOUT_S", 3.0)
+    survey = SpeedSurvey(LocalAgent(absent=("c",)), "a", coordinator_address="127.0.0.1")
+    nodes = [NodeResources(n, address, 2**30, ("ring",)) for n, address in
+             [("a", ""), ("b", "127.0.0.1"), ("c", "127.0.0.1")]]  # fmt: skip
+    speeds = survey.for_plan(inspect_model(demo_model_dir), nodes, max_batch=4)
+    measured, pinged = speeds.links["b"], speeds.links["c"]
+    assert measured.all_sum is not None and [r for r, _ in measured.all_sum.points] == [1, 4]
+    assert pinged.all_sum is None and pinged.latency_s == 50e-6  # c stays on its pings
+    status = survey.status()
+    assert list(status["links"]["b"]["all_sum_ms"]) == [1, 4]
+    assert "all_sum_ms" not in status["links"]["c"]
+    assert status["problems"]["c"].startswith("all_sum not measured: the all_sum probe between")
+    lines = survey.describe()
+    [link_b] = [line for line in lines if line.startswith("measured link to b:")]
+    assert "; all_sum 2 ranks: " in link_b and " ms at 1 row, " in link_b, link_b
+    assert link_b.endswith(" ms at 4 rows"), link_b
+    assert "not measured c: all_sum not measured" in "\n".join(lines)
