@@ -30,9 +30,9 @@ from tests.lab.machines import Lab, MachineSpec, lab_unavailable
 
 ROUNDS = 5
 AGGREGATE_ROUNDS = 2
-# ~500 prompt tokens with the demo tokenizer, for the time to first token the cost model
+# 512 prompt tokens with the demo tokenizer, for the time to first token the cost model
 # predicts (planner/speed.py: PREDICTION_PROMPT_TOKENS)
-LONG_PROMPT = " ".join(f"word{index} and" for index in range(170))
+LONG_PROMPT = " ".join(f"word{index} and" for index in range(124))
 
 
 @dataclass(frozen=True, slots=True)
