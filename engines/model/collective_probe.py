@@ -34,7 +34,7 @@ blas.activate()  # before mlx loads: the BLAS tp's ranks run on
 import mlx.core as mx  # noqa: E402
 
 from discovery.json_child import configure_child_logging, open_protocol_output  # noqa: E402
-from engines.model.tp_step_probe import from_rank_0, time_tp_steps  # noqa: E402
+from engines.model.tp_step_probe import from_rank_0, has_tp_variant, time_tp_steps  # noqa: E402
 from engines.tensor_parallel.group import WorkerSpec  # noqa: E402
 from engines.tensor_parallel.worker import join_group  # noqa: E402
 
@@ -98,7 +98,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     group = join_group(group_spec)
     joined_s = time.monotonic() - started
-    dtype = mx.float32 if spec.get("float32", True) else mx.bfloat16
+    float32 = bool(spec.get("float32", True))
+    dtype = mx.float32 if float32 else mx.bfloat16
     medians, rounds = time_all_sums(
         group,
         hidden_size,
@@ -114,8 +115,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "rounds": rounds,
     }
     config = spec.get("config")
-    if isinstance(config, dict):
-        points, pairs = time_tp_steps(group, config, rows, dtype == mx.float32)
+    if isinstance(config, dict) and not has_tp_variant(config):
+        log.info(
+            "no tp layer timed: mlx-lm's %r model has no Model.shard", config.get("model_type")
+        )
+    elif isinstance(config, dict):
+        points, pairs = time_tp_steps(group, config, rows, float32)
         result["tp_layer"] = [[count, layer] for count, layer, _ in points]
         result["tp_rest"] = [[count, rest] for count, _, rest in points]
         result["tp_pairs"] = pairs

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.utils import _get_classes
 
 from engines.model.speed_probe import LONG_MODEL_LAYERS, SMALLEST_S, _build, _decode_step, _with
 
@@ -57,15 +58,20 @@ def time_tp_steps(
     return points, pairs_timed
 
 
+def has_tp_variant(config: dict[str, Any]) -> bool:
+    """Whether mlx-lm's model for `config` can be sharded (has `Model.shard`). Every rank
+    decides alike from the same config, so all of them skip the tp steps or none does."""
+    try:
+        model_class, _ = _get_classes(config)
+    except (ValueError, KeyError):
+        return False
+    return hasattr(model_class, "shard")
+
+
 def _sharded(config: dict[str, Any], layers: int, group: mx.distributed.Group, float32: bool):
     """The `layers`-layer model of `config`, sharded the way tp's ranks load theirs
     (engines/weights/tp_share.py `load_rank_share`: `Model.shard(group)`)."""
     model = _build(_with(config, layers), float32)
-    if not hasattr(model, "shard"):
-        raise ValueError(
-            f"mlx-lm's {config.get('model_type')!r} model has no tensor-parallel variant "
-            "(no Model.shard)"
-        )
     model.shard(group)
     mx.eval(model.parameters())
     return model

@@ -22,7 +22,7 @@ from engines.cluster.all_sum_survey import AllSumProbe, measure_all_sum
 from engines.cluster.speed_survey import SpeedSurvey
 from engines.model.collective_probe import MIN_ROUNDS
 from engines.model.info import inspect_model
-from engines.model.tp_step_probe import MAX_PAIRS, MIN_PAIRS
+from engines.model.tp_step_probe import MAX_PAIRS, MIN_PAIRS, has_tp_variant
 from planner import NodeResources
 from planner.errors import PeerError
 
@@ -66,6 +66,12 @@ def test_two_ranks_on_loopback_time_their_all_sums_and_a_tp_layer(demo_model_dir
             assert all(0 < seconds < 1.0 for _, seconds in measured[key]), measured
         assert all(MIN_PAIRS <= pairs <= MAX_PAIRS for pairs in measured["tp_pairs"])
     assert ready[0]["tp_pairs"] == ready[1]["tp_pairs"]  # rank 0 set the pairs for both
+
+
+def test_only_a_model_mlx_lm_can_shard_has_a_tp_layer_to_time(demo_model_dir: Path) -> None:
+    config = json.loads((demo_model_dir / "config.json").read_text())
+    assert has_tp_variant(config)  # llama has Model.shard
+    assert not has_tp_variant({**config, "model_type": "no-such-architecture"})
 
 
 def test_a_rank_whose_peer_never_joins_ends_itself_in_time() -> None:
