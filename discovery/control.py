@@ -70,7 +70,7 @@ class Hello(_Message):
 class AssignRole(_Message):
     """Coordinator -> agent: start a worker as a tensor-parallel rank or a pipeline stage, one
     that fetches a stage's weights ahead of it, or one that measures the machine's speed or
-    its all_sum with the coordinator."""
+    its all_sum (and a tp layer of the model) with the coordinator."""
 
     type: Literal["assign_role"] = "assign_role"
     role: Literal["tp_rank", "pp_stage", "speed_probe", "collective_probe", "weights"]

@@ -5,7 +5,9 @@ measurements (engines/model/speed_probe.py measures them); no clock of its own.
     single: a token costs layers x layer(rows) + head(rows)
     tp:     the slowest rank's layers x shard(rows) + head(rows), plus 2 all_sums a layer
             (a ring's 2(n-1) steps, each carrying 1/n of the rows, at the slowest link's
-            step), plus rank 0's step command to the others
+            step), plus rank 0's step command to the others; for 2 ranks whose group was
+            measured as one (the member's link has `tp_layer`), layers x tp_layer(rows) +
+            tp_rest(rows) + the step command instead
     pp:     one stream pays every stage and every hop; a full pipeline keeps one micro-batch
             per stage in flight, so a cycle is the slowest stage times the micro-batches, or
             one trip around the ring, whichever is longer
@@ -22,6 +24,12 @@ latency plus the step's bytes at the pinged rate. The measured rows are a batch'
 prefill chunk's, so a measured step is never predicted faster than its bytes at the pinged rate
 (which is what a chunk's rows cost); its latency is the measurement's, not the ping's (a ping
 crosses the encrypted control channel, an all_sum mlx's ring).
+
+A 2-rank group measured as one (engines/model/tp_step_probe.py: the coordinator and the member
+step a sharded model in lockstep) includes what the sum of its parts misses: on the lab's two
+one-core machines an all_sum in the real forward cost ~0.3 ms more than an isolated one (the
+ranks drift apart while computing, the lazy graph syncs around each collective), so the parts
+predicted ~26 tok/s where tp served 21.4.
 """
 
 from __future__ import annotations
@@ -94,6 +102,10 @@ class LinkSpeed:
     latency_s: float  # one way
     bytes_per_s: float
     all_sum: Curve | None = None  # a 2-rank all_sum with the coordinator, by rows, measured
+    # one layer (and the rest of a step) of a 2-rank tp group between the coordinator and this
+    # member, all_sums included, by rows, measured
+    tp_layer: Curve | None = None
+    tp_rest: Curve | None = None
 
     def transfer_s(self, size: float) -> float:
         return self.latency_s + size / self.bytes_per_s
@@ -228,7 +240,12 @@ def predict_tp(
     def collectives(rows: float) -> float:
         return 2 * shape.num_layers * all_sum_s(ranks, rows, row_bytes, links)
 
+    # a 2-rank group measured whole, on the member's link: its layer and rest, all_sums included
+    layer, rest = (links[0].tp_layer, links[0].tp_rest) if ranks == 2 else (None, None)
+
     def step(rows: float) -> float:
+        if layer is not None and rest is not None:
+            return shape.num_layers * layer.at(rows) + rest.at(rows) + command
         return compute(rows) + collectives(rows) + command
 
     slowest = max(speeds.nodes[node].prefill_layer_s for node in node_ids)
@@ -246,6 +263,11 @@ def predict_tp(
         f"compute {_ms(compute(1))}, {count}{measured} all_sum of "
         f"{_ms(all_sum_s(ranks, 1, row_bytes, links))} = {_ms(collectives(1))}"
     )
+    if layer is not None and rest is not None:
+        dominant = (
+            f"{shape.num_layers} layers x {_ms(layer.at(1))} measured as a 2-rank group, "
+            f"the rest {_ms(rest.at(1))}"
+        )
     return Prediction(
         "tp", tuple(node_ids), 1 / step(1), batch, batch / step(batch), prefill, dominant
     )

@@ -213,9 +213,16 @@ def render_predictions(status: dict[str, Any]) -> str:
 
 
 def _all_sum(link: dict[str, Any]) -> str:
-    """The link's measured 2-rank all_sum, when there is one (speed_survey.py)."""
+    """The link's measured 2-rank all_sum and tp layer, when there are (speed_survey.py)."""
     by_rows = link.get("all_sum_ms")
-    return f"; all_sum 2 ranks {escape(str(by_rows))} ms by rows" if by_rows else ""
+    text = f"; all_sum 2 ranks {escape(str(by_rows))} ms by rows" if by_rows else ""
+    layer, rest = link.get("tp_layer_ms"), link.get("tp_rest_ms")
+    if layer and rest:  # the 2-rank group's decode step, measured whole
+        text += (
+            f"; a tp layer of 2 ranks, all_sums included, {escape(str(layer))} ms by rows "
+            f"(the rest {escape(str(rest))})"
+        )
+    return text
 
 
 def _served(served: dict[str, Any]) -> str:

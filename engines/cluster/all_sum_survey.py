@@ -1,7 +1,9 @@
 """The measured 2-rank all_sum between the coordinator and one member, for the planner's tp
 prediction: rank 0 runs here in a child process, rank 1 on the member as its agent's
 `collective_probe` role (engines/model/collective_probe.py), joined in a ring over the
-addresses tp would use. Bounded: a peer that never joins fails within ALL_SUM_TIMEOUT_S.
+addresses tp would use. Given the model's config, the same two ranks then time a tp layer of
+it, all_sums included (engines/model/tp_step_probe.py). Bounded: a peer that never joins fails
+within ALL_SUM_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 
 COLLECTIVE_ROLE = "collective_probe"
 COLLECTIVE_MODULE = "engines.model.collective_probe"
-ALL_SUM_TIMEOUT_S = 20.0  # both ranks start, join the ring and time their all_sums
+ALL_SUM_TIMEOUT_S = 30.0  # both ranks start, join the ring, time their all_sums and tp steps
 # Each rank ends itself this much later than the coordinator stops waiting, so the wait, not
 # the rank's own watchdog, names what went wrong.
 RANK_GRACE_S = 5.0
@@ -33,14 +35,16 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True, slots=True)
 class AllSumProbe:
-    """What both ranks time: all_sums of (rows, hidden_size) in float32 or bfloat16."""
+    """What both ranks time: all_sums of (rows, hidden_size) in float32 or bfloat16, and, with
+    the model's `config`, its decode step sharded over both at those rows."""
 
     hidden_size: int
     rows: tuple[int, ...]
     float32: bool
+    config: dict[str, Any] | None = None
 
     def payload(self, rank: int, hosts: list[list[str]]) -> dict[str, Any]:
-        return {
+        payload = {
             "rank": rank,
             "hosts": hosts,
             "hidden_size": self.hidden_size,
@@ -48,6 +52,19 @@ class AllSumProbe:
             "float32": self.float32,
             "timeout_s": ALL_SUM_TIMEOUT_S + RANK_GRACE_S,
         }
+        if self.config is not None:
+            payload["config"] = self.config
+        return payload
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpeed:
+    """A 2-rank group's measurement, by rows: its all_sum, and one tp layer and the rest of
+    the step (None unless the probe had a config)."""
+
+    all_sum: Curve
+    tp_layer: Curve | None = None
+    tp_rest: Curve | None = None
 
 
 def measure_all_sum(
@@ -57,9 +74,10 @@ def measure_all_sum(
     member_address: str,
     probe: AllSumProbe,
     port_base: int = DEFAULT_RING_PORT_BASE,
-) -> Curve:
-    """The median seconds of one 2-rank all_sum by rows between this machine (reached at
-    `here`) and `node_id`; PeerError naming the ranks and addresses when it was not measured."""
+) -> GroupSpeed:
+    """The median seconds of one 2-rank all_sum (and tp layer) by rows between this machine
+    (reached at `here`) and `node_id`; PeerError naming the ranks and addresses when it was not
+    measured."""
     # Rank 0 runs here, so any free port works (tp's own rank 0 may hold the base port);
     # the member's free ports are unknown here, so rank 1 takes the one tp would use.
     member_port = ring_port(member_address, 1, port_base)
@@ -81,9 +99,16 @@ def measure_all_sum(
         # A rank still joining holds the GIL and never reads stdin: SIGTERM ends it.
         child.stop(STOP_GRACE_S, ask=child.close_stdin if ready else None)
         membership.release(node_id, "all_sum measured", wait_s=STOP_GRACE_S)
-    points = ready.get("collective", {}).get("all_sum")
+    measured = ready.get("collective", {})
+    points = measured.get("all_sum")
     if not isinstance(points, list) or not points:
         raise PeerError(f"{what} answered no measurement: {ready}")
+    if "tp_layer" not in measured:
+        return GroupSpeed(_curve(points))
+    return GroupSpeed(_curve(points), _curve(measured["tp_layer"]), _curve(measured["tp_rest"]))
+
+
+def _curve(points: list[list[float]]) -> Curve:
     return Curve(tuple((int(rows), float(seconds)) for rows, seconds in points))
 
 

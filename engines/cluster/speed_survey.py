@@ -1,7 +1,8 @@
 """Measuring the cluster for the planner: the link to every member (pings over its control
 channel), then every node's speed for the model (an agent runs the `speed_probe` role, the
 coordinator the same module in a child process), one at a time, each bounded, cached per node;
-and, when tp is possible, the all_sum tp would run between the coordinator and each member
+and, when tp is possible, the all_sum tp would run between the coordinator and each member,
+and a tp layer of the model over the same 2 ranks, all_sums included
 (engines/cluster/all_sum_survey.py), which pings over the control channel only estimate.
 One at a time because a padded ping keeps both ends' CPUs busy sealing and opening, and because
 machines that share a host (a lab, VMs) share its memory bandwidth: a probe timed beside
@@ -53,9 +54,9 @@ class ProbeSpec:
     hidden_size: int = 0
 
     def all_sum(self) -> AllSumProbe:
-        """The all_sums tp would run: one hidden state, and a full batch's."""
+        """The all_sums tp would run, and its decode step: one stream, and a full batch."""
         rows = tuple(sorted({1, max(self.rows)}))
-        return AllSumProbe(self.hidden_size, rows, self.float32)
+        return AllSumProbe(self.hidden_size, rows, self.float32, self.config)
 
     def payload(self, blas_threads: int = 0) -> dict[str, Any]:
         return {
@@ -154,8 +155,8 @@ class SpeedSurvey:
             return {
                 "nodes": {
                     node_id: {
-                        "layer_ms": {r: round(s * 1000, 3) for r, s in speed.layer.points},
-                        "head_ms": {r: round(s * 1000, 3) for r, s in speed.head.points},
+                        "layer_ms": _ms_by_rows(speed.layer),
+                        "head_ms": _ms_by_rows(speed.head),
                         "prefill_layer_ms": round(speed.prefill_layer_s * 1000, 2),
                         "cpu_share": speed.cpu_share,
                     }
@@ -177,6 +178,7 @@ class SpeedSurvey:
         lines += [
             f"measured link to {node_id}: {link['latency_us']} us one way, "
             f"{link['mbit_per_s']} Mbit/s{_describe_all_sum(link.get('all_sum_ms'))}"
+            f"{_describe_tp_layer(link.get('tp_layer_ms'), link.get('tp_rest_ms'))}"
             for node_id, link in status["links"].items()
         ]
         lines += [f"not measured {node_id}: {why}" for node_id, why in status["problems"].items()]
@@ -210,19 +212,24 @@ class SpeedSurvey:
             self.problems.pop(node_id, None)
 
     def _measure_all_sum(self, node_id: str, address: str, spec: ProbeSpec) -> None:
-        """The 2-rank all_sum with a measured member, onto its link; a failure is named in
-        `problems` and leaves the link on its pings."""
+        """The 2-rank all_sum (and tp layer) with a measured member, onto its link; a failure
+        is named in `problems` and leaves the link on its pings."""
         if self.coordinator_address is None:
             return
         try:
-            curve = measure_all_sum(
+            group = measure_all_sum(
                 self.membership, node_id, self.coordinator_address, address, spec.all_sum()
             )
         except Exception as error:  # noqa: BLE001 - any failure leaves the pings' estimate
             self._failed(node_id, PeerError(f"all_sum not measured: {error}"))
             return
         with self._lock:
-            self._links[node_id] = replace(self._links[node_id], all_sum=curve)
+            self._links[node_id] = replace(
+                self._links[node_id],
+                all_sum=group.all_sum,
+                tp_layer=group.tp_layer,
+                tp_rest=group.tp_rest,
+            )
 
     def _failed(self, node_id: str, error: Exception) -> None:
         log.warning("could not measure %s: %s", node_id, error)
@@ -247,8 +254,15 @@ def _link_status(link: LinkSpeed) -> dict[str, Any]:
         "mbit_per_s": round(link.bytes_per_s * 8 / 1e6, 1),
     }
     if link.all_sum is not None:
-        status["all_sum_ms"] = {rows: round(s * 1000, 3) for rows, s in link.all_sum.points}
+        status["all_sum_ms"] = _ms_by_rows(link.all_sum)
+    if link.tp_layer is not None and link.tp_rest is not None:
+        status["tp_layer_ms"] = _ms_by_rows(link.tp_layer)
+        status["tp_rest_ms"] = _ms_by_rows(link.tp_rest)
     return status
+
+
+def _ms_by_rows(curve: Curve) -> dict[int, float]:
+    return {rows: round(seconds * 1000, 3) for rows, seconds in curve.points}
 
 
 def _describe_all_sum(by_rows: dict[int, float] | None) -> str:
@@ -259,6 +273,17 @@ def _describe_all_sum(by_rows: dict[int, float] | None) -> str:
         f"{ms:g} ms at {rows} row{'s' if rows != 1 else ''}" for rows, ms in by_rows.items()
     )
     return f"; all_sum 2 ranks: {points}"
+
+
+def _describe_tp_layer(layer: dict[int, float] | None, rest: dict[int, float] | None) -> str:
+    """ "; a tp layer of 2 ranks, all_sums included: 1.31 ms at 1 row (rest 2.4 ms), ..."."""
+    if not layer or not rest:
+        return ""
+    points = ", ".join(
+        f"{ms:g} ms at {rows} row{'s' if rows != 1 else ''} (rest {rest[rows]:g} ms)"
+        for rows, ms in layer.items()
+    )
+    return f"; a tp layer of 2 ranks, all_sums included: {points}"
 
 
 def measure_here(spec: ProbeSpec) -> dict[str, Any]:

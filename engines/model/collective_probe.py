@@ -7,7 +7,10 @@ protocol: the planner prices tp's collectives from this where it was measured
 
 `python -m engines.model.collective_probe` runs one rank as an agent's `collective_probe` role:
 a JSON spec on stdin ({"rank", "hosts", "hidden_size", "rows", "float32", "rounds",
-"budget_s", "timeout_s"}), one ready line with the median seconds per all_sum by rows on stdout.
+"budget_s", "timeout_s", and optionally the model's "config"}), one ready line with the median
+seconds per all_sum by rows on stdout. With a config, both ranks then time that model's decode
+step sharded over the same ring (engines/model/tp_step_probe.py): a tp layer, all_sums
+included, and the rest of the step, by rows.
 
 mlx's ring init blocks (holding the GIL) until every rank has joined, so no Python thread can
 time it out: faulthandler's C watchdog ends the process after `timeout_s`, and the parent
@@ -24,11 +27,16 @@ import sys
 import time
 from typing import Any
 
-import mlx.core as mx
+from engines.core import blas
 
-from discovery.json_child import configure_child_logging, open_protocol_output
-from engines.tensor_parallel.group import WorkerSpec
-from engines.tensor_parallel.worker import join_group
+blas.activate()  # before mlx loads: the BLAS tp's ranks run on
+
+import mlx.core as mx  # noqa: E402
+
+from discovery.json_child import configure_child_logging, open_protocol_output  # noqa: E402
+from engines.model.tp_step_probe import from_rank_0, has_tp_variant, time_tp_steps  # noqa: E402
+from engines.tensor_parallel.group import WorkerSpec  # noqa: E402
+from engines.tensor_parallel.worker import join_group  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +74,7 @@ def time_all_sums(
 
     warmup_s = sum(sum(round_of_all_sums()) for _ in range(WARMUP_ROUNDS))
     fitting = int(budget_s / max(warmup_s / WARMUP_ROUNDS, 1e-9))
-    rounds = _from_rank_0(group, min(max(fitting, MIN_ROUNDS), rounds))
+    rounds = from_rank_0(group, min(max(fitting, MIN_ROUNDS), rounds))
     # The all_sum after such a sync stalled a scheduler tick (4 ms) in about half the lab's
     # runs, skewing a median: one more untimed round takes that stall.
     round_of_all_sums()
@@ -75,12 +83,6 @@ def time_all_sums(
         count: statistics.median(t[index] for t in times) for index, count in enumerate(vectors)
     }
     return medians, rounds
-
-
-def _from_rank_0(group: mx.distributed.Group, value: int) -> int:
-    """Rank 0's `value` on every rank (the others add zeros)."""
-    mine = value if group.rank() == 0 else 0
-    return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group).item())
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +98,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     group = join_group(group_spec)
     joined_s = time.monotonic() - started
-    dtype = mx.float32 if spec.get("float32", True) else mx.bfloat16
+    float32 = bool(spec.get("float32", True))
+    dtype = mx.float32 if float32 else mx.bfloat16
     medians, rounds = time_all_sums(
         group,
         hidden_size,
@@ -106,13 +109,24 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         float(spec.get("budget_s", BUDGET_S)),
     )
     log.info("all_sum medians by rows: %s over %d rounds", medians, rounds)
-    return {
+    result: dict[str, Any] = {
         "ranks": group.size(),
         "all_sum": [[count, seconds] for count, seconds in medians.items()],
         "rounds": rounds,
-        "join_s": round(joined_s, 3),
-        "probe_s": round(time.monotonic() - started, 3),
     }
+    config = spec.get("config")
+    if isinstance(config, dict) and not has_tp_variant(config):
+        log.info(
+            "no tp layer timed: mlx-lm's %r model has no Model.shard", config.get("model_type")
+        )
+    elif isinstance(config, dict):
+        points, pairs = time_tp_steps(group, config, rows, float32)
+        result["tp_layer"] = [[count, layer] for count, layer, _ in points]
+        result["tp_rest"] = [[count, rest] for count, _, rest in points]
+        result["tp_pairs"] = pairs
+    result["join_s"] = round(joined_s, 3)
+    result["probe_s"] = round(time.monotonic() - started, 3)
+    return result
 
 
 def run() -> int:

@@ -1,5 +1,6 @@
-"""The measured all_sum: two real collective_probe processes joined in an mlx ring on 127.0.0.1,
-a peer that never comes failing in time, and the survey putting the measurement on the link."""
+"""The measured all_sum: two real collective_probe processes joined in an mlx ring on 127.0.0.1
+(timing a demo model's tp layer too), a peer that never comes failing in time, and the survey
+putting the measurement on the link."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from engines.cluster.all_sum_survey import AllSumProbe, measure_all_sum
 from engines.cluster.speed_survey import SpeedSurvey
 from engines.model.collective_probe import MIN_ROUNDS
 from engines.model.info import inspect_model
+from engines.model.tp_step_probe import MAX_PAIRS, MIN_PAIRS, has_tp_variant
 from planner import NodeResources
 from planner.errors import PeerError
 
@@ -40,13 +42,14 @@ def rank_payload(rank: int, hosts: list[list[str]], **extra: Any) -> dict[str, A
     return {"rank": rank, "hosts": hosts, "hidden_size": 256, "rows": [1, 8], **extra}
 
 
-def test_two_ranks_on_loopback_time_their_all_sums() -> None:
+def test_two_ranks_on_loopback_time_their_all_sums_and_a_tp_layer(demo_model_dir: Path) -> None:
+    config = json.loads((demo_model_dir / "config.json").read_text())
     hosts = [[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]
     ranks = [JsonChild(PROBE, name=f"rank {r}", cwd=PROJECT_ROOT) for r in (0, 1)]
     try:
         for rank, child in enumerate(ranks):
-            child.start(rank_payload(rank, hosts))
-        ready = [child.wait_ready(30.0)["collective"] for child in ranks]
+            child.start(rank_payload(rank, hosts, config=config))
+        ready = [child.wait_ready(60.0)["collective"] for child in ranks]
     finally:
         for child in ranks:
             child.stop(5.0, ask=child.close_stdin)
@@ -56,6 +59,19 @@ def test_two_ranks_on_loopback_time_their_all_sums() -> None:
         # a median all_sum on loopback: more than nothing, far less than a second
         assert all(0 < seconds < 0.2 for _, seconds in measured["all_sum"]), measured
     assert ready[0]["rounds"] == ready[1]["rounds"]  # they stopped on the same round
+    for measured in ready:
+        # the demo model sharded over both: a layer and the rest, all_sums included, by rows
+        for key in ("tp_layer", "tp_rest"):
+            assert [rows for rows, _ in measured[key]] == [1, 8], measured
+            assert all(0 < seconds < 1.0 for _, seconds in measured[key]), measured
+        assert all(MIN_PAIRS <= pairs <= MAX_PAIRS for pairs in measured["tp_pairs"])
+    assert ready[0]["tp_pairs"] == ready[1]["tp_pairs"]  # rank 0 set the pairs for both
+
+
+def test_only_a_model_mlx_lm_can_shard_has_a_tp_layer_to_time(demo_model_dir: Path) -> None:
+    config = json.loads((demo_model_dir / "config.json").read_text())
+    assert has_tp_variant(config)  # llama has Model.shard
+    assert not has_tp_variant({**config, "model_type": "no-such-architecture"})
 
 
 def test_a_rank_whose_peer_never_joins_ends_itself_in_time() -> None:
@@ -131,20 +147,26 @@ def test_a_member_that_never_joins_fails_the_probe_in_time_naming_both_ends(
 def test_the_survey_puts_a_measured_all_sum_on_the_link_or_names_why_not(
     demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(all_sum_survey, "ALL_SUM_TIMEOUT_S", 3.0)
+    # b times its all_sums and the demo model's tp layer in this; c never joins and fails in it
+    monkeypatch.setattr(all_sum_survey, "ALL_SUM_TIMEOUT_S", 12.0)
     survey = SpeedSurvey(LocalAgent(absent=("c",)), "a", coordinator_address="127.0.0.1")
     nodes = [NodeResources(n, address, 2**30, ("ring",)) for n, address in
              [("a", ""), ("b", "127.0.0.1"), ("c", "127.0.0.1")]]  # fmt: skip
     speeds = survey.for_plan(inspect_model(demo_model_dir), nodes, max_batch=4)
     measured, pinged = speeds.links["b"], speeds.links["c"]
     assert measured.all_sum is not None and [r for r, _ in measured.all_sum.points] == [1, 4]
+    assert measured.tp_layer is not None and [r for r, _ in measured.tp_layer.points] == [1, 4]
+    assert measured.tp_rest is not None and measured.tp_rest.at(1) > 0
     assert pinged.all_sum is None and pinged.latency_s == 50e-6  # c stays on its pings
     status = survey.status()
     assert list(status["links"]["b"]["all_sum_ms"]) == [1, 4]
     assert "all_sum_ms" not in status["links"]["c"]
+    assert list(status["links"]["b"]["tp_layer_ms"]) == [1, 4]
+    assert "tp_layer_ms" not in status["links"]["c"]
     assert status["problems"]["c"].startswith("all_sum not measured: the all_sum probe between")
     lines = survey.describe()
     [link_b] = [line for line in lines if line.startswith("measured link to b:")]
     assert "; all_sum 2 ranks: " in link_b and " ms at 1 row, " in link_b, link_b
-    assert link_b.endswith(" ms at 4 rows"), link_b
+    assert " ms at 4 rows; a tp layer of 2 ranks, all_sums included: " in link_b, link_b
+    assert " ms at 1 row (rest " in link_b and link_b.endswith(" ms)"), link_b
     assert "not measured c: all_sum not measured" in "\n".join(lines)

@@ -65,13 +65,18 @@ def test_serve_measures_its_agent_and_serves_the_fastest_predicted_plan(
     assert not speeds["problems"]
     [link] = speeds["links"].values()
     assert link["latency_us"] > 0 and link["mbit_per_s"] > 0
-    # tp is possible, so the all_sum it would run was measured too, at 1 row and a full batch
+    # tp is possible, so the all_sum it would run was measured too, at 1 row and a full batch,
+    # and a tp layer of the model as the 2-rank group runs it
     assert list(link["all_sum_ms"]) == ["1", "4"] and min(link["all_sum_ms"].values()) > 0
+    assert list(link["tp_layer_ms"]) == ["1", "4"] and min(link["tp_layer_ms"].values()) > 0
+    assert list(link["tp_rest_ms"]) == ["1", "4"]
     plan = cluster["plan"]
     labels = [p["label"] for p in plan["predictions"]]
     assert sorted(labels) == ["pp=2", "single", "tp=2"], labels
     tp = next(p for p in plan["predictions"] if p["label"] == "tp=2")
-    assert "measured all_sum of" in tp["dominant"], tp
+    # the group measured whole prices tp: 4 layers x its layer, not the shard plus all_sums
+    dominant = tp["dominant"]
+    assert dominant.startswith("4 layers x ") and "measured as a 2-rank group" in dominant, tp
     chosen = plan["predictions"][0]
     fastest = max(plan["predictions"], key=lambda p: p["decode_tps"])
     if chosen == fastest:
@@ -104,5 +109,6 @@ def test_tandem_plan_prints_the_measured_link_and_its_all_sum(
     assert done.returncode == 0, done.stderr[-2000:]
     [link] = [line for line in done.stdout.splitlines() if line.startswith("measured link to ")]
     assert "; all_sum 2 ranks: " in link and " ms at 1 row, " in link, link
-    assert link.endswith(" ms at 4 rows"), link
+    assert " ms at 4 rows; a tp layer of 2 ranks, all_sums included: " in link, link
+    assert link.endswith(" ms)"), link
     assert "not measured" not in done.stdout, done.stdout

@@ -2,7 +2,8 @@
 machine keeps when busy (its cgroup's quota over the cores it may use, as the machine itself
 sees its cgroups), which the cost model needs to predict a pipeline stage that rests while the
 others work; and the layer time it reports is the throttled one. And the collective probe
-between two lab machines: the all_sum tp would run, slower over a capped link."""
+between two lab machines: the all_sum tp would run, slower over a capped link, and a tp layer
+of the model over the two, its all_sums included."""
 
 from __future__ import annotations
 
@@ -49,9 +50,11 @@ def test_the_probe_reads_a_cpu_quota_as_the_share_of_a_core_kept(demo_model_dir:
     assert held["layer"][0][1] > 1.8 * free["layer"][0][1], (held["layer"], free["layer"])
 
 
-def all_sums(lab: Lab, ranks: tuple[int, int], hidden_size: int = 1024) -> dict[int, float]:
+def collective(
+    lab: Lab, ranks: tuple[int, int], hidden_size: int = 1024, config: dict | None = None
+) -> dict:
     """Rank 0 on one lab machine, rank 1 on another, joined over the lab's bridge: rank 0's
-    median seconds per all_sum by rows."""
+    measurement (median seconds per all_sum by rows; with `config`, its tp layer and rest)."""
     machines = [lab.machines[index] for index in ranks]
     hosts = [[f"{machine.address}:52400"] for machine in machines]
     processes = [
@@ -71,6 +74,8 @@ def all_sums(lab: Lab, ranks: tuple[int, int], hidden_size: int = 1024) -> dict[
 
     def answer(rank: int) -> tuple[str, str]:
         spec = {"rank": rank, "hosts": hosts, "hidden_size": hidden_size, "rows": [1, 8]}
+        if config is not None:
+            spec["config"] = config
         # stdin closes after the spec: a rank leaves once it has answered
         return processes[rank].communicate(json.dumps(spec) + "\n", timeout=60)
 
@@ -78,16 +83,28 @@ def all_sums(lab: Lab, ranks: tuple[int, int], hidden_size: int = 1024) -> dict[
         outputs = list(pool.map(answer, (0, 1)))
     ready = [json.loads(line) for line in outputs[0][0].splitlines() if '"ready"' in line]
     assert ready, outputs
-    return {int(rows): seconds for rows, seconds in ready[0]["collective"]["all_sum"]}
+    return ready[0]["collective"]
 
 
-def test_the_collective_probe_times_the_all_sum_between_two_machines() -> None:
+def by_rows(points: list[list[float]]) -> dict[int, float]:
+    return {int(rows): seconds for rows, seconds in points}
+
+
+def test_the_collective_probe_times_the_all_sum_and_a_tp_layer_between_two_machines(
+    demo_model_dir: Path,
+) -> None:
+    config = json.loads((demo_model_dir / "config.json").read_text())
     # a core each, as bench_planner's machines: unpinned, two ranks sharing the host's cores
     # read 4-8 ms medians in some runs (a scheduler tick or two), whatever the link
     specs = [MachineSpec(cores="0"), MachineSpec(cores="1"), MachineSpec("1", link_rate="20mbit")]
     with Lab(3, specs) as lab:
-        free = all_sums(lab, (0, 1))
-        capped = all_sums(lab, (0, 2))
+        group = collective(lab, (0, 1), config=config)
+        capped = by_rows(collective(lab, (0, 2))["all_sum"])
+    free = by_rows(group["all_sum"])
     assert all(0 < seconds < 0.05 for seconds in free.values()), free
+    # a tp layer runs 2 all_sums (of 256-wide rows here) and its shard's compute between them
+    layer, rest = by_rows(group["tp_layer"]), by_rows(group["tp_rest"])
+    assert all(layer[rows] > 2 * free[rows] for rows in (1, 8)), (layer, free)
+    assert all(0 < seconds < 0.05 for seconds in [*layer.values(), *rest.values()]), group
     # 8 hidden states of 1024 float32 (32 KB) cross the ring both ways: ~13 ms at 20 Mbit/s
     assert capped[8] > 0.005 and capped[8] > 5 * free[8], (free, capped)

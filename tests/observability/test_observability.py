@@ -399,7 +399,14 @@ def test_the_dashboard_shows_every_prediction_and_what_the_serving_plan_does() -
         "served": {"requests": 4, "decode_tps_per_stream": 24.2},
         "speeds": {
             "nodes": {"c": {"layer_ms": {1: 3.6}}},
-            "links": {"a": {"latency_us": 90.0, "all_sum_ms": {1: 0.48, 8: 0.61}}},
+            "links": {
+                "a": {
+                    "latency_us": 90.0,
+                    "all_sum_ms": {1: 0.48, 8: 0.61},
+                    "tp_layer_ms": {1: 1.31, 8: 2.2},
+                    "tp_rest_ms": {1: 2.5, 8: 6.0},
+                }
+            },
         },
     }
     html = render_predictions(status)
@@ -407,4 +414,6 @@ def test_the_dashboard_shows_every_prediction_and_what_the_serving_plan_does() -
     assert "25.6" in html and "24.2 (4 requests)" in html and "16.2" in html
     assert "link to a: 90.0 us" in html
     assert "all_sum 2 ranks {1: 0.48, 8: 0.61} ms by rows" in html
+    assert "a tp layer of 2 ranks, all_sums included, {1: 1.31, 8: 2.2} ms by rows" in html
+    assert "(the rest {1: 2.5, 8: 6.0})" in html
     assert "not measured" in render_predictions({"plan": {"predictions": []}})

@@ -131,6 +131,49 @@ def test_tp_over_a_measured_link_pays_the_measured_all_sums() -> None:
     assert "64 measured all_sum of 0.50 ms" in prediction.dominant
 
 
+# a 2-rank group measured whole: a layer 1.3 ms at 1 row, 2.0 at 8; the rest 2.5 ms and 6.0
+GROUP_LAYER = Curve(((1, 1.3 * MS), (8, 2.0 * MS)))
+GROUP_REST = Curve(((1, 2.5 * MS), (8, 6.0 * MS)))
+
+
+def measured_group(speeds: ClusterSpeeds, **link_fields: Curve) -> ClusterSpeeds:
+    links = {node: replace(link, **link_fields) for node, link in speeds.links.items()}
+    return replace(speeds, links=links)
+
+
+@pytest.mark.parametrize(
+    ("batch", "decode_step_s", "batch_step_s"),
+    [
+        # 32 x 1.3 ms + 2.5 ms + the 0.05 ms step command; at 8 rows 32 x 2.0 + 6.0 + 0.05
+        (8, 32 * 1.3 * MS + 2.5 * MS + 50e-6, 32 * 2.0 * MS + 6.0 * MS + 50e-6),
+        # 4 rows between the points: a layer 1.6 ms, the rest 4.0 ms
+        (4, 32 * 1.3 * MS + 2.5 * MS + 50e-6, 32 * 1.6 * MS + 4.0 * MS + 50e-6),
+    ],
+)
+def test_tp_over_a_group_measured_whole_pays_its_layers_rest_and_command(
+    batch: int, decode_step_s: float, batch_step_s: float
+) -> None:
+    speeds = measured_group(
+        cluster(speed("a"), speed("b")), all_sum=MEASURED, tp_layer=GROUP_LAYER, tp_rest=GROUP_REST
+    )
+    prediction = predict_tp(SHAPE, speeds, ["a", "b"], batch=batch)
+    assert prediction is not None
+    assert prediction.decode_tps == pytest.approx(1 / decode_step_s)
+    assert prediction.batch_tps == pytest.approx(batch / batch_step_s)
+    assert prediction.dominant == "32 layers x 1.30 ms measured as a 2-rank group, the rest 2.50 ms"
+
+
+def test_a_group_measured_whole_prices_only_2_ranks_and_only_with_its_rest() -> None:
+    third = Curve(((1, 0.4 * MS), (8, 0.8 * MS)))  # a 3-rank shard
+    parts = cluster(*(replace(speed(node), shards=((3, third),)) for node in "abc"))
+    whole = measured_group(parts, tp_layer=GROUP_LAYER, tp_rest=GROUP_REST)
+    three = ["a", "b", "c"]
+    assert predict_tp(SHAPE, whole, three, 8) == predict_tp(SHAPE, parts, three, 8)
+    pair = cluster(speed("a"), speed("b"))
+    no_rest = measured_group(pair, tp_layer=GROUP_LAYER)
+    assert predict_tp(SHAPE, no_rest, ["a", "b"], 8) == predict_tp(SHAPE, pair, ["a", "b"], 8)
+
+
 def test_tp_pays_its_shard_two_all_sums_a_layer_and_a_step_command() -> None:
     speeds = cluster(speed("a"), speed("b"))
     prediction = predict_tp(SHAPE, speeds, ["a", "b"], batch=8)

@@ -1,0 +1,111 @@
+"""One decoder layer of a 2-rank tp group as it serves, its all_sums included: both ranks of
+the collective probe's ring build the one- and five-layer models speed_probe measures (full
+size), shard them with mlx-lm's own `Model.shard` as tp's ranks do, and step them in lockstep.
+
+The isolated all_sum and a rank's shard alone under-predicted tp (the lab's 2 one-core machines
+served 21.4 tok/s where ~26 was predicted): in the real forward the ranks drift apart during
+compute and mlx's lazy graph syncs around each collective, which only a sharded forward shows.
+
+Wall time, since a tp group runs in lockstep and sustained: a rank waiting for its peer waits
+for real. A layer is a quarter of the five- and one-layer steps' difference (the median of
+pairs taken in turns, as speed_probe's), the rest of the one-layer step is the embedding, head
+and the step's own overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.utils import _get_classes
+
+from engines.model.speed_probe import LONG_MODEL_LAYERS, SMALLEST_S, _build, _decode_step, _with
+
+log = logging.getLogger(__name__)
+
+MIN_PAIRS = 7  # the median of 7 stands even if the first pairs stalled rank 0's estimate
+MAX_PAIRS = 40
+POINT_BUDGET_S = 0.6  # timed pairs per rows: as many as rank 0's first pairs say fit in this
+
+
+def time_tp_steps(
+    group: mx.distributed.Group,
+    config: dict[str, Any],
+    rows: tuple[int, ...],
+    float32: bool,
+    budget_s: float = POINT_BUDGET_S,
+) -> tuple[list[tuple[int, float, float]], list[int]]:
+    """Per rows: (one layer's seconds, the rest's) of `config` sharded over `group`, and the
+    pairs timed at each. Every rank must run the same steps in the same order."""
+    one, long = (_sharded(config, layers, group, float32) for layers in (1, LONG_MODEL_LAYERS))
+    points = []
+    pairs_timed = []
+    layer_floor = rest_floor = SMALLEST_S
+    for count in rows:
+        # each builds its cache with a prefill: both ranks in the same order
+        short_step, long_step = _decode_step(one, count), _decode_step(long, count)
+        difference, short_s, pairs = _lockstep_pairs(group, short_step, long_step, budget_s)
+        # more rows never cost less: a dip is noise, so each point is at least the last
+        layer_floor = max(difference / (LONG_MODEL_LAYERS - 1), layer_floor)
+        rest_floor = max(short_s - layer_floor, rest_floor)
+        points.append((count, layer_floor, rest_floor))
+        pairs_timed.append(pairs)
+    log.info("tp layer and rest by rows: %s over %s pairs", points, pairs_timed)
+    return points, pairs_timed
+
+
+def has_tp_variant(config: dict[str, Any]) -> bool:
+    """Whether mlx-lm's model for `config` can be sharded (has `Model.shard`). Every rank
+    decides alike from the same config, so all of them skip the tp steps or none does."""
+    try:
+        model_class, _ = _get_classes(config)
+    except (ValueError, KeyError):
+        return False
+    return hasattr(model_class, "shard")
+
+
+def _sharded(config: dict[str, Any], layers: int, group: mx.distributed.Group, float32: bool):
+    """The `layers`-layer model of `config`, sharded the way tp's ranks load theirs
+    (engines/weights/tp_share.py `load_rank_share`: `Model.shard(group)`)."""
+    model = _build(_with(config, layers), float32)
+    model.shard(group)
+    mx.eval(model.parameters())
+    return model
+
+
+def _lockstep_pairs(
+    group: mx.distributed.Group,
+    short: Callable[[], None],
+    long: Callable[[], None],
+    budget_s: float,
+) -> tuple[float, float, int]:
+    """(median of long minus short, median of short, pairs) over pairs stepped in turns. Rank
+    0 picks the pair count from its first pairs and tells the others, as the all_sum rounds."""
+    short()  # the first steps compile and allocate
+    long()
+
+    def pair() -> tuple[float, float]:
+        began = time.perf_counter()
+        short()
+        middle = time.perf_counter()
+        long()
+        return time.perf_counter() - middle, middle - began
+
+    # the quicker of two: the first pairs after a build still stall now and then
+    estimate_s = min(sum(pair()) for _ in range(2))
+    fitting = int(budget_s / max(estimate_s, 1e-9))
+    pairs = from_rank_0(group, min(max(fitting, MIN_PAIRS), MAX_PAIRS))
+    pair()  # the step after that sync may stall a scheduler tick (collective_probe.py)
+    timed = [pair() for _ in range(pairs)]
+    differences = [long_s - short_s for long_s, short_s in timed]
+    return statistics.median(differences), statistics.median(s for _, s in timed), pairs
+
+
+def from_rank_0(group: mx.distributed.Group, value: int) -> int:
+    """Rank 0's `value` on every rank (the others add zeros)."""
+    mine = value if group.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group).item())
