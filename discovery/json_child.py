@@ -326,3 +326,22 @@ def open_protocol_output() -> ProtocolOutput:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     return ProtocolOutput(os.fdopen(protocol_fd, "w", encoding="utf-8"))
+
+
+def run_measuring_role(
+    name: str, key: str, measure: Callable[[dict[str, Any]], dict[str, Any]]
+) -> int:
+    """A role that measures once, in the child: its JSON spec on stdin, one ready line with
+    `measure(spec)` under `key` (or a failed line naming `name`), then it stays until released,
+    as every role does (the agent reads an early exit as a failure)."""
+    configure_child_logging(f"{name.replace(' ', '-')}[%(process)d]")
+    output = open_protocol_output()
+    try:
+        spec = json.loads(sys.stdin.buffer.readline() or b"null")
+        result = measure(spec)
+    except (TypeError, KeyError, ValueError, AttributeError, RuntimeError) as error:
+        output.write({"event": "failed", "reason": f"{name} failed: {error}"})
+        return 1
+    output.write({"event": "ready", key: result})
+    sys.stdin.buffer.read()
+    return 0

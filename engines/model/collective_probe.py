@@ -20,7 +20,6 @@ bounds its own wait, naming the peer that never came.
 from __future__ import annotations
 
 import faulthandler
-import json
 import logging
 import statistics
 import sys
@@ -33,7 +32,7 @@ blas.activate()  # before mlx loads: the BLAS tp's ranks run on
 
 import mlx.core as mx  # noqa: E402
 
-from discovery.json_child import configure_child_logging, open_protocol_output  # noqa: E402
+from discovery.json_child import run_measuring_role  # noqa: E402
 from engines.model.tp_step_probe import from_rank_0, has_tp_variant, time_tp_steps  # noqa: E402
 from engines.tensor_parallel.group import WorkerSpec  # noqa: E402
 from engines.tensor_parallel.worker import join_group  # noqa: E402
@@ -129,24 +128,14 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run() -> int:
-    """The collective_probe role: the spec on stdin, one ready (or failed) line on stdout."""
-    configure_child_logging("collective-probe[%(process)d]")
-    output = open_protocol_output()
-    try:
-        spec = json.loads(sys.stdin.buffer.readline() or b"null")
-        # A C thread: it fires even while mlx's ring init holds the GIL waiting for a peer.
-        faulthandler.dump_traceback_later(float(spec.get("timeout_s", TIMEOUT_S)), exit=True)
-        result = measure(spec)
-        faulthandler.cancel_dump_traceback_later()
-    except (TypeError, KeyError, ValueError, AttributeError, RuntimeError) as error:
-        output.write({"event": "failed", "reason": f"collective probe failed: {error}"})
-        return 1
-    output.write({"event": "ready", "collective": result})
-    # Stay until released, as every role does: the agent reads an early exit as a failure.
-    sys.stdin.buffer.read()
-    return 0
+def measure_bounded(spec: dict[str, Any]) -> dict[str, Any]:
+    """`measure`, ending this process past the spec's timeout."""
+    # A C thread: it fires even while mlx's ring init holds the GIL waiting for a peer.
+    faulthandler.dump_traceback_later(float(spec.get("timeout_s", TIMEOUT_S)), exit=True)
+    result = measure(spec)
+    faulthandler.cancel_dump_traceback_later()
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(run_measuring_role("collective probe", "collective", measure_bounded))

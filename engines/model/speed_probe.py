@@ -21,7 +21,6 @@ measurement on stdout.
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import sys
@@ -40,7 +39,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
 from discovery.cgroup_cpu import read_cpu_share  # noqa: E402
-from discovery.json_child import configure_child_logging, open_protocol_output  # noqa: E402
+from discovery.json_child import run_measuring_role  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -181,28 +180,17 @@ def measure(
     }
 
 
-def run() -> int:
-    """The speed_probe role: the spec on stdin, one ready (or failed) line on stdout."""
-    configure_child_logging("speed-probe[%(process)d]")
-    output = open_protocol_output()
-    try:
-        spec = json.loads(sys.stdin.buffer.readline() or b"null")
-        blas.set_threads(int(spec.get("blas_threads", 0)))
-        result = measure(
-            spec["config"],
-            tuple(int(r) for r in spec.get("rows", PROBE_ROWS)),
-            tuple(int(n) for n in spec.get("tp_sizes", ())),
-            int(spec.get("prefill_chunk", 256)),
-            bool(spec.get("float32", True)),
-        )
-    except (TypeError, KeyError, ValueError, AttributeError) as error:
-        output.write({"event": "failed", "reason": f"speed probe failed: {error}"})
-        return 1
-    output.write({"event": "ready", "speed": result})
-    # Stay until released, as every role does: the agent reads an early exit as a failure.
-    sys.stdin.buffer.read()
-    return 0
+def measure_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """`measure` as the speed_probe role's spec asks, with its BLAS threads."""
+    blas.set_threads(int(spec.get("blas_threads", 0)))
+    return measure(
+        spec["config"],
+        tuple(int(r) for r in spec.get("rows", PROBE_ROWS)),
+        tuple(int(n) for n in spec.get("tp_sizes", ())),
+        int(spec.get("prefill_chunk", 256)),
+        bool(spec.get("float32", True)),
+    )
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(run_measuring_role("speed probe", "speed", measure_spec))
