@@ -26,7 +26,8 @@ prefill chunk's, so a measured step is never predicted faster than its bytes at 
 crosses the encrypted control channel, an all_sum mlx's ring).
 
 A 2-rank group measured as one (engines/model/tp_step_probe.py: the coordinator and the member
-step a sharded model in lockstep) includes what the sum of its parts misses: on the lab's two
+step a sharded model in lockstep; used where neither rank is held to a CPU quota) includes what
+the sum of its parts misses: on the lab's two
 one-core machines an all_sum in the real forward cost ~0.3 ms more than an isolated one (the
 ranks drift apart while computing, the lazy graph syncs around each collective), so the parts
 predicted ~26 tok/s where tp served 21.4.
@@ -240,8 +241,12 @@ def predict_tp(
     def collectives(rows: float) -> float:
         return 2 * shape.num_layers * all_sum_s(ranks, rows, row_bytes, links)
 
-    # a 2-rank group measured whole, on the member's link: its layer and rest, all_sums included
-    layer, rest = (links[0].tp_layer, links[0].tp_rest) if ranks == 2 else (None, None)
+    # a 2-rank group measured whole, on the member's link: its layer and rest, all_sums
+    # included; not under a CPU quota, whose throttling the probe's median of short pairs
+    # misses (in the lab it read a 0.4-core rank's group at 26.5 tok/s; it served 8.1)
+    free = all(speeds.nodes[node].cpu_share >= 1 for node in node_ids)
+    measured_group = ranks == 2 and free
+    layer, rest = (links[0].tp_layer, links[0].tp_rest) if measured_group else (None, None)
 
     def step(rows: float) -> float:
         if layer is not None and rest is not None:

@@ -174,6 +174,12 @@ def test_a_group_measured_whole_prices_only_2_ranks_and_only_with_its_rest() -> 
     assert predict_tp(SHAPE, no_rest, ["a", "b"], 8) == predict_tp(SHAPE, pair, ["a", "b"], 8)
 
 
+def test_a_group_measured_whole_is_not_trusted_when_a_rank_is_held_to_a_cpu_quota() -> None:
+    held = cluster(speed("a"), replace(speed("b", slowdown=2.5), cpu_share=0.4))
+    whole = measured_group(held, tp_layer=GROUP_LAYER, tp_rest=GROUP_REST)
+    assert predict_tp(SHAPE, whole, ["a", "b"], 8) == predict_tp(SHAPE, held, ["a", "b"], 8)
+
+
 def test_tp_pays_its_shard_two_all_sums_a_layer_and_a_step_command() -> None:
     speeds = cluster(speed("a"), speed("b"))
     prediction = predict_tp(SHAPE, speeds, ["a", "b"], batch=8)
