@@ -1,6 +1,6 @@
 """Does the measured planner pick the fastest plan? Predicted against measured, in the lab.
 
-Run from the project root, as root: `python -m tests.bench.bench_planner` (about fifteen
+Run from the project root, as root: `python -m tests.bench.bench_planner` (about twenty-five
 minutes). Four lab configurations (tests/lab/machines.py, one BLAS thread per process, the
 scaling benchmark's 16-layer hidden-1024 model): two equal machines of one core on a free link;
 the same with the link capped; two unequal machines (the second with a CPU quota); three
