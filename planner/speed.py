@@ -61,6 +61,11 @@ class Curve:
         if any(not (math.isfinite(s) and s > 0) for _, s in self.points):
             raise PlanError(f"a speed curve's times {self.points} must be finite and > 0")
 
+    @classmethod
+    def from_json(cls, points: list[list[float]]) -> Curve:
+        """A probe's [[rows, seconds], ...]; PlanError when malformed."""
+        return cls(tuple((int(rows), float(seconds)) for rows, seconds in points))
+
     def at(self, rows: float) -> float:
         points = self.points
         if len(points) == 1 or rows <= points[0][0]:

@@ -104,12 +104,9 @@ def measure_all_sum(
     if not isinstance(points, list) or not points:
         raise PeerError(f"{what} answered no measurement: {ready}")
     if "tp_layer" not in measured:
-        return GroupSpeed(_curve(points))
-    return GroupSpeed(_curve(points), _curve(measured["tp_layer"]), _curve(measured["tp_rest"]))
-
-
-def _curve(points: list[list[float]]) -> Curve:
-    return Curve(tuple((int(rows), float(seconds)) for rows, seconds in points))
+        return GroupSpeed(Curve.from_json(points))
+    layer, rest = (Curve.from_json(measured[key]) for key in ("tp_layer", "tp_rest"))
+    return GroupSpeed(Curve.from_json(points), layer, rest)
 
 
 def _member_outcome(membership: Any, assignment: str) -> str:

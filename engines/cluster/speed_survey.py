@@ -100,17 +100,15 @@ def _on_loopback(address: str) -> bool:
 
 def node_speed(node_id: str, measured: dict[str, Any]) -> NodeSpeed:
     """The probe's JSON as the planner reads it; ValueError (via PlanError) when malformed."""
-
-    def curve(points: list[list[float]]) -> Curve:
-        return Curve(tuple((int(rows), float(seconds)) for rows, seconds in points))
-
     return NodeSpeed(
         node_id,
-        curve(measured["layer"]),
-        curve(measured["head"]),
+        Curve.from_json(measured["layer"]),
+        Curve.from_json(measured["head"]),
         float(measured["prefill_layer_s"]),
         int(measured["prefill_chunk"]),
-        tuple((int(ranks), curve(points)) for ranks, points in measured.get("shards", [])),
+        tuple(
+            (int(ranks), Curve.from_json(points)) for ranks, points in measured.get("shards", [])
+        ),
         float(measured.get("cpu_share", 1.0)),
     )
 
@@ -269,9 +267,7 @@ def _describe_all_sum(by_rows: dict[int, float] | None) -> str:
     """ "; all_sum 2 ranks: 0.48 ms at 1 row, 0.61 ms at 8 rows" when it was measured."""
     if not by_rows:
         return ""
-    points = ", ".join(
-        f"{ms:g} ms at {rows} row{'s' if rows != 1 else ''}" for rows, ms in by_rows.items()
-    )
+    points = ", ".join(f"{ms:g} ms at {_rows(rows)}" for rows, ms in by_rows.items())
     return f"; all_sum 2 ranks: {points}"
 
 
@@ -280,8 +276,7 @@ def _describe_tp_layer(layer: dict[int, float] | None, rest: dict[int, float] | 
     if not layer or not rest:
         return ""
     points = ", ".join(
-        f"{ms:g} ms at {rows} row{'s' if rows != 1 else ''} (rest {rest[rows]:g} ms)"
-        for rows, ms in layer.items()
+        f"{ms:g} ms at {_rows(rows)} (rest {rest[rows]:g} ms)" for rows, ms in layer.items()
     )
     return f"; a tp layer of 2 ranks, all_sums included: {points}"
 
@@ -296,3 +291,7 @@ def measure_here(spec: ProbeSpec) -> dict[str, Any]:
         raise PeerError(f"the coordinator's speed probe failed: {error}") from None
     finally:
         child.stop(5.0, ask=child.close_stdin)
+
+
+def _rows(count: int) -> str:
+    return f"{count} row{'s' if count != 1 else ''}"

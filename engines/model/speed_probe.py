@@ -53,7 +53,7 @@ LONG_MODEL_LAYERS = 5
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
-def _with(config: dict[str, Any], layers: int, ranks: int = 1) -> dict[str, Any]:
+def config_with(config: dict[str, Any], layers: int, ranks: int = 1) -> dict[str, Any]:
     """`config` with `layers` layers and, for a tp shard, 1/ranks of the heads and MLP."""
     changed = dict(config)
     for key in LAYER_KEYS:
@@ -69,7 +69,7 @@ def _with(config: dict[str, Any], layers: int, ranks: int = 1) -> dict[str, Any]
     return changed
 
 
-def _build(config: dict[str, Any], float32: bool) -> nn.Module:
+def build_model(config: dict[str, Any], float32: bool) -> nn.Module:
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     # Drawing random numbers for every weight took most of a build (3x that under a 0.3-core
@@ -114,7 +114,7 @@ def _patterned(weight: mx.array) -> mx.array:
     return pattern.reshape(weight.shape)
 
 
-def _decode_step(model: nn.Module, rows: int) -> Callable[[], None]:
+def decode_step(model: nn.Module, rows: int) -> Callable[[], None]:
     """A decode step of `rows` sequences with CONTEXT_TOKENS in their cache (which grows by a
     token a step, as serving's does)."""
     cache = make_prompt_cache(model)
@@ -136,17 +136,30 @@ def _prefill_step(model: nn.Module, chunk: int) -> Callable[[], None]:
     return step
 
 
-def _layer_and_rest(config: dict[str, Any], ranks: int, rows: tuple[int, ...], float32: bool):
-    """Per rows: (one layer's burst seconds, the rest's), from one- and five-layer models."""
-    one, long = (_build(_with(config, n, ranks), float32) for n in (1, LONG_MODEL_LAYERS))
+def layer_points(
+    rows: tuple[int, ...], paired_at: Callable[[int], tuple[float, float]]
+) -> list[tuple[int, float, float]]:
+    """Per rows: (one layer's seconds, the rest's), from `paired_at(rows)`: the five-layer step
+    minus the one-layer step, and the one-layer step."""
     points = []
     layer_floor = rest_floor = SMALLEST_S
     for count in rows:
-        difference, short_s = _paired(_decode_step(one, count), _decode_step(long, count))
+        difference, short_s = paired_at(count)
         # more rows never cost less: a dip is noise, so each point is at least the last
         layer_floor = max(difference / (LONG_MODEL_LAYERS - 1), layer_floor)
         rest_floor = max(short_s - layer_floor, rest_floor)
         points.append((count, layer_floor, rest_floor))
+    return points
+
+
+def _layer_and_rest(config: dict[str, Any], ranks: int, rows: tuple[int, ...], float32: bool):
+    """Per rows: (one layer's burst seconds, the rest's), from one- and five-layer models."""
+    one, long = (
+        build_model(config_with(config, n, ranks), float32) for n in (1, LONG_MODEL_LAYERS)
+    )
+    points = layer_points(
+        rows, lambda count: _paired(decode_step(one, count), decode_step(long, count))
+    )
     return one, long, points
 
 

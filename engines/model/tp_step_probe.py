@@ -23,7 +23,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
-from engines.model.speed_probe import LONG_MODEL_LAYERS, SMALLEST_S, _build, _decode_step, _with
+from engines.model.speed_probe import (
+    LONG_MODEL_LAYERS,
+    build_model,
+    config_with,
+    decode_step,
+    layer_points,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +48,16 @@ def time_tp_steps(
     """Per rows: (one layer's seconds, the rest's) of `config` sharded over `group`, and the
     pairs timed at each. Every rank must run the same steps in the same order."""
     one, long = (_sharded(config, layers, group, float32) for layers in (1, LONG_MODEL_LAYERS))
-    points = []
-    pairs_timed = []
-    layer_floor = rest_floor = SMALLEST_S
-    for count in rows:
+    pairs_timed: list[int] = []
+
+    def paired_at(count: int) -> tuple[float, float]:
         # each builds its cache with a prefill: both ranks in the same order
-        short_step, long_step = _decode_step(one, count), _decode_step(long, count)
+        short_step, long_step = decode_step(one, count), decode_step(long, count)
         difference, short_s, pairs = _lockstep_pairs(group, short_step, long_step, budget_s)
-        # more rows never cost less: a dip is noise, so each point is at least the last
-        layer_floor = max(difference / (LONG_MODEL_LAYERS - 1), layer_floor)
-        rest_floor = max(short_s - layer_floor, rest_floor)
-        points.append((count, layer_floor, rest_floor))
         pairs_timed.append(pairs)
+        return difference, short_s
+
+    points = layer_points(rows, paired_at)
     log.info("tp layer and rest by rows: %s over %s pairs", points, pairs_timed)
     return points, pairs_timed
 
@@ -71,7 +75,7 @@ def has_tp_variant(config: dict[str, Any]) -> bool:
 def _sharded(config: dict[str, Any], layers: int, group: mx.distributed.Group, float32: bool):
     """The `layers`-layer model of `config`, sharded the way tp's ranks load theirs
     (engines/weights/tp_share.py `load_rank_share`: `Model.shard(group)`)."""
-    model = _build(_with(config, layers), float32)
+    model = build_model(config_with(config, layers), float32)
     model.shard(group)
     mx.eval(model.parameters())
     return model
