@@ -7,7 +7,8 @@ measurements (engines/model/speed_probe.py measures them); no clock of its own.
             (a ring's 2(n-1) steps, each carrying 1/n of the rows, at the slowest link's
             step), plus rank 0's step command to the others; for 2 ranks whose group was
             measured as one (the member's link has `tp_layer`), layers x tp_layer(rows) +
-            tp_rest(rows) + the step command instead
+            tp_rest(rows) + the step command instead, no less than a held rank's CPU time
+            a step over its share
     pp:     one stream pays every stage and every hop; a full pipeline keeps one micro-batch
             per stage in flight, so a cycle is the slowest stage times the micro-batches, or
             one trip around the ring, whichever is longer
@@ -26,7 +27,8 @@ prefill chunk's, so a measured step is never predicted faster than its bytes at 
 crosses the encrypted control channel, an all_sum mlx's ring).
 
 A 2-rank group measured as one (engines/model/tp_step_probe.py: the coordinator and the member
-step a sharded model in lockstep; used where neither rank is held to a CPU quota) includes what
+step a sharded model in lockstep; where a rank is held to a CPU quota, only with both ranks'
+CPU times, and no faster than a held rank's CPU time over its share) includes what
 the sum of its parts misses: on the lab's two
 one-core machines an all_sum in the real forward cost ~0.3 ms more than an isolated one (the
 ranks drift apart while computing, the lazy graph syncs around each collective), so the parts
@@ -101,6 +103,18 @@ class NodeSpeed:
 
 
 @dataclass(frozen=True, slots=True)
+class RankCpu:
+    """One rank's own CPU time in a measured 2-rank tp group, by rows: a layer and the rest of
+    a step (its compute, and the ring's threads working while it waits at an all_sum)."""
+
+    layer: Curve
+    rest: Curve
+
+    def step_s(self, layers: int, rows: float) -> float:
+        return layers * self.layer.at(rows) + self.rest.at(rows)
+
+
+@dataclass(frozen=True, slots=True)
 class LinkSpeed:
     """The link between the coordinator and one member, as measured over the control channel."""
 
@@ -112,6 +126,7 @@ class LinkSpeed:
     # member, all_sums included, by rows, measured
     tp_layer: Curve | None = None
     tp_rest: Curve | None = None
+    tp_cpu: tuple[RankCpu, RankCpu] | None = None  # the coordinator's and this member's
 
     def transfer_s(self, size: float) -> float:
         return self.latency_s + size / self.bytes_per_s
@@ -247,16 +262,24 @@ def predict_tp(
         return 2 * shape.num_layers * all_sum_s(ranks, rows, row_bytes, links)
 
     # a 2-rank group measured whole, on the member's link: its layer and rest, all_sums
-    # included; not under a CPU quota, whose throttling the probe's median of short pairs
-    # misses (in the lab it read a 0.4-core rank's group at 26.5 tok/s; it served 8.1)
-    free = all(speeds.nodes[node].cpu_share >= 1 for node in node_ids)
-    measured_group = ranks == 2 and free
+    # included. Under a CPU quota only with each rank's CPU time: the probe's short pairs run
+    # as a burst (in the lab they read a 0.4-core rank's group at 26.5 tok/s; it served 8.1),
+    # and a rank cannot sustain a step quicker than its CPU time over its share.
+    shares = [speeds.nodes[node].cpu_share for node in node_ids]
+    cpu = links[0].tp_cpu if ranks == 2 else None
+    measured_group = ranks == 2 and (cpu is not None or all(share >= 1 for share in shares))
     layer, rest = (links[0].tp_layer, links[0].tp_rest) if measured_group else (None, None)
 
     def step(rows: float) -> float:
-        if layer is not None and rest is not None:
-            return shape.num_layers * layer.at(rows) + rest.at(rows) + command
-        return compute(rows) + collectives(rows) + command
+        if layer is None or rest is None:
+            return compute(rows) + collectives(rows) + command
+        wall = shape.num_layers * layer.at(rows) + rest.at(rows)
+        held = [  # a free rank's CPU time may exceed the wall time (threads on more cores)
+            rank.step_s(shape.num_layers, rows) / share
+            for rank, share in zip(cpu or (), shares, strict=False)
+            if share < 1
+        ]
+        return max([wall, *held]) + command
 
     slowest = max(speeds.nodes[node].prefill_layer_s for node in node_ids)
     chunk = speeds.nodes[node_ids[0]].prefill_chunk
@@ -278,6 +301,14 @@ def predict_tp(
             f"{shape.num_layers} layers x {_ms(layer.at(1))} measured as a 2-rank group, "
             f"the rest {_ms(rest.at(1))}"
         )
+        if cpu is not None:
+            held = [
+                f"{node} at {share:g} of a core: {_ms(rank.step_s(shape.num_layers, 1))} "
+                "of its CPU a step"
+                for node, share, rank in zip(node_ids, shares, cpu, strict=True)
+                if share < 1
+            ]
+            dominant += "".join(f"; {text}" for text in held)
     return Prediction(
         "tp", tuple(node_ids), 1 / step(1), batch, batch / step(batch), prefill, dominant
     )

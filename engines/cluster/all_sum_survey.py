@@ -18,7 +18,7 @@ from discovery.framing import free_port
 from discovery.json_child import ChildNotReady, JsonChild
 from engines.cluster.launch import DEFAULT_RING_PORT_BASE, ring_port
 from planner.errors import PeerError
-from planner.speed import Curve
+from planner.speed import Curve, RankCpu
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,12 @@ class AllSumProbe:
 @dataclass(frozen=True, slots=True)
 class GroupSpeed:
     """A 2-rank group's measurement, by rows: its all_sum, and one tp layer and the rest of
-    the step (None unless the probe had a config)."""
+    the step, in wall time and each rank's CPU time (None unless the probe had a config)."""
 
     all_sum: Curve
     tp_layer: Curve | None = None
     tp_rest: Curve | None = None
+    tp_cpu: tuple[RankCpu, RankCpu] | None = None  # each rank's own CPU time: here, the member
 
 
 def measure_all_sum(
@@ -92,9 +93,10 @@ def measure_all_sum(
             child.start(probe.payload(0, hosts))
             ready = child.wait_ready(ALL_SUM_TIMEOUT_S)
         except ChildNotReady as error:
-            member = _member_outcome(membership, assignment)
+            _, member = _member_outcome(membership, assignment)
             raise PeerError(f"{what} failed: {error}{member}") from None
-        _member_outcome(membership, assignment)  # settles the member's assignment
+        # settles the member's assignment; its rank's own CPU times come with it
+        member_measured, _ = _member_outcome(membership, assignment)
     finally:
         # A rank still joining holds the GIL and never reads stdin: SIGTERM ends it.
         child.stop(STOP_GRACE_S, ask=child.close_stdin if ready else None)
@@ -106,13 +108,25 @@ def measure_all_sum(
     if "tp_layer" not in measured:
         return GroupSpeed(Curve.from_json(points))
     layer, rest = (Curve.from_json(measured[key]) for key in ("tp_layer", "tp_rest"))
-    return GroupSpeed(Curve.from_json(points), layer, rest)
+    here_cpu, member_cpu = _rank_cpu(measured), _rank_cpu(member_measured)
+    both = None if here_cpu is None or member_cpu is None else (here_cpu, member_cpu)
+    return GroupSpeed(Curve.from_json(points), layer, rest, both)
 
 
-def _member_outcome(membership: Any, assignment: str) -> str:
-    """'; the member: <why>' when the member's rank failed, else ''."""
+def _rank_cpu(measured: dict[str, Any]) -> RankCpu | None:
+    """A rank's own CPU time in the tp steps (None from a rank that did not report it)."""
+    if "tp_layer_cpu" not in measured or "tp_rest_cpu" not in measured:
+        return None
+    layer, rest = (Curve.from_json(measured[key]) for key in ("tp_layer_cpu", "tp_rest_cpu"))
+    return RankCpu(layer, rest)
+
+
+def _member_outcome(membership: Any, assignment: str) -> tuple[dict[str, Any], str]:
+    """(the member rank's measurement, '') when it answered; ({}, '; the member: <why>') when
+    it failed."""
     try:
-        membership.wait_ready(assignment, PEER_ANSWER_S)
+        result = membership.wait_ready(assignment, PEER_ANSWER_S)
     except PeerError as error:
-        return f"; the member: {error}"
-    return ""
+        return {}, f"; the member: {error}"
+    measured = result.detail.get("collective")
+    return (measured if isinstance(measured, dict) else {}), ""

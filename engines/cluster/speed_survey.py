@@ -227,6 +227,7 @@ class SpeedSurvey:
                 all_sum=group.all_sum,
                 tp_layer=group.tp_layer,
                 tp_rest=group.tp_rest,
+                tp_cpu=group.tp_cpu,
             )
 
     def _failed(self, node_id: str, error: Exception) -> None:
@@ -256,6 +257,8 @@ def _link_status(link: LinkSpeed) -> dict[str, Any]:
     if link.tp_layer is not None and link.tp_rest is not None:
         status["tp_layer_ms"] = _ms_by_rows(link.tp_layer)
         status["tp_rest_ms"] = _ms_by_rows(link.tp_rest)
+    if link.tp_cpu is not None:  # each rank's own CPU time a tp layer: coordinator, member
+        status["tp_layer_cpu_ms"] = [_ms_by_rows(rank.layer) for rank in link.tp_cpu]
     return status
 
 

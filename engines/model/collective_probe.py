@@ -10,7 +10,7 @@ a JSON spec on stdin ({"rank", "hosts", "hidden_size", "rows", "float32", "round
 "budget_s", "timeout_s", and optionally the model's "config"}), one ready line with the median
 seconds per all_sum by rows on stdout. With a config, both ranks then time that model's decode
 step sharded over the same ring (engines/model/tp_step_probe.py): a tp layer, all_sums
-included, and the rest of the step, by rows.
+included, and the rest of the step, by rows, in wall time and in the rank's own CPU time.
 
 mlx's ring init blocks (holding the GIL) until every rank has joined, so no Python thread can
 time it out: faulthandler's C watchdog ends the process after `timeout_s`, and the parent
@@ -119,10 +119,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "no tp layer timed: mlx-lm's %r model has no Model.shard", config.get("model_type")
         )
     elif isinstance(config, dict):
-        points, pairs = time_tp_steps(group, config, rows, float32)
-        result["tp_layer"] = [[count, layer] for count, layer, _ in points]
-        result["tp_rest"] = [[count, rest] for count, _, rest in points]
-        result["tp_pairs"] = pairs
+        steps = time_tp_steps(group, config, rows, float32)
+        for suffix, points in (("", steps.wall), ("_cpu", steps.cpu)):
+            result[f"tp_layer{suffix}"] = [[count, layer] for count, layer, _ in points]
+            result[f"tp_rest{suffix}"] = [[count, rest] for count, _, rest in points]
+        result["tp_pairs"] = steps.pairs
     result["join_s"] = round(joined_s, 3)
     result["probe_s"] = round(time.monotonic() - started, 3)
     return result

@@ -10,6 +10,11 @@ Wall time, since a tp group runs in lockstep and sustained: a rank waiting for i
 for real. A layer is a quarter of the five- and one-layer steps' difference (the median of
 pairs taken in turns, as speed_probe's), the rest of the one-layer step is the embedding, head
 and the step's own overhead.
+
+Each rank also reports its own CPU time, layer and rest alike: its compute and the ring's
+threads, which keep working while a rank waits at an all_sum (on the lab's one-core machines
+a rank's CPU time per step equals the group's wall time). A rank held to a CPU quota cannot
+step faster than that CPU time over its share, however quick a short burst of pairs ran.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -38,28 +44,41 @@ MAX_PAIRS = 40
 POINT_BUDGET_S = 0.6  # timed pairs per rows: as many as rank 0's first pairs say fit in this
 
 
+@dataclass(frozen=True, slots=True)
+class TpSteps:
+    """Per rows: (one layer's seconds, the rest's) of the group in wall time, the same in this
+    rank's own CPU time, and the pairs timed at each rows."""
+
+    wall: list[tuple[int, float, float]]
+    cpu: list[tuple[int, float, float]]
+    pairs: list[int]
+
+
 def time_tp_steps(
     group: mx.distributed.Group,
     config: dict[str, Any],
     rows: tuple[int, ...],
     float32: bool,
     budget_s: float = POINT_BUDGET_S,
-) -> tuple[list[tuple[int, float, float]], list[int]]:
-    """Per rows: (one layer's seconds, the rest's) of `config` sharded over `group`, and the
-    pairs timed at each. Every rank must run the same steps in the same order."""
+) -> TpSteps:
+    """`config` sharded over `group`, stepped at each of `rows`. Every rank must run the same
+    steps in the same order."""
     one, long = (_sharded(config, layers, group, float32) for layers in (1, LONG_MODEL_LAYERS))
     pairs_timed: list[int] = []
+    cpu_pairs: dict[int, tuple[float, float]] = {}
 
     def paired_at(count: int) -> tuple[float, float]:
         # each builds its cache with a prefill: both ranks in the same order
         short_step, long_step = decode_step(one, count), decode_step(long, count)
-        difference, short_s, pairs = _lockstep_pairs(group, short_step, long_step, budget_s)
+        wall, cpu, pairs = _lockstep_pairs(group, short_step, long_step, budget_s)
         pairs_timed.append(pairs)
-        return difference, short_s
+        cpu_pairs[count] = cpu
+        return wall
 
-    points = layer_points(rows, paired_at)
-    log.info("tp layer and rest by rows: %s over %s pairs", points, pairs_timed)
-    return points, pairs_timed
+    wall = layer_points(rows, paired_at)
+    cpu = layer_points(rows, cpu_pairs.__getitem__)
+    log.info("tp layer and rest by rows: %s (CPU %s) over %s pairs", wall, cpu, pairs_timed)
+    return TpSteps(wall, cpu, pairs_timed)
 
 
 def has_tp_variant(config: dict[str, Any]) -> bool:
@@ -81,32 +100,41 @@ def _sharded(config: dict[str, Any], layers: int, group: mx.distributed.Group, f
     return model
 
 
+Medians = tuple[float, float]  # (median of long minus short, median of short)
+
+
 def _lockstep_pairs(
     group: mx.distributed.Group,
     short: Callable[[], None],
     long: Callable[[], None],
     budget_s: float,
-) -> tuple[float, float, int]:
-    """(median of long minus short, median of short, pairs) over pairs stepped in turns. Rank
-    0 picks the pair count from its first pairs and tells the others, as the all_sum rounds."""
+) -> tuple[Medians, Medians, int]:
+    """(wall medians, this process's CPU medians, pairs) over pairs stepped in turns. Rank 0
+    picks the pair count from its first pairs and tells the others, as the all_sum rounds."""
     short()  # the first steps compile and allocate
     long()
 
-    def pair() -> tuple[float, float]:
-        began = time.perf_counter()
+    def pair() -> tuple[float, float, float, float]:
+        """(long, short) in wall seconds, then in CPU seconds."""
+        began, cpu_began = time.perf_counter(), time.process_time()
         short()
-        middle = time.perf_counter()
+        middle, cpu_middle = time.perf_counter(), time.process_time()
         long()
-        return time.perf_counter() - middle, middle - began
+        ended, cpu_ended = time.perf_counter(), time.process_time()
+        return ended - middle, middle - began, cpu_ended - cpu_middle, cpu_middle - cpu_began
 
     # the quicker of two: the first pairs after a build still stall now and then
-    estimate_s = min(sum(pair()) for _ in range(2))
+    estimate_s = min(sum(pair()[:2]) for _ in range(2))
     fitting = int(budget_s / max(estimate_s, 1e-9))
     pairs = from_rank_0(group, min(max(fitting, MIN_PAIRS), MAX_PAIRS))
     pair()  # the step after that sync may stall a scheduler tick (collective_probe.py)
     timed = [pair() for _ in range(pairs)]
-    differences = [long_s - short_s for long_s, short_s in timed]
-    return statistics.median(differences), statistics.median(s for _, s in timed), pairs
+
+    def medians(long_at: int) -> Medians:
+        differences = [t[long_at] - t[long_at + 1] for t in timed]
+        return statistics.median(differences), statistics.median(t[long_at + 1] for t in timed)
+
+    return medians(0), medians(2), pairs
 
 
 def from_rank_0(group: mx.distributed.Group, value: int) -> int:

@@ -61,7 +61,7 @@ def test_two_ranks_on_loopback_time_their_all_sums_and_a_tp_layer(demo_model_dir
     assert ready[0]["rounds"] == ready[1]["rounds"]  # they stopped on the same round
     for measured in ready:
         # the demo model sharded over both: a layer and the rest, all_sums included, by rows
-        for key in ("tp_layer", "tp_rest"):
+        for key in ("tp_layer", "tp_rest", "tp_layer_cpu", "tp_rest_cpu"):
             assert [rows for rows, _ in measured[key]] == [1, 8], measured
             assert all(0 < seconds < 1.0 for _, seconds in measured[key]), measured
         assert all(MIN_PAIRS <= pairs <= MAX_PAIRS for pairs in measured["tp_pairs"])
@@ -157,11 +157,15 @@ def test_the_survey_puts_a_measured_all_sum_on_the_link_or_names_why_not(
     assert measured.all_sum is not None and [r for r, _ in measured.all_sum.points] == [1, 4]
     assert measured.tp_layer is not None and [r for r, _ in measured.tp_layer.points] == [1, 4]
     assert measured.tp_rest is not None and measured.tp_rest.at(1) > 0
+    # each rank's own CPU time: rank 0's from its child here, rank 1's from the member's answer
+    assert measured.tp_cpu is not None
+    assert all(rank.layer.at(1) > 0 and rank.rest.at(1) > 0 for rank in measured.tp_cpu)
     assert pinged.all_sum is None and pinged.latency_s == 50e-6  # c stays on its pings
     status = survey.status()
     assert list(status["links"]["b"]["all_sum_ms"]) == [1, 4]
     assert "all_sum_ms" not in status["links"]["c"]
     assert list(status["links"]["b"]["tp_layer_ms"]) == [1, 4]
+    assert [list(rank) for rank in status["links"]["b"]["tp_layer_cpu_ms"]] == [[1, 4], [1, 4]]
     assert "tp_layer_ms" not in status["links"]["c"]
     assert status["problems"]["c"].startswith("all_sum not measured: the all_sum probe between")
     lines = survey.describe()

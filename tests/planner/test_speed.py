@@ -13,6 +13,7 @@ from planner.speed import (
     Curve,
     LinkSpeed,
     NodeSpeed,
+    RankCpu,
     all_sum_s,
     predict_pp,
     predict_single,
@@ -174,10 +175,32 @@ def test_a_group_measured_whole_prices_only_2_ranks_and_only_with_its_rest() -> 
     assert predict_tp(SHAPE, no_rest, ["a", "b"], 8) == predict_tp(SHAPE, pair, ["a", "b"], 8)
 
 
-def test_a_group_measured_whole_is_not_trusted_when_a_rank_is_held_to_a_cpu_quota() -> None:
+def test_a_group_measured_whole_is_not_trusted_under_a_cpu_quota_without_its_cpu_times() -> None:
     held = cluster(speed("a"), replace(speed("b", slowdown=2.5), cpu_share=0.4))
     whole = measured_group(held, tp_layer=GROUP_LAYER, tp_rest=GROUP_REST)
     assert predict_tp(SHAPE, whole, ["a", "b"], 8) == predict_tp(SHAPE, held, ["a", "b"], 8)
+
+
+# each rank's own CPU time in the group: a layer 1.2 ms at 1 row, 1.9 at 8; the rest 0.8, 1.0
+RANK_CPU = RankCpu(Curve(((1, 1.2 * MS), (8, 1.9 * MS))), Curve(((1, 0.8 * MS), (8, 1.0 * MS))))
+
+
+def test_a_rank_held_to_a_quota_sustains_a_step_of_its_cpu_time_over_its_share() -> None:
+    held = cluster(speed("a"), replace(speed("b"), cpu_share=0.4))
+    whole = measured_group(held, tp_layer=GROUP_LAYER, tp_rest=GROUP_REST)
+    with_cpu = replace(whole, links={"b": replace(whole.links["b"], tp_cpu=(RANK_CPU, RANK_CPU))})
+    prediction = predict_tp(SHAPE, with_cpu, ["a", "b"], batch=8)
+    assert prediction is not None
+    # b's CPU a step over 0.4 of a core beats the group's wall step (32 x 1.3 + 2.5 ms):
+    # (32 x 1.2 + 0.8) / 0.4 = 98 ms at one row, (32 x 1.9 + 1.0) / 0.4 = 154.5 ms at 8
+    assert prediction.decode_tps == pytest.approx(1 / ((32 * 1.2 + 0.8) * MS / 0.4 + 50e-6))
+    assert prediction.batch_tps == pytest.approx(8 / ((32 * 1.9 + 1.0) * MS / 0.4 + 50e-6))
+    assert prediction.dominant.endswith("; b at 0.4 of a core: 39.2 ms of its CPU a step")
+    # the same group with both ranks free: the wall step, whatever their CPU time
+    free = replace(with_cpu, nodes={**with_cpu.nodes, "b": speed("b")})
+    unheld = predict_tp(SHAPE, free, ["a", "b"], batch=8)
+    assert unheld is not None
+    assert unheld.decode_tps == pytest.approx(1 / (32 * 1.3 * MS + 2.5 * MS + 50e-6))
 
 
 def test_tp_pays_its_shard_two_all_sums_a_layer_and_a_step_command() -> None:
