@@ -21,10 +21,11 @@ from planner.plan_data import ClusterPlan, NodeResources
 from planner.speed import ClusterSpeeds, Prediction, predict_pp, predict_single, predict_tp
 
 RUNNERS_UP_IN_REASON = 2
-# The cost model's predictions land within about this much of what a plan serves (the lab's
-# "Measured planner" benchmark); a plan over more machines that is predicted faster by less may
-# well be slower, and every machine added is one more that can fail or lag.
-MORE_MACHINES_MARGIN = 0.10
+# In the lab's "Measured planner" benchmark the cost model predicted plans over several machines
+# 11-28% (median ~20%) more optimistically than single on the same machines, so a plan over
+# more machines that is predicted faster by less may well be slower; and every machine added is
+# one more that can fail or lag.
+MORE_MACHINES_MARGIN = 0.20
 
 
 def predict(plan: ClusterPlan, shape: ModelShape, speeds: ClusterSpeeds) -> Prediction | None:
