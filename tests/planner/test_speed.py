@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 
 from planner import NodeResources, Parallelism, PlanError, plan_cluster
-from planner.measured import plan_measured
+from planner.measured import _pick, plan_measured
 from planner.speed import (
     ClusterSpeeds,
     Curve,
     LinkSpeed,
     NodeSpeed,
+    Prediction,
     RankCpu,
     all_sum_s,
     predict_pp,
@@ -336,6 +337,34 @@ def test_auto_by_measurement_still_needs_memory_and_sits_a_tiny_member_out() -> 
     plan = measured(AUTO, speeds, member("a", 200), member("b", 200), member("c", 8))
     assert plan.refusal is None and "c" not in plan.ranks
     assert plan.decision.chosen is TP and "sitting out: c" in plan.decision.reason
+
+
+def _predicted(strategy: str, machines: int, tps: float) -> Prediction:
+    nodes = tuple("abc"[:machines])
+    return Prediction(strategy, nodes, tps, 8, tps * 4, 1.0, "")
+
+
+@pytest.mark.parametrize(
+    ("fewer", "more", "chosen"),
+    [
+        # leaving single takes 20%: 23.9 -> 28.0 is 17% faster, single stays; 29.0 is 21%
+        (("single", 1, 23.9), ("pp", 2, 28.0), "single"),
+        (("single", 1, 23.9), ("pp", 2, 29.0), "pp"),
+        # between plans over several machines 10%: the lab's three machines, pp=2 predicted
+        # 18.3 and pp=3 20.5 (12% faster; they served 15.0 and 20.2): pp=3; 19.9 (9%): pp=2
+        (("pp", 2, 18.3), ("pp", 3, 20.5), "pp=3"),
+        (("pp", 2, 18.3), ("pp", 3, 19.9), "pp=2"),
+    ],
+)
+def test_a_plan_over_more_machines_must_be_predicted_faster_by_the_margin(
+    fewer: tuple[str, int, float], more: tuple[str, int, float], chosen: str
+) -> None:
+    small, large = _predicted(*fewer), _predicted(*more)
+    candidates = sorted(
+        [("fewer", small), ("more", large)], key=lambda pair: -pair[1].decode_tps
+    )
+    _, picked = _pick(candidates)  # type: ignore[arg-type]
+    assert picked.label == chosen or picked.strategy == chosen
 
 
 def test_explicit_choices_are_planned_as_asked_with_their_prediction() -> None:
