@@ -270,16 +270,19 @@ def predict_tp(
     measured_group = ranks == 2 and (cpu is not None or all(share >= 1 for share in shares))
     layer, rest = (links[0].tp_layer, links[0].tp_rest) if measured_group else (None, None)
 
+    # only held ranks: a free rank's CPU time may exceed the wall time (threads on more cores)
+    held = [
+        (node, share, rank)
+        for node, share, rank in zip(node_ids, shares, cpu or (), strict=False)
+        if share < 1
+    ]
+
     def step(rows: float) -> float:
         if layer is None or rest is None:
             return compute(rows) + collectives(rows) + command
         wall = shape.num_layers * layer.at(rows) + rest.at(rows)
-        held = [  # a free rank's CPU time may exceed the wall time (threads on more cores)
-            rank.step_s(shape.num_layers, rows) / share
-            for rank, share in zip(cpu or (), shares, strict=False)
-            if share < 1
-        ]
-        return max([wall, *held]) + command
+        sustained = [rank.step_s(shape.num_layers, rows) / share for _, share, rank in held]
+        return max([wall, *sustained]) + command
 
     slowest = max(speeds.nodes[node].prefill_layer_s for node in node_ids)
     chunk = speeds.nodes[node_ids[0]].prefill_chunk
@@ -301,14 +304,11 @@ def predict_tp(
             f"{shape.num_layers} layers x {_ms(layer.at(1))} measured as a 2-rank group, "
             f"the rest {_ms(rest.at(1))}"
         )
-        if cpu is not None:
-            held = [
-                f"{node} at {share:g} of a core: {_ms(rank.step_s(shape.num_layers, 1))} "
-                "of its CPU a step"
-                for node, share, rank in zip(node_ids, shares, cpu, strict=True)
-                if share < 1
-            ]
-            dominant += "".join(f"; {text}" for text in held)
+        dominant += "".join(
+            f"; {node} at {share:g} of a core: {_ms(rank.step_s(shape.num_layers, 1))} "
+            "of its CPU a step"
+            for node, share, rank in held
+        )
     return Prediction(
         "tp", tuple(node_ids), 1 / step(1), batch, batch / step(batch), prefill, dominant
     )

@@ -114,27 +114,29 @@ def _lockstep_pairs(
     short()  # the first steps compile and allocate
     long()
 
-    def pair() -> tuple[float, float, float, float]:
-        """(long, short) in wall seconds, then in CPU seconds."""
+    def pair() -> tuple[tuple[float, float], tuple[float, float]]:
+        """((long, short) in wall seconds, (long, short) in CPU seconds)."""
         began, cpu_began = time.perf_counter(), time.process_time()
         short()
         middle, cpu_middle = time.perf_counter(), time.process_time()
         long()
         ended, cpu_ended = time.perf_counter(), time.process_time()
-        return ended - middle, middle - began, cpu_ended - cpu_middle, cpu_middle - cpu_began
+        return (ended - middle, middle - began), (cpu_ended - cpu_middle, cpu_middle - cpu_began)
 
     # the quicker of two: the first pairs after a build still stall now and then
-    estimate_s = min(sum(pair()[:2]) for _ in range(2))
+    estimate_s = min(sum(pair()[0]) for _ in range(2))
     fitting = int(budget_s / max(estimate_s, 1e-9))
     pairs = from_rank_0(group, min(max(fitting, MIN_PAIRS), MAX_PAIRS))
     pair()  # the step after that sync may stall a scheduler tick (collective_probe.py)
-    timed = [pair() for _ in range(pairs)]
+    wall, cpu = zip(*(pair() for _ in range(pairs)), strict=True)
+    return _medians(wall), _medians(cpu), pairs
 
-    def medians(long_at: int) -> Medians:
-        differences = [t[long_at] - t[long_at + 1] for t in timed]
-        return statistics.median(differences), statistics.median(t[long_at + 1] for t in timed)
 
-    return medians(0), medians(2), pairs
+def _medians(timed: tuple[tuple[float, float], ...]) -> Medians:
+    return (
+        statistics.median(long_s - short_s for long_s, short_s in timed),
+        statistics.median(short_s for _, short_s in timed),
+    )
 
 
 def from_rank_0(group: mx.distributed.Group, value: int) -> int:
