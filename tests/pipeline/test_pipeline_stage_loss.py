@@ -3,6 +3,7 @@ ends with an error naming the stage."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -145,6 +146,9 @@ def test_lost_stage_ends_every_stream_of_a_batch_with_an_error(fragile: Any, fau
         assert elapsed < 1.0 + engine.token_timeout_s + 3
         assert not engine.healthy()
     finally:
-        if victim.popen.poll() is None:
-            os.kill(victim.pid, signal.SIGCONT)
+        if fault == "freeze":
+            # poll() can say "running" while another thread is reaping the killed worker,
+            # so only the frozen one is woken, and a worker already gone is fine.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.pid, signal.SIGCONT)
         runner.close()
