@@ -149,7 +149,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     nodes = [coordinator_resources(f"{socket.gethostname()}-coordinator", args.memory_limit)]
     members: list[Any] = []
     verified: list[Any] = []
-    speeds = None
+    survey, speeds = None, None
     if key is not None:
         membership = open_membership(key, args.interface, args.discovery_timeout, args.hostfile)
         try:
@@ -171,10 +171,13 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
                 here = coordinator_address(args.interface, members)
                 survey = SpeedSurvey(membership, nodes[0].node_id, here)
                 speeds = survey.for_plan(facts, nodes, args.max_batch)
-                for line in survey.describe():
-                    print(line)
         finally:
             membership.close()
+    if survey is None and wants_measuring(args.measure_speeds, nodes):  # alone, and asked
+        survey = SpeedSurvey(None, nodes[0].node_id)
+        speeds = survey.for_plan(facts, nodes, args.max_batch)
+    for line in survey.describe() if survey is not None else ():
+        print(line)
     settings = PlanSettings(
         Parallelism(args.parallelism),
         args.collective,
@@ -283,8 +286,9 @@ def serve(config: ServeConfig) -> int:
         )
         supervisor.membership = membership
     address = coordinator_address(config.interface, membership.members() if membership else [])
-    if membership is not None:
-        supervisor.survey = SpeedSurvey(membership, node_id, address)
+    if membership is not None or config.measure_speeds == "on":
+        # alone (no cluster key for single), "on" still measures this machine for its prediction
+        supervisor.survey = SpeedSurvey(membership, node_id, address if membership else None)
     weights = None
     if membership is not None and key is not None and config.send_weights:
         from engines.weights.source import WeightSource

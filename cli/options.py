@@ -114,7 +114,8 @@ def add_planning_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "on", "off"],
         help="measure every machine's speed and link (a few seconds per new member) so that "
-        "auto serves the fastest predicted plan; auto: when a member is another machine",
+        "auto serves the fastest predicted plan and every plan shows its prediction; auto: "
+        "when a member is another machine; on: also alone or over loopback",
     )
 
 

@@ -82,13 +82,17 @@ def probe_spec(facts: ModelFacts, world_size: int, max_batch: int, float32: bool
 
 
 def wants_measuring(measure: str, nodes: list[NodeResources]) -> bool:
-    """Whether to measure `nodes` (the coordinator first) for the planner: never alone or when
-    the operator said "off"; under "auto" only when a member is another machine (members on
-    this machine's loopback share its cores, and what they measure says nothing of a cluster).
+    """Whether to measure `nodes` (the coordinator first) for the planner: always under "on"
+    (alone too: the plan then shows its prediction beside what it serves), never under "off";
+    under "auto" only when a member is another machine (members on this machine's loopback
+    share its cores, and what they measure says nothing of a cluster; alone, there is nothing
+    to choose between).
     """
-    if len(nodes) < 2 or measure == "off":
+    if not nodes or measure == "off":
         return False
-    return measure == "on" or not all(_on_loopback(node.address) for node in nodes[1:])
+    if measure == "on":
+        return True
+    return len(nodes) > 1 and not all(_on_loopback(node.address) for node in nodes[1:])
 
 
 def _on_loopback(address: str) -> bool:
@@ -117,9 +121,9 @@ class SpeedSurvey:
     """The measured speeds of the nodes seen so far, and why any could not be measured."""
 
     def __init__(
-        self, membership: Any, coordinator_id: str, coordinator_address: str | None = None
+        self, membership: Any | None, coordinator_id: str, coordinator_address: str | None = None
     ) -> None:
-        self.membership = membership
+        self.membership = membership  # None: a coordinator alone, which measures only itself
         self.coordinator_id = coordinator_id
         # Where members reach this machine (tp's rank 0); None: no all_sum is measured.
         self.coordinator_address = coordinator_address

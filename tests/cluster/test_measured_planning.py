@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from discovery.cluster_key import format_key, generate_key
 from engines.cluster.speed_survey import node_speed, wants_measuring
 from engines.model.speed_probe import measure
 from planner import NodeResources
@@ -41,7 +42,9 @@ def test_the_probe_measures_a_layer_its_shard_and_the_head(demo_model_dir: Path)
         ("auto", ["198.18.0.1", "198.18.0.2"], True),
         ("on", ["127.0.0.1", "127.0.0.1"], True),
         ("off", ["198.18.0.1", "198.18.0.2"], False),
-        ("on", ["198.18.0.1"], False),  # alone: nothing to choose between
+        ("auto", ["198.18.0.1"], False),  # alone: nothing to choose between
+        ("on", ["198.18.0.1"], True),  # ...but asked: the plan shows its prediction
+        ("off", ["198.18.0.1"], False),
     ],
 )
 def test_when_speeds_are_measured(choice: str, addresses: list[str], expected: bool) -> None:
@@ -114,3 +117,27 @@ def test_tandem_plan_prints_the_measured_link_and_its_all_sum(
     assert " ms at 4 rows; a tp layer of 2 ranks, all_sums included: " in link, link
     assert link.endswith(" ms)"), link
     assert "not measured" not in done.stdout, done.stdout
+
+
+def test_single_alone_measured_on_request_shows_its_prediction_beside_what_it_serves(
+    demo_model_dir: Path, servers: list[ServeProcess], tmp_path: Path
+) -> None:
+    server = start_serve(
+        tmp_path, demo_model_dir, format_key(generate_key()),
+        ["--parallelism", "single", "--model-id", "demo", "--measure-speeds", "on",
+         "--max-batch", "4"],
+    )  # fmt: skip
+    servers.append(server)
+    cluster = server.cluster()
+    assert list(cluster["speeds"]["nodes"]) == [cluster["plan"]["ranks"][0]]
+    assert not cluster["speeds"]["links"] and not cluster["speeds"]["problems"]
+    [prediction] = cluster["plan"]["predictions"]
+    assert prediction["label"] == "single" and prediction["decode_tps"] > 0
+    layers = json.loads((demo_model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert prediction["dominant"].startswith(f"{layers} layers x "), prediction
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
+    reply = client.completions.create(model="demo", prompt="Hi", max_tokens=4, temperature=0)
+    assert reply.usage.completion_tokens == 4
+    after = server.cluster()
+    assert after["predicted"] == prediction
+    assert after["served"]["requests"] == 1 and after["served"]["decode_tps_per_stream"] > 0
