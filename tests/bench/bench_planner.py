@@ -137,7 +137,7 @@ def main() -> None:
         for label, result in measured.items():
             # the forced run's own prediction, made by the process that then served (this
             # machine's speed drifts by ~10% within minutes); auto's where a run made none
-            # (`--parallelism single` looks for no members, so measures nothing)
+            # (every forced run measures with `--measure-speeds on`, single's coordinator alone)
             own = result["predicted"]
             predicted = own if own and own["label"] == label else candidates[label]
             auto_errors.append(abs(error(candidates[label]["decode_tps"], result["decode"])))
@@ -200,7 +200,7 @@ def main() -> None:
         "`python -m tests.bench.bench_planner` (as root): four lab setups, one BLAS thread per "
         f"process, the scaling benchmark's {scaling.LAYERS}-layer hidden-{scaling.HIDDEN} model; "
         "every plan over all the machines forced in turn (each run measures and predicts "
-        "itself; an error is against the run's own prediction, single's against auto's), "
+        "itself, single its coordinator alone; an error is against the run's own prediction), "
         f"{ROUNDS} greedy 1-stream rounds of {scaling.MAX_TOKENS} tokens (median) and "
         f"{AGGREGATE_ROUNDS} rounds of {scaling.STREAMS} streams, through the OpenAI API. The "
         "8-stream prediction is the cost model's at a batch of 8 (`--max-batch 8`).\n\n" + body,
