@@ -44,7 +44,8 @@ from discovery.json_child import run_measuring_role  # noqa: E402
 log = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 4, 8, 16)  # sequences decoded together
-CONTEXT_TOKENS = 32  # already in the KV cache when a decode step is timed
+CONTEXT_TOKENS = 8  # already in the KV cache when a decode step is timed (filling it is a prefill
+# of rows x these tokens on both models, most of a point at 8 rows: 32 cost 0.85 s a probe here)
 MIN_PAIRS = 5  # timed pairs of decode steps per point at least
 POINT_BUDGET_S = 0.25  # ...and pairs for about this long (wall time: a quota slows the probe)
 PREFILL_PAIRS = 1  # after its warm-up: a prefill chunk takes long and varies little
