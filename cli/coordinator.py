@@ -223,7 +223,7 @@ def serve(config: ServeConfig) -> int:
     from engines.api.app import create_app
     from engines.cluster.launch import LaunchSettings
     from engines.cluster.pressure import watch_memory
-    from engines.cluster.speed_survey import SpeedSurvey
+    from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
     from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
     from engines.core import blas
     from engines.core.service import Service, ServiceLimits
@@ -286,9 +286,9 @@ def serve(config: ServeConfig) -> int:
         )
         supervisor.membership = membership
     address = coordinator_address(config.interface, membership.members() if membership else [])
-    if membership is not None or config.measure_speeds == "on":
+    if membership is not None or wants_measuring(config.measure_speeds, [coordinator]):
         # alone (no cluster key for single), "on" still measures this machine for its prediction
-        supervisor.survey = SpeedSurvey(membership, node_id, address if membership else None)
+        supervisor.survey = SpeedSurvey(membership, node_id, address)
     weights = None
     if membership is not None and key is not None and config.send_weights:
         from engines.weights.source import WeightSource
