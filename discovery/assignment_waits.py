@@ -69,6 +69,15 @@ class AssignmentWaits:
             with self._lock:
                 self._pending.pop(assignment_id, None)
 
+    def failure_of(self, assignment_id: str) -> str | None:
+        """Why a pending assignment failed, if it has; the wait on it stays open (a caller
+        busy with its own side of the work can stop early without settling it)."""
+        with self._lock:
+            pending = self._pending.get(assignment_id)
+            if pending is None or not pending.done.is_set():
+                return None
+            return pending.failure
+
     def wait_model(
         self, assignment_id: str, timeout_s: float, stall_s: float | None = None
     ) -> None:

@@ -3,13 +3,14 @@ prediction: rank 0 runs here in a child process, rank 1 on the member as its age
 `collective_probe` role (engines/model/collective_probe.py), joined in a ring over the
 addresses tp would use. Given the model's config, the same two ranks then time a tp layer of
 it, all_sums included (engines/model/tp_step_probe.py). Bounded: a peer that never joins fails
-within ALL_SUM_TIMEOUT_S.
+within ALL_SUM_TIMEOUT_S, and a member whose rank fails ends the wait at once.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ ALL_SUM_TIMEOUT_S = 30.0  # both ranks start, join the ring, time their all_sums
 # Each rank ends itself this much later than the coordinator stops waiting, so the wait, not
 # the rank's own watchdog, names what went wrong.
 RANK_GRACE_S = 5.0
+MEMBER_CHECK_S = 0.25  # how often rank 0's wait looks at whether the member's rank failed
 PEER_ANSWER_S = 2.0  # the member's own outcome, once rank 0 is done (or failed)
 STOP_GRACE_S = 5.0
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +93,7 @@ def measure_all_sum(
     try:
         try:
             child.start(probe.payload(0, hosts))
-            ready = child.wait_ready(ALL_SUM_TIMEOUT_S)
+            ready = _rank0_ready(child, membership, assignment, ALL_SUM_TIMEOUT_S)
         except ChildNotReady as error:
             _, member = _member_outcome(membership, assignment)
             raise PeerError(f"{what} failed: {error}{member}") from None
@@ -111,6 +113,26 @@ def measure_all_sum(
     here_cpu, member_cpu = _rank_cpu(measured), _rank_cpu(member_measured)
     both = None if here_cpu is None or member_cpu is None else (here_cpu, member_cpu)
     return GroupSpeed(Curve.from_json(points), layer, rest, both)
+
+
+def _rank0_ready(
+    child: JsonChild, membership: Any, assignment: str, timeout_s: float
+) -> dict[str, Any]:
+    """Rank 0's ready line; ChildNotReady when `timeout_s` passes, or as soon as the member's
+    rank has failed (rank 0 would only go on waiting for it to join the ring)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            return child.wait_ready(max(min(MEMBER_CHECK_S, remaining), 0.0))
+        except ChildNotReady as error:
+            if not error.timed_out:
+                raise
+        if membership.failure_of(assignment) is not None:
+            raise ChildNotReady("stopped waiting for rank 0: the member's rank failed")
+        if remaining <= MEMBER_CHECK_S:
+            reason = f"no ready line within {timeout_s:g} s; last log: {child.last_log()}"
+            raise ChildNotReady(reason, timed_out=True)
 
 
 def _rank_cpu(measured: dict[str, Any]) -> RankCpu | None:

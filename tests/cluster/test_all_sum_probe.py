@@ -88,10 +88,13 @@ def test_a_rank_whose_peer_never_joins_ends_itself_in_time() -> None:
 
 class LocalAgent:
     """A membership whose members run their roles as processes here: the collective probe for
-    real, the speed probe canned; `absent` members accept an assignment and never start it."""
+    real, the speed probe canned; `absent` members accept an assignment and never start it,
+    `broken` ones start it with a spec it cannot run (it fails at once, as a rank whose
+    port is taken would)."""
 
-    def __init__(self, absent: tuple[str, ...] = ()) -> None:
+    def __init__(self, absent: tuple[str, ...] = (), broken: tuple[str, ...] = ()) -> None:
         self.absent = absent
+        self.broken = broken
         self.children: dict[str, JsonChild] = {}
         self.released: list[str] = []
 
@@ -101,7 +104,7 @@ class LocalAgent:
     def assign(self, node_id: str, role: str, payload: dict[str, Any]) -> str:
         if role == "collective_probe" and node_id not in self.absent:
             child = JsonChild(PROBE, name=f"{node_id} rank", cwd=PROJECT_ROOT)
-            child.start(payload)
+            child.start({**payload, "hosts": "nowhere"} if node_id in self.broken else payload)
             self.children[node_id] = child
         return f"{node_id}/{role}"
 
@@ -117,6 +120,11 @@ class LocalAgent:
         except ChildNotReady as error:
             raise PeerError(str(error)) from None
         return AssignmentResult(node_id, assignment, message)
+
+    def failure_of(self, assignment: str) -> str | None:
+        """As Membership's: a rank that has ended before it was released has failed."""
+        child = self.children.get(assignment.split("/")[0])
+        return None if child is None or child.poll() is None else child.exit_description()
 
     def release(self, node_id: str, reason: str = "", wait_s: float = 0.0) -> bool:
         self.released.append(node_id)
@@ -141,6 +149,22 @@ def test_a_member_that_never_joins_fails_the_probe_in_time_naming_both_ends(
     assert "the member: node b's worker was not ready" in message
     # rank 0's wait, the member's answer, a SIGTERM to rank 0
     assert time.monotonic() - started < 3 + all_sum_survey.PEER_ANSWER_S + 3
+    assert agent.released == ["b"]
+
+
+def test_a_member_whose_rank_fails_ends_the_probe_at_once_not_at_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(all_sum_survey, "ALL_SUM_TIMEOUT_S", 30.0)
+    agent = LocalAgent(broken=("b",))
+    started = time.monotonic()
+    with pytest.raises(PeerError) as failure:
+        measure_all_sum(agent, "b", "127.0.0.1", "127.0.0.1", AllSumProbe(256, (1, 8), True))
+    message = str(failure.value)
+    assert "stopped waiting for rank 0: the member's rank failed" in message, message
+    assert "the member: " in message and "collective probe failed" in message, message
+    # starting Python and mlx for both ranks, then one look at the member: far from 30 s
+    assert time.monotonic() - started < 12
     assert agent.released == ["b"]
 
 

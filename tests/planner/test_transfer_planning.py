@@ -184,3 +184,21 @@ def test_tandem_plan_plans_the_live_cluster_as_serve_would(
     refused = run_plan(pool, demo_model_dir, tmp_path, "--parallelism", "pp")
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "FAIL pp disk:" in refused.stdout and "lacks" in refused.stdout
+
+
+def test_a_failure_can_be_seen_before_the_wait_that_settles_it(
+    pool: AgentPool, membership: Membership
+) -> None:
+    agent = pool.start("failing")
+    membership.discover(2.0)
+    assignment = membership.assign(agent.node_id, "pp_stage", {"mode": "fail"})
+    deadline = time.monotonic() + 10.0
+    while membership.failure_of(assignment) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen = membership.failure_of(assignment)
+    assert seen is not None and "fake failure" in seen
+    # looking did not settle it: the wait still returns the same failure, then forgets it
+    with pytest.raises(PeerError, match="fake failure"):
+        membership.wait_ready(assignment, 1.0)
+    assert membership.failure_of(assignment) is None
+    assert membership.release(agent.node_id, "next", wait_s=5.0)
