@@ -96,8 +96,9 @@ class JsonChild:
 
     # -- starting and talking --------------------------------------------------------------------
 
-    def start(self, spec: Message) -> None:
-        """Spawn the child and hand it `spec` as its first line; OSError if it cannot spawn.
+    def start(self, spec: Message | None) -> None:
+        """Spawn the child and hand it `spec` as its first line (None: send() it later, once
+        the child has done what it does before reading it); OSError if it cannot spawn.
 
         A child that dies before reading its spec is reported like any exit (on_exit, None
         in the queue), so callers have one failure path.
@@ -123,6 +124,8 @@ class JsonChild:
         self._threads = [thread for thread in (stderr_reader, stdout_reader) if thread]
         for thread in self._threads:
             thread.start()
+        if spec is None:
+            return
         try:
             self.send(spec)
         except (OSError, ValueError) as error:

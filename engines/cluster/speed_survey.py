@@ -1,6 +1,7 @@
 """Measuring the cluster for the planner: the link to every member (pings over its control
 channel), then every node's speed for the model (an agent runs the `speed_probe` role, the
-coordinator the same module in a child process), one at a time, each bounded, cached per node;
+coordinator the same module in a child process, last, having imported mlx meanwhile), one at
+a time, each bounded, cached per node;
 and, when tp is possible, the all_sum tp would run between the coordinator and each member,
 and a tp layer of the model over the same 2 ranks, all_sums included
 (engines/cluster/all_sum_survey.py), which pings over the control channel only estimate.
@@ -144,11 +145,20 @@ class SpeedSurvey:
             log.info("measuring %s for the planner", ", ".join(missing))
             links = {node_id: self._measure_link(node_id) for node_id in missing}
             addresses = {node.node_id: node.address for node in nodes}
-            for node_id in missing:
-                if node_id == self.coordinator_id or links[node_id] is not None:
-                    self._measure(node_id, spec, links[node_id])
-                if spec.tp_sizes and node_id in self._links:
-                    self._measure_all_sum(node_id, addresses[node_id], spec)
+            # The coordinator is measured last: its probe process imports mlx (a second and
+            # more) while the members measure themselves on their own machines.
+            here = start_probe_here() if self.coordinator_id in missing else None
+            try:
+                for node_id in missing:
+                    if node_id != self.coordinator_id and links[node_id] is not None:
+                        self._measure(node_id, spec, links[node_id])
+                    if spec.tp_sizes and node_id in self._links:
+                        self._measure_all_sum(node_id, addresses[node_id], spec)
+                if here is not None:
+                    self._measure(self.coordinator_id, spec, None, here)
+            finally:
+                if here is not None:
+                    here.stop(5.0, ask=here.close_stdin)
         with self._lock:
             return ClusterSpeeds(dict(self._nodes), dict(self._links))
 
@@ -198,10 +208,17 @@ class SpeedSurvey:
             return None
         return LinkSpeed(node_id, measurement.latency_s, measurement.bytes_per_s)
 
-    def _measure(self, node_id: str, spec: ProbeSpec, link: LinkSpeed | None) -> None:
+    def _measure(
+        self,
+        node_id: str,
+        spec: ProbeSpec,
+        link: LinkSpeed | None,
+        here: JsonChild | None = None,
+    ) -> None:
+        """`node_id`'s speed (the coordinator's in `here`, its started probe process)."""
         try:
-            if node_id == self.coordinator_id:
-                speed = node_speed(node_id, measure_here(spec))
+            if here is not None:
+                speed = node_speed(node_id, measure_here(spec, here))
             else:
                 speed = node_speed(node_id, self._measure_member(node_id, spec))
         except Exception as error:  # noqa: BLE001 - any failure leaves this node unmeasured
@@ -288,16 +305,21 @@ def _describe_tp_layer(layer: dict[int, float] | None, rest: dict[int, float] | 
     return f"; a tp layer of 2 ranks, all_sums included: {points}"
 
 
-def measure_here(spec: ProbeSpec) -> dict[str, Any]:
-    """This machine's speed, measured in a child process (as a worker would run)."""
+def start_probe_here() -> JsonChild:
+    """This machine's speed probe process, started without its spec: it imports mlx and waits
+    for measure_here(). The caller stops it."""
     child = JsonChild([sys.executable, "-m", PROBE_MODULE], name="speed probe", cwd=PROJECT_ROOT)
+    child.start(None)
+    return child
+
+
+def measure_here(spec: ProbeSpec, child: JsonChild) -> dict[str, Any]:
+    """This machine's speed, measured in `child` (a process of its own, as a worker runs)."""
     try:
-        child.start(spec.payload())
+        child.send(spec.payload())
         return child.wait_ready(PROBE_TIMEOUT_S)["speed"]
-    except ChildNotReady as error:
+    except (ChildNotReady, OSError, ValueError) as error:
         raise PeerError(f"the coordinator's speed probe failed: {error}") from None
-    finally:
-        child.stop(5.0, ask=child.close_stdin)
 
 
 def _rows(count: int) -> str:
