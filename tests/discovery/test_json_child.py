@@ -12,6 +12,7 @@ import pytest
 
 from discovery.json_child import ChildNotReady, JsonChild
 from tests.helpers.cluster import REPO_ROOT, child_env
+from tests.helpers.signals import wake
 
 FAKE = [sys.executable, "-m", "tests.helpers.fake_role_worker"]
 SILENT = [sys.executable, "-c", "import sys, time; sys.stdin.readline(); time.sleep(60)"]
@@ -38,8 +39,8 @@ def children() -> Iterator[list[JsonChild]]:
         yield started
     finally:
         for child in started:
-            if child.pid is not None and child.poll() is None:
-                os.kill(child.pid, signal.SIGCONT)
+            if child.poll() is None:
+                wake(child.pid)
             child.kill()
 
 

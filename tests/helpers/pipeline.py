@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.stage_worker import StageProcess
 from engines.single.engine import SingleEngine
 from planner.errors import EngineError
+from tests.helpers.signals import wake
 
 HOST = "127.0.0.1"
 MAX_TOKENS = 64
@@ -96,7 +95,7 @@ def start_workers(
 def stop_workers(workers: list[StageProcess]) -> None:
     for worker in workers:
         if worker.popen.poll() is None:
-            os.kill(worker.pid, signal.SIGCONT)  # in case a test froze it
+            wake(worker.pid)  # in case a test froze it
         worker.stop(timeout_s=5)
 
 

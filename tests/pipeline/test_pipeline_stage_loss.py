@@ -3,7 +3,6 @@ ends with an error naming the stage."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -20,6 +19,7 @@ from engines.pipeline.engine import EncryptedPipelineEngine
 from planner import allocate_layers
 from planner.errors import EngineError
 from tests.helpers.pipeline import PROMPTS, make_engine, run_all, start_workers, stop_workers
+from tests.helpers.signals import wake
 
 pytestmark = pytest.mark.cluster
 
@@ -103,7 +103,7 @@ def test_frozen_stage_times_out(fragile: Any) -> None:
         assert time.monotonic() - started < engine.token_timeout_s + 3
         assert not engine.healthy()
     finally:
-        os.kill(workers[1].pid, signal.SIGCONT)
+        wake(workers[1].pid)
 
 
 def test_abort_wakes_a_blocked_step(fragile: Any) -> None:
@@ -121,7 +121,7 @@ def test_abort_wakes_a_blocked_step(fragile: Any) -> None:
         assert time.monotonic() - started < 5
     finally:
         timer.cancel()
-        os.kill(workers[0].pid, signal.SIGCONT)
+        wake(workers[0].pid)
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
@@ -147,8 +147,5 @@ def test_lost_stage_ends_every_stream_of_a_batch_with_an_error(fragile: Any, fau
         assert not engine.healthy()
     finally:
         if fault == "freeze":
-            # poll() can say "running" while another thread is reaping the killed worker,
-            # so only the frozen one is woken, and a worker already gone is fine.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(victim.pid, signal.SIGCONT)
+            wake(victim.pid)  # only the frozen one: the killed one is being reaped
         runner.close()
