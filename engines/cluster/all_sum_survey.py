@@ -1,13 +1,17 @@
 """The measured 2-rank all_sum between the coordinator and one member, for the planner's tp
-prediction: rank 0 runs here in a child process, rank 1 on the member as its agent's
-`collective_probe` role (engines/model/collective_probe.py), joined in a ring over the
-addresses tp would use. Given the model's config, the same two ranks then time a tp layer of
-it, all_sums included (engines/model/tp_step_probe.py). Bounded: a peer that never joins fails
-within ALL_SUM_TIMEOUT_S, and a member whose rank fails ends the wait at once.
+prediction: rank 0 runs on the member as its agent's `collective_probe` role
+(engines/model/collective_probe.py), rank 1 here in a child process, joined in a ring over the
+addresses tp would use. The member is rank 0 because mlx's rank 0 listens first and waits,
+while the last rank connects, retrying after 1, 2, 4 and 8 s: the member's rank can start
+early and wait, and this side connects at once when it comes. Given the model's config, the
+same two ranks then time a tp layer of it, all_sums included (engines/model/tp_step_probe.py).
+Bounded: a peer that never joins fails within ALL_SUM_TIMEOUT_S, and a member whose rank fails
+ends the wait at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -29,8 +33,8 @@ ALL_SUM_TIMEOUT_S = 30.0  # both ranks start, join the ring, time their all_sums
 # Each rank ends itself this much later than the coordinator stops waiting, so the wait, not
 # the rank's own watchdog, names what went wrong.
 RANK_GRACE_S = 5.0
-MEMBER_CHECK_S = 0.25  # how often rank 0's wait looks at whether the member's rank failed
-PEER_ANSWER_S = 2.0  # the member's own outcome, once rank 0 is done (or failed)
+MEMBER_CHECK_S = 0.25  # how often the wait here looks at whether the member's rank failed
+PEER_ANSWER_S = 2.0  # the member's own outcome, once the rank here is done (or failed)
 STOP_GRACE_S = 5.0
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,45 +85,105 @@ def measure_all_sum(
     """The median seconds of one 2-rank all_sum (and tp layer) by rows between this machine
     (reached at `here`) and `node_id`; PeerError naming the ranks and addresses when it was not
     measured."""
-    # Rank 0 runs here, so any free port works (tp's own rank 0 may hold the base port);
-    # the member's free ports are unknown here, so rank 1 takes the one tp would use.
-    member_port = ring_port(member_address, 1, port_base)
-    hosts = [[f"{here}:{free_port(here)}"], [f"{member_address}:{member_port}"]]
-    what = f"the all_sum probe between here ({hosts[0][0]}) and {node_id} ({hosts[1][0]})"
-    assignment = membership.assign(node_id, COLLECTIVE_ROLE, probe.payload(1, hosts))
-    command = [sys.executable, "-m", COLLECTIVE_MODULE]
-    child = JsonChild(command, name="all_sum probe", cwd=PROJECT_ROOT)
-    ready = None
-    try:
+    group = GroupProbe(membership, node_id, here, member_address, probe, port_base)
+    group.prepare()
+    group.begin()
+    return group.finish()
+
+
+class GroupProbe:
+    """One member's 2-rank probe in three steps, so that both ranks' processes can start (and
+    import mlx) while other machines measure themselves: prepare() starts this side's rank
+    here, idle until its spec comes (call it while this machine has nothing to time); begin()
+    assigns rank 0 to the member, which starts it there and waits for this side; finish()
+    hands the rank here its spec, waits for both and releases the member. close() ends
+    whatever was started, in any state."""
+
+    def __init__(
+        self,
+        membership: Any,
+        node_id: str,
+        here: str,
+        member_address: str,
+        probe: AllSumProbe,
+        port_base: int = DEFAULT_RING_PORT_BASE,
+    ) -> None:
+        self.membership = membership
+        self.node_id = node_id
+        self.probe = probe
+        # Any free port works here (tp's own rank 0 may hold the base port); the member's
+        # free ports are unknown here, so its rank takes the one tp's rank 1 would use there.
+        member_port = ring_port(member_address, 1, port_base)
+        self.hosts = [[f"{member_address}:{member_port}"], [f"{here}:{free_port(here)}"]]
+        self.what = (
+            f"the all_sum probe between here ({self.hosts[1][0]}) and {node_id} "
+            f"({self.hosts[0][0]})"
+        )
+        command = [sys.executable, "-m", COLLECTIVE_MODULE]
+        self._here = JsonChild(command, name="all_sum probe", cwd=PROJECT_ROOT)
+        self._assignment: str | None = None
+        self._ready: dict[str, Any] | None = None
+
+    def prepare(self) -> None:
+        """Start this side's rank; it waits for its spec (OSError if it cannot start)."""
+        self._here.start(None)
+
+    def begin(self, head_start_s: float = 0.0) -> None:
+        """Assign rank 0 to the member; it waits up to `head_start_s` more for this side (the
+        time finish() may come later than now). PeerError when the member refuses at once."""
+        payload = self.probe.payload(0, self.hosts)
+        payload["timeout_s"] += head_start_s
+        self._assignment = self.membership.assign(self.node_id, COLLECTIVE_ROLE, payload)
+
+    def finish(self) -> GroupSpeed:
+        """Run the rank here with the member's, then release the member; the group's speed, or
+        PeerError naming both ends."""
         try:
-            child.start(probe.payload(0, hosts))
-            ready = _rank0_ready(child, membership, assignment, ALL_SUM_TIMEOUT_S)
-        except ChildNotReady as error:
-            _, member = _member_outcome(membership, assignment)
-            raise PeerError(f"{what} failed: {error}{member}") from None
-        # settles the member's assignment; its rank's own CPU times come with it
-        member_measured, _ = _member_outcome(membership, assignment)
-    finally:
+            return self._run()
+        finally:
+            self.close()
+
+    def close(self) -> None:
         # A rank still joining holds the GIL and never reads stdin: SIGTERM ends it.
-        child.stop(STOP_GRACE_S, ask=child.close_stdin if ready else None)
-        membership.release(node_id, "all_sum measured", wait_s=STOP_GRACE_S)
-    measured = ready.get("collective", {})
-    points = measured.get("all_sum")
-    if not isinstance(points, list) or not points:
-        raise PeerError(f"{what} answered no measurement: {ready}")
-    if "tp_layer" not in measured:
-        return GroupSpeed(Curve.from_json(points))
-    layer, rest = (Curve.from_json(measured[key]) for key in ("tp_layer", "tp_rest"))
-    here_cpu, member_cpu = _rank_cpu(measured), _rank_cpu(member_measured)
-    both = None if here_cpu is None or member_cpu is None else (here_cpu, member_cpu)
-    return GroupSpeed(Curve.from_json(points), layer, rest, both)
+        if self._here.process is not None:
+            ready = self._ready is not None
+            self._here.stop(STOP_GRACE_S, ask=self._here.close_stdin if ready else None)
+        if self._assignment is not None:
+            self._assignment = None
+            self.membership.release(self.node_id, "all_sum measured", wait_s=STOP_GRACE_S)
+
+    def _run(self) -> GroupSpeed:
+        assignment = self._assignment
+        if assignment is None:
+            raise PeerError(f"{self.what} was never begun")
+        if self._here.process is None:
+            self.prepare()
+        try:
+            with contextlib.suppress(OSError, ValueError):  # a rank gone says how, below
+                self._here.send(self.probe.payload(1, self.hosts))
+            self._ready = _ready_here(self._here, self.membership, assignment, ALL_SUM_TIMEOUT_S)
+        except ChildNotReady as error:
+            _, member = _member_outcome(self.membership, assignment)
+            raise PeerError(f"{self.what} failed: {error}{member}") from None
+        # settles the member's assignment; its rank's own CPU times come with it
+        member_measured, _ = _member_outcome(self.membership, assignment)
+        measured = self._ready.get("collective", {})
+        points = measured.get("all_sum")
+        if not isinstance(points, list) or not points:
+            raise PeerError(f"{self.what} answered no measurement: {self._ready}")
+        if "tp_layer" not in measured:
+            return GroupSpeed(Curve.from_json(points))
+        layer, rest = (Curve.from_json(measured[key]) for key in ("tp_layer", "tp_rest"))
+        here_cpu, member_cpu = _rank_cpu(measured), _rank_cpu(member_measured)
+        both = None if here_cpu is None or member_cpu is None else (here_cpu, member_cpu)
+        return GroupSpeed(Curve.from_json(points), layer, rest, both)
 
 
-def _rank0_ready(
+def _ready_here(
     child: JsonChild, membership: Any, assignment: str, timeout_s: float
 ) -> dict[str, Any]:
-    """Rank 0's ready line; ChildNotReady when `timeout_s` passes, or as soon as the member's
-    rank has failed (rank 0 would only go on waiting for it to join the ring)."""
+    """The ready line of the rank here; ChildNotReady when `timeout_s` passes, or as soon as
+    the member's rank has failed (the rank here would only go on trying to join it)."""
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
@@ -129,7 +193,7 @@ def _rank0_ready(
             if not error.timed_out:
                 raise
         if membership.failure_of(assignment) is not None:
-            raise ChildNotReady("stopped waiting for rank 0: the member's rank failed")
+            raise ChildNotReady("stopped waiting: the member's rank failed")
         if remaining <= MEMBER_CHECK_S:
             reason = f"no ready line within {timeout_s:g} s; last log: {child.last_log()}"
             raise ChildNotReady(reason, timed_out=True)

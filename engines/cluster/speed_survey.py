@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.json_child import ChildNotReady, JsonChild
-from engines.cluster.all_sum_survey import AllSumProbe, measure_all_sum
+from engines.cluster.all_sum_survey import AllSumProbe, GroupProbe
 from engines.core.engine import DEFAULT_PREFILL_CHUNK
 from engines.model.info import ModelFacts, read_config
 from engines.model.precision import on_cpu
@@ -145,22 +145,47 @@ class SpeedSurvey:
             log.info("measuring %s for the planner", ", ".join(missing))
             links = {node_id: self._measure_link(node_id) for node_id in missing}
             addresses = {node.node_id: node.address for node in nodes}
-            # The coordinator is measured last: its probe process imports mlx (a second and
-            # more) while the members measure themselves on their own machines.
-            here = start_probe_here() if self.coordinator_id in missing else None
-            try:
-                for node_id in missing:
-                    if node_id != self.coordinator_id and links[node_id] is not None:
-                        self._measure(node_id, spec, links[node_id])
-                    if spec.tp_sizes and node_id in self._links:
-                        self._measure_all_sum(node_id, addresses[node_id], spec)
-                if here is not None:
-                    self._measure(self.coordinator_id, spec, None, here)
-            finally:
-                if here is not None:
-                    here.stop(5.0, ask=here.close_stdin)
+            self._measure_in_turn(missing, links, addresses, spec)
         with self._lock:
             return ClusterSpeeds(dict(self._nodes), dict(self._links))
+
+    def _measure_in_turn(
+        self,
+        missing: list[str],
+        links: dict[str, LinkSpeed | None],
+        addresses: dict[str, str],
+        spec: ProbeSpec,
+    ) -> None:
+        """Each member, then the coordinator, one at a time; and each member's all_sum with
+        the coordinator once the next machine has measured itself. Processes start (and
+        import mlx, a second and more) on machines that are idle meanwhile: the coordinator's
+        probe and each member's rank 0 here while a member measures, a member's rank 1 there
+        while the next machine measures."""
+        here = start_probe_here() if self.coordinator_id in missing else None
+        started: list[GroupProbe] = []
+        pending: GroupProbe | None = None  # its member's rank 1 starts while the next measures
+        try:
+            for node_id in missing:
+                if node_id == self.coordinator_id or links[node_id] is None:
+                    continue
+                group = self._group_probe(node_id, addresses[node_id], spec)
+                if group is not None:
+                    started.append(group)
+                self._measure(node_id, spec, links[node_id])
+                if pending is not None:
+                    self._finish_group(pending)
+                pending = None
+                if group is not None and node_id in self._links:
+                    pending = self._begin_group(group)
+            if here is not None:
+                self._measure(self.coordinator_id, spec, None, here)
+            if pending is not None:
+                self._finish_group(pending)
+        finally:
+            for group in started:
+                group.close()
+            if here is not None:
+                here.stop(5.0, ask=here.close_stdin)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -230,25 +255,45 @@ class SpeedSurvey:
                 self._links[node_id] = link
             self.problems.pop(node_id, None)
 
-    def _measure_all_sum(self, node_id: str, address: str, spec: ProbeSpec) -> None:
-        """The 2-rank all_sum (and tp layer) with a measured member, onto its link; a failure
-        is named in `problems` and leaves the link on its pings."""
-        if self.coordinator_address is None:
-            return
+    def _group_probe(self, node_id: str, address: str, spec: ProbeSpec) -> GroupProbe | None:
+        """The all_sum (and tp layer) probe with `node_id`, its rank 0 started here; None when
+        tp is not possible or rank 0 cannot start (named in `problems`)."""
+        if not spec.tp_sizes or self.coordinator_address is None:
+            return None
+        group = GroupProbe(
+            self.membership, node_id, self.coordinator_address, address, spec.all_sum()
+        )
         try:
-            group = measure_all_sum(
-                self.membership, node_id, self.coordinator_address, address, spec.all_sum()
-            )
-        except Exception as error:  # noqa: BLE001 - any failure leaves the pings' estimate
+            group.prepare()
+        except OSError as error:
             self._failed(node_id, PeerError(f"all_sum not measured: {error}"))
+            return None
+        return group
+
+    def _begin_group(self, group: GroupProbe) -> GroupProbe | None:
+        """Assign the member its rank (None when it refused: named in `problems`)."""
+        try:
+            group.begin(head_start_s=PROBE_TIMEOUT_S)  # the next machine's probe comes first
+        except Exception as error:  # noqa: BLE001 - any failure leaves the pings' estimate
+            self._failed(group.node_id, PeerError(f"all_sum not measured: {error}"))
+            return None
+        return group
+
+    def _finish_group(self, group: GroupProbe) -> None:
+        """The 2-rank all_sum (and tp layer) onto the member's link; a failure is named in
+        `problems` and leaves the link on its pings."""
+        try:
+            measured = group.finish()
+        except Exception as error:  # noqa: BLE001 - any failure leaves the pings' estimate
+            self._failed(group.node_id, PeerError(f"all_sum not measured: {error}"))
             return
         with self._lock:
-            self._links[node_id] = replace(
-                self._links[node_id],
-                all_sum=group.all_sum,
-                tp_layer=group.tp_layer,
-                tp_rest=group.tp_rest,
-                tp_cpu=group.tp_cpu,
+            self._links[group.node_id] = replace(
+                self._links[group.node_id],
+                all_sum=measured.all_sum,
+                tp_layer=measured.tp_layer,
+                tp_rest=measured.tp_rest,
+                tp_cpu=measured.tp_cpu,
             )
 
     def _failed(self, node_id: str, error: Exception) -> None:
