@@ -171,9 +171,9 @@ def test_a_member_whose_rank_fails_ends_the_probe_at_once_not_at_its_timeout(
 def test_the_survey_puts_a_measured_all_sum_on_the_link_or_names_why_not(
     demo_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # b times its all_sums and the demo model's tp layer in this; c never joins and fails in it
+    # b times its all_sums and the demo model's tp layer within this; c's rank fails at once
     monkeypatch.setattr(all_sum_survey, "ALL_SUM_TIMEOUT_S", 12.0)
-    survey = SpeedSurvey(LocalAgent(absent=("c",)), "a", coordinator_address="127.0.0.1")
+    survey = SpeedSurvey(LocalAgent(broken=("c",)), "a", coordinator_address="127.0.0.1")
     nodes = [NodeResources(n, address, 2**30, ("ring",)) for n, address in
              [("a", ""), ("b", "127.0.0.1"), ("c", "127.0.0.1")]]  # fmt: skip
     speeds = survey.for_plan(inspect_model(demo_model_dir), nodes, max_batch=4)

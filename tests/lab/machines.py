@@ -14,6 +14,7 @@ holds, so two labs (a test and a benchmark) can run side by side.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ from typing import Any
 NETWORK = "198.18"  # RFC 2544's benchmarking range (198.18.0.0/15): never routed anywhere
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 STOP_WAIT_S = 10.0
+_LAB_NUMBERS = itertools.count()  # labs made by this process
 
 
 def lab_unavailable() -> str:
@@ -131,7 +133,9 @@ class Lab:
         problem = lab_unavailable()
         if problem:
             raise RuntimeError(problem)
-        self.tag = f"tdm{os.getpid() % 100000}"
+        # Unique per lab, not only per process: a deleted namespace's veth goes away in the
+        # background, so the next lab of the same process must not reuse its names.
+        self.tag = f"tdm{os.getpid() % 100000}{next(_LAB_NUMBERS) % 100}"
         self.bridge = f"{self.tag}br"
         self.subnet = _free_subnet()
         self.host_address = f"{self.subnet}.254"
@@ -157,7 +161,7 @@ class Lab:
         _ip("addr", "add", f"{self.host_address}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for index, spec in enumerate(self._specs):
-            self.machines.append(self._machine(index, spec))
+            self._machine(index, spec)
 
     def _machine(self, index: int, spec: MachineSpec) -> Machine:
         namespace, outside = f"{self.tag}-m{index}", f"{self.tag}v{index}"
@@ -166,6 +170,7 @@ class Lab:
         (home / ".cache").mkdir(parents=True)
         machine = Machine(self, index, spec, namespace, address, home)
         _ip("netns", "add", namespace)
+        self.machines.append(machine)  # from here on close() removes it, should a step fail
         _ip("link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", namespace)
         _ip("link", "set", outside, "master", self.bridge, "up")
         inside = ["ip", "netns", "exec", namespace, "ip"]
