@@ -74,23 +74,6 @@ class GroupSpeed:
     tp_cpu: tuple[RankCpu, RankCpu] | None = None  # each rank's own CPU time: here, the member
 
 
-def measure_all_sum(
-    membership: Any,
-    node_id: str,
-    here: str,
-    member_address: str,
-    probe: AllSumProbe,
-    port_base: int = DEFAULT_RING_PORT_BASE,
-) -> GroupSpeed:
-    """The median seconds of one 2-rank all_sum (and tp layer) by rows between this machine
-    (reached at `here`) and `node_id`; PeerError naming the ranks and addresses when it was not
-    measured."""
-    group = GroupProbe(membership, node_id, here, member_address, probe, port_base)
-    group.prepare()
-    group.begin()
-    return group.finish()
-
-
 class GroupProbe:
     """One member's 2-rank probe in three steps, so that both ranks' processes can start (and
     import mlx) while other machines measure themselves: prepare() starts this side's rank
@@ -123,6 +106,13 @@ class GroupProbe:
         self._here = JsonChild(command, name="all_sum probe", cwd=PROJECT_ROOT)
         self._assignment: str | None = None
         self._ready: dict[str, Any] | None = None
+
+    def measure(self) -> GroupSpeed:
+        """All three steps at once: the median seconds of one 2-rank all_sum (and tp layer) by
+        rows; PeerError naming both ends and their addresses when it was not measured."""
+        self.prepare()
+        self.begin()
+        return self.finish()
 
     def prepare(self) -> None:
         """Start this side's rank; it waits for its spec (OSError if it cannot start)."""

@@ -18,7 +18,7 @@ from discovery.framing import free_port
 from discovery.json_child import ChildNotReady, JsonChild
 from discovery.link_probe import LinkMeasurement
 from engines.cluster import all_sum_survey
-from engines.cluster.all_sum_survey import AllSumProbe, measure_all_sum
+from engines.cluster.all_sum_survey import AllSumProbe, GroupProbe
 from engines.cluster.speed_survey import SpeedSurvey
 from engines.model.collective_probe import MIN_ROUNDS
 from engines.model.info import inspect_model
@@ -141,7 +141,7 @@ def test_a_member_that_never_joins_fails_the_probe_in_time_naming_both_ends(
     agent = LocalAgent(absent=("b",))
     started = time.monotonic()
     with pytest.raises(PeerError) as failure:
-        measure_all_sum(agent, "b", "127.0.0.1", "127.0.0.1", AllSumProbe(256, (1, 8), True))
+        GroupProbe(agent, "b", "127.0.0.1", "127.0.0.1", AllSumProbe(256, (1, 8), True)).measure()
     message = str(failure.value)
     assert message.startswith("the all_sum probe between here (127.0.0.1:")
     assert " and b (127.0.0.1:" in message
@@ -159,7 +159,7 @@ def test_a_member_whose_rank_fails_ends_the_probe_at_once_not_at_its_timeout(
     agent = LocalAgent(broken=("b",))
     started = time.monotonic()
     with pytest.raises(PeerError) as failure:
-        measure_all_sum(agent, "b", "127.0.0.1", "127.0.0.1", AllSumProbe(256, (1, 8), True))
+        GroupProbe(agent, "b", "127.0.0.1", "127.0.0.1", AllSumProbe(256, (1, 8), True)).measure()
     message = str(failure.value)
     assert "stopped waiting: the member's rank failed" in message, message
     assert "the member: " in message and "collective probe failed" in message, message
