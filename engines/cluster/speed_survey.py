@@ -159,11 +159,11 @@ class SpeedSurvey:
         """Each member, then the coordinator, one at a time; and each member's all_sum with
         the coordinator once the next machine has measured itself. Processes start (and
         import mlx, a second and more) on machines that are idle meanwhile: the coordinator's
-        probe and each member's rank 0 here while a member measures, a member's rank 1 there
-        while the next machine measures."""
+        probe and this side's rank of each member's group here while a member measures, the
+        member's rank there while the next machine measures."""
         here = start_probe_here() if self.coordinator_id in missing else None
         started: list[GroupProbe] = []
-        pending: GroupProbe | None = None  # its member's rank 1 starts while the next measures
+        pending: GroupProbe | None = None  # its member's rank starts while the next measures
         try:
             for node_id in missing:
                 if node_id == self.coordinator_id or links[node_id] is None:
@@ -256,8 +256,8 @@ class SpeedSurvey:
             self.problems.pop(node_id, None)
 
     def _group_probe(self, node_id: str, address: str, spec: ProbeSpec) -> GroupProbe | None:
-        """The all_sum (and tp layer) probe with `node_id`, its rank 0 started here; None when
-        tp is not possible or rank 0 cannot start (named in `problems`)."""
+        """The all_sum (and tp layer) probe with `node_id`, this side's rank started here;
+        None when tp is not possible or that rank cannot start (named in `problems`)."""
         if not spec.tp_sizes or self.coordinator_address is None:
             return None
         group = GroupProbe(
