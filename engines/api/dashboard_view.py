@@ -208,6 +208,8 @@ def render_predictions(status: dict[str, Any]) -> str:
         f"{link.get('mbit_per_s')} Mbit/s{_all_sum(link)}</li>"
         for node, link in (speeds.get("links") or {}).items()
     )
+    if probes and speeds.get("measured_in_s") is not None:
+        probes += f"<li>measuring took {speeds['measured_in_s']} s</li>"
     probed = f'<ul class="muted">{probes}</ul>' if probes else ""
     return f'<div class="scroll"><table>{head}{rows}</table></div>{probed}'
 

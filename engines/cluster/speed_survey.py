@@ -21,6 +21,7 @@ import ipaddress
 import logging
 import sys
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,7 @@ class SpeedSurvey:
         self._nodes: dict[str, NodeSpeed] = {}
         self._links: dict[str, LinkSpeed] = {}
         self.problems: dict[str, str] = {}
+        self.measured_in_s: float | None = None  # the last measuring of new nodes, whole
         self._lock = threading.Lock()
 
     def for_plan(
@@ -143,9 +145,13 @@ class SpeedSurvey:
         if missing:
             spec = probe_spec(facts, len(nodes), max_batch, on_cpu())
             log.info("measuring %s for the planner", ", ".join(missing))
+            started = time.monotonic()
             links = {node_id: self._measure_link(node_id) for node_id in missing}
             addresses = {node.node_id: node.address for node in nodes}
             self._measure_in_turn(missing, links, addresses, spec)
+            with self._lock:
+                self.measured_in_s = time.monotonic() - started
+            log.info("measured %d node(s) in %.1f s", len(missing), self.measured_in_s)
         with self._lock:
             return ClusterSpeeds(dict(self._nodes), dict(self._links))
 
@@ -201,6 +207,9 @@ class SpeedSurvey:
                 },
                 "links": {node_id: _link_status(link) for node_id, link in self._links.items()},
                 "problems": dict(self.problems),
+                "measured_in_s": None
+                if self.measured_in_s is None
+                else round(self.measured_in_s, 1),
             }
 
     def describe(self) -> list[str]:
@@ -219,6 +228,8 @@ class SpeedSurvey:
             for node_id, link in status["links"].items()
         ]
         lines += [f"not measured {node_id}: {why}" for node_id, why in status["problems"].items()]
+        if status["measured_in_s"] is not None:
+            lines.append(f"measuring took {status['measured_in_s']:g} s")
         return lines
 
     def _measure_link(self, node_id: str) -> LinkSpeed | None:

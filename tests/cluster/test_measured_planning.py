@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,8 @@ def test_serve_measures_its_agent_and_serves_the_fastest_predicted_plan(
     speeds = cluster["speeds"]
     assert len(speeds["nodes"]) == 2 and len(speeds["links"]) == 1, speeds
     assert not speeds["problems"]
+    # how long measuring both took, whole (probes, link, all_sum and tp group), within bounds
+    assert 0 < speeds["measured_in_s"] < 120, speeds
     [link] = speeds["links"].values()
     assert link["latency_us"] > 0 and link["mbit_per_s"] > 0
     # tp is possible, so the all_sum it would run was measured too, at 1 row and a full batch,
@@ -117,6 +120,7 @@ def test_tandem_plan_prints_the_measured_link_and_its_all_sum(
     assert " ms at 4 rows; a tp layer of 2 ranks, all_sums included: " in link, link
     assert link.endswith(" ms)"), link
     assert "not measured" not in done.stdout, done.stdout
+    assert re.search(r"^measuring took \d+(\.\d)? s$", done.stdout, re.MULTILINE), done.stdout
 
 
 def test_single_alone_measured_on_request_shows_its_prediction_beside_what_it_serves(
@@ -131,6 +135,7 @@ def test_single_alone_measured_on_request_shows_its_prediction_beside_what_it_se
     cluster = server.cluster()
     assert list(cluster["speeds"]["nodes"]) == [cluster["plan"]["ranks"][0]]
     assert not cluster["speeds"]["links"] and not cluster["speeds"]["problems"]
+    assert cluster["speeds"]["measured_in_s"] > 0
     [prediction] = cluster["plan"]["predictions"]
     assert prediction["label"] == "single" and prediction["decode_tps"] > 0
     layers = json.loads((demo_model_dir / "config.json").read_text())["num_hidden_layers"]
