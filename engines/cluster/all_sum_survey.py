@@ -146,8 +146,6 @@ class GroupProbe:
         assignment = self._assignment
         if assignment is None:
             raise PeerError(f"{self.what} was never begun")
-        if self._here.process is None:
-            self.prepare()
         try:
             with contextlib.suppress(OSError, ValueError):  # a rank gone says how, below
                 self._here.send(self.probe.payload(1, self.hosts))

@@ -135,7 +135,7 @@ class Lab:
             raise RuntimeError(problem)
         # Unique per lab, not only per process: a deleted namespace's veth goes away in the
         # background, so the next lab of the same process must not reuse its names.
-        self.tag = f"tdm{os.getpid() % 100000}{next(_LAB_NUMBERS) % 100}"
+        self.tag = f"tdm{os.getpid() % 100000}l{next(_LAB_NUMBERS) % 100}"
         self.bridge = f"{self.tag}br"
         self.subnet = _free_subnet()
         self.host_address = f"{self.subnet}.254"
@@ -161,9 +161,9 @@ class Lab:
         _ip("addr", "add", f"{self.host_address}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for index, spec in enumerate(self._specs):
-            self._machine(index, spec)
+            self._add_machine(index, spec)
 
-    def _machine(self, index: int, spec: MachineSpec) -> Machine:
+    def _add_machine(self, index: int, spec: MachineSpec) -> None:
         namespace, outside = f"{self.tag}-m{index}", f"{self.tag}v{index}"
         address = f"{self.subnet}.{index + 1}"
         home = self.root / f"m{index}"
@@ -194,7 +194,6 @@ class Lab:
             group.mkdir()
             (group / "memory.limit_in_bytes").write_text(str(spec.memory_limit))
             machine.cgroups.append(group)
-        return machine
 
     def close(self) -> None:
         """Stop every process (by pid), then remove namespaces, the bridge, cgroups, files."""
