@@ -149,6 +149,9 @@ class Prediction:
     batch_tps: float  # every stream of a full batch together
     ttft_s: float  # a PREDICTION_PROMPT_TOKENS prompt
     dominant: str  # what most of a token's time goes to, with the numbers
+    # a 1-stream token's seconds by the engine's step segments (pp: "stage0".."stageN" and
+    # "transit", as engines/pipeline/frame_clock.py names them), to set beside the served ones
+    segments: tuple[tuple[str, float], ...] = ()
 
     @property
     def label(self) -> str:
@@ -171,6 +174,7 @@ class Prediction:
             "batch_tps": round(self.batch_tps, 2),
             "ttft_ms": round(self.ttft_s * 1000, 1),
             "dominant": self.dominant,
+            "segments_ms": {name: round(s * 1000, 2) for name, s in self.segments},
         }
 
 
@@ -359,6 +363,8 @@ def predict_pp(
         f"slowest stage {node}: {layers} layers x {_ms(speeds.nodes[node].layer.at(rows))} at "
         f"{rows:g} rows; hops {_ms(hops_s(1))}{_shares(speeds, nodes)}"
     )
+    # a stage's frame at 1 stream; the trip may be longer still (a held stage's sustained time)
+    segments = tuple((f"stage{i}", burst_s(i, 1)) for i in range(len(stages)))
     return Prediction(
         "pp",
         tuple(nodes),
@@ -367,6 +373,7 @@ def predict_pp(
         batch / cycle,
         prefill + transfers + trip(1),
         dominant,
+        (*segments, ("transit", hops_s(1))),
     )
 
 

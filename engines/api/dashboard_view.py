@@ -211,7 +211,29 @@ def render_predictions(status: dict[str, Any]) -> str:
     if probes and speeds.get("measured_in_s") is not None:
         probes += f"<li>measuring took {speeds['measured_in_s']} s</li>"
     probed = f'<ul class="muted">{probes}</ul>' if probes else ""
-    return f'<div class="scroll"><table>{head}{rows}</table></div>{probed}'
+    split = _segments_beside(predictions[0], served.get("segments_ms") or {})
+    return f'<div class="scroll"><table>{head}{rows}</table></div>{split}{probed}'
+
+
+def _segments_beside(prediction: dict[str, Any], served: dict[str, float]) -> str:
+    """The serving plan's 1-stream token by engine segment, predicted -> served (pp: each
+    stage on its node, and the hops), which says where a prediction is off."""
+    predicted = prediction.get("segments_ms") or {}
+    if not predicted:
+        return ""
+    nodes = prediction.get("nodes") or []
+
+    def named(segment: str) -> str:
+        index = segment.removeprefix("stage")
+        on = f" on {nodes[int(index)]}" if index.isdigit() and int(index) < len(nodes) else ""
+        return f"{segment}{on}"
+
+    parts = "; ".join(
+        f"{named(name)} {ms:.1f} -> "
+        + (f"{served[name]:.1f}" if name in served else "not served yet")
+        for name, ms in predicted.items()
+    )
+    return f'<p class="muted">a 1-stream token, predicted -> served (ms): {escape(parts)}</p>'
 
 
 def _all_sum(link: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ from engines.core.service import Service
 from engines.model.info import ModelFacts
 from engines.model.precision import on_cpu
 from engines.observability.process_memory import process_memory
-from engines.observability.served_speed import ServedSpeed
+from engines.observability.served_speed import ServedSpeed, one_stream_segments_ms
 from planner import ClusterPlan, NodeResources, Parallelism, TransferSizes, plan_cluster
 from planner.errors import PlanError, TandemError
 from planner.measured import plan_measured
@@ -341,6 +341,7 @@ class ClusterSupervisor:
         """The /v1/cluster body: decision, rules, assignment, members, model facts."""
         plan = self.plan
         runner = self.service.runner
+        engine = engine_status(runner)
         body: dict[str, Any] = {
             "state": self.service.state,
             "state_reason": self.service.state_reason,
@@ -355,10 +356,11 @@ class ClusterSupervisor:
             "strategy": plan.decision.chosen.value if plan else None,
             "reason": plan.decision.reason if plan else None,
             "world_size": 1 + len(self.membership.to_resources()) if self.membership else 1,
-            "engine": engine_status(runner),
+            "engine": engine,
             "speeds": self.survey.status() if self.survey is not None else None,
             "predicted": plan.predictions[0].to_dict() if plan and plan.predictions else None,
-            "served": self.served_speed.describe(),
+            "served": self.served_speed.describe()
+            | {"segments_ms": one_stream_segments_ms((engine or {}).get("step_timing"))},
             "coordinator": resources_status(self.coordinator())
             | {"memory_accounting": process_memory(runner.engine if runner else None)},
             "members": members_status(self.membership),

@@ -43,3 +43,15 @@ class ServedSpeed:
             "decode_tps_per_stream": round(1 / statistics.median(gaps), 2),
             "ttft_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
         }
+
+
+def one_stream_segments_ms(step_timing: dict[str, Any] | None) -> dict[str, float]:
+    """The mean milliseconds of each engine step segment over the steps that carried one
+    sequence (StepTimes' "one_row"): a 1-stream token's time, where the engine reports
+    segments (pp and tp), to set beside the prediction's."""
+    one_row = (step_timing or {}).get("one_row") or {}
+    return {
+        name: round(1000 * totals["sum"] / totals["count"], 2)
+        for name, totals in one_row.items()
+        if totals.get("count")
+    }

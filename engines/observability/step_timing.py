@@ -58,17 +58,30 @@ class StepTimes:
     whole step (a batched step is shared, not split). `request(uid)` is what the request log
     shows; `forget` drops a request once it left the batch. One thread observes (the
     scheduler), any thread may take a `snapshot` (a /metrics scrape).
+
+    Decode steps of one sequence (`decode=True`, one uid) are also summed apart: what a
+    1-stream token costs, the figure the measured planner predicts (planner/speed.py
+    `Prediction.segments`); a prompt's chunks would skew it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._segments: dict[str, _Histogram] = {}
+        self._one_row: dict[str, list[float]] = {}  # segment -> [steps, seconds]
         self._requests: dict[int, dict[str, float]] = {}
         self.steps = 0
 
-    def observe(self, segments: Mapping[str, float], uids: Iterable[int] = ()) -> None:
+    def observe(
+        self, segments: Mapping[str, float], uids: Iterable[int] = (), decode: bool = False
+    ) -> None:
+        uids = list(uids)
         with self._lock:
             self.steps += 1
+            if decode and len(uids) == 1:
+                for name, seconds in segments.items():
+                    totals = self._one_row.setdefault(name, [0, 0.0])
+                    totals[0] += 1
+                    totals[1] += max(seconds, 0.0)
             for name, seconds in segments.items():
                 seconds = max(seconds, 0.0)
                 histogram = self._segments.get(name)
@@ -91,8 +104,13 @@ class StepTimes:
                 self._requests.pop(uid, None)
 
     def snapshot(self) -> dict[str, object]:
-        """`{"steps": n, "segments": {name: {"count", "sum", "buckets": [[le, cumulative]]}}}`,
-        what info().detail["step_timing"] holds and /metrics turns into histograms."""
+        """`{"steps": n, "segments": {name: {"count", "sum", "buckets": [[le, cumulative]]}},
+        "one_row": {name: {"count", "sum"}}}`, what info().detail["step_timing"] holds and
+        /metrics turns into histograms."""
         with self._lock:
             segments = {name: value.snapshot() for name, value in self._segments.items()}
-            return {"steps": self.steps, "segments": segments}
+            one_row = {
+                name: {"count": int(count), "sum": total}
+                for name, (count, total) in self._one_row.items()
+            }
+            return {"steps": self.steps, "segments": segments, "one_row": one_row}

@@ -200,10 +200,12 @@ class TensorParallelEngine(Engine):
         """One lockstep step of the whole batch: send its changes, read its tokens."""
         if not self._active and not self._inserts:
             return []
+        decode = not (self._inserts or self._prefilling)  # no prompt rides along this step
         started = time.perf_counter()
         answer = self._exchange(advance=True)
         exchange_s = time.perf_counter() - started
-        self.step_timing.observe(step_segments(answer.get("timing"), exchange_s), self._active)
+        segments = step_segments(answer.get("timing"), exchange_s)
+        self.step_timing.observe(segments, self._active, decode=decode)
         outputs = [StepOutput(uid, error=reason) for uid, reason in answer["refused"]]
         for uid, token, *logprobs in answer["tokens"]:
             if uid in self._tokens:

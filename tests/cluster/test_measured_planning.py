@@ -146,3 +146,27 @@ def test_single_alone_measured_on_request_shows_its_prediction_beside_what_it_se
     after = server.cluster()
     assert after["predicted"] == prediction
     assert after["served"]["requests"] == 1 and after["served"]["decode_tps_per_stream"] > 0
+
+
+def test_a_measured_pipeline_sets_each_stage_predicted_beside_served(
+    demo_model_dir: Path, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
+) -> None:
+    """Where a prediction is off: a 1-stream token's stages and hops, predicted and served."""
+    pool.start("staged", real_roles=True)
+    server = start_serve(
+        tmp_path, demo_model_dir, pool.cluster_key,
+        ["--parallelism", "pp", "--model-id", "demo", "--measure-speeds", "on",
+         "--max-batch", "4"],
+    )  # fmt: skip
+    servers.append(server)
+    prediction = server.cluster()["predicted"]
+    assert prediction["label"] == "pp=2", prediction
+    assert list(prediction["segments_ms"]) == ["stage0", "stage1", "transit"], prediction
+    assert min(prediction["segments_ms"].values()) > 0
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=60)
+    reply = client.completions.create(model="demo", prompt="Hi", max_tokens=6, temperature=0)
+    assert reply.usage.completion_tokens == 6
+    served = server.cluster()["served"]["segments_ms"]
+    # the decode steps of that one stream, each stage's layers and the hops between them
+    assert {"stage0", "stage1", "transit"} <= set(served), served
+    assert served["stage0"] > 0 and served["stage1"] > 0

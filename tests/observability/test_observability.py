@@ -417,3 +417,16 @@ def test_the_dashboard_shows_every_prediction_and_what_the_serving_plan_does() -
     assert "a tp layer of 2 ranks, all_sums included, {1: 1.31, 8: 2.2} ms by rows" in html
     assert "(the rest {1: 2.5, 8: 6.0})" in html
     assert "not measured" in render_predictions({"plan": {"predictions": []}})
+    assert "predicted -> served" not in html  # tp's prediction has no segments
+
+
+def test_the_dashboard_sets_a_pipelines_stages_predicted_beside_served() -> None:
+    segments = (("stage0", 0.0181), ("stage1", 0.0194), ("transit", 0.0002))
+    pp = Prediction("pp", ("c", "a"), 26.4, 8, 96.5, 2.4, "slowest stage a", segments)
+    served = {"requests": 3, "decode_tps_per_stream": 19.0}
+    status = {"plan": {"predictions": [pp.to_dict()]}, "served": served}
+    html = render_predictions(status)
+    assert "stage0 on c 18.1 -&gt; not served yet; stage1 on a 19.4 -&gt; not served" in html
+    served["segments_ms"] = {"stage0": 24.6, "stage1": 21.9, "transit": 1.2}
+    html = render_predictions(status)
+    assert "stage0 on c 18.1 -&gt; 24.6; stage1 on a 19.4 -&gt; 21.9; transit 0.2 -&gt; 1.2" in html

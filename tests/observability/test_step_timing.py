@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from engines.observability.served_speed import one_stream_segments_ms
 from engines.observability.step_timing import STEP_BUCKETS, StepTimes
 from engines.pipeline.frame_clock import FrameClock, StageMeter
 from engines.tensor_parallel.step_clock import step_segments
@@ -28,6 +29,21 @@ def test_every_request_in_a_step_is_charged_the_whole_step() -> None:
     assert buckets["0.01"] == 1 and buckets["0.025"] == 2 and buckets["10.0"] == 2
     assert buckets["+Inf"] == 3 and len(step["buckets"]) == len(STEP_BUCKETS) + 1
     assert snapshot["segments"]["all_sum"]["buckets"][0] == [STEP_BUCKETS[0], 1]
+
+
+def test_decode_steps_of_one_sequence_are_summed_apart_as_a_one_stream_token() -> None:
+    times = StepTimes()
+    times.observe({"stage0": 0.010, "transit": 0.001}, [7], decode=True)
+    times.observe({"stage0": 0.030, "transit": 0.002}, [7, 8], decode=True)  # a batch
+    times.observe({"stage0": 0.500, "transit": 0.002}, [9])  # a prompt's chunk
+    times.observe({"stage0": 0.014, "transit": 0.003}, iter([8]), decode=True)
+    one_row = times.snapshot()["one_row"]
+    assert one_row["stage0"] == {"count": 2, "sum": pytest.approx(0.024)}
+    assert one_row["transit"] == {"count": 2, "sum": pytest.approx(0.004)}
+    assert one_stream_segments_ms(times.snapshot()) == pytest.approx(
+        {"stage0": 12.0, "transit": 2.0}
+    )
+    assert one_stream_segments_ms(None) == {} == one_stream_segments_ms(StepTimes().snapshot())
 
 
 def test_a_tp_step_splits_into_all_sum_and_compute() -> None:

@@ -239,6 +239,11 @@ def test_pp_one_stream_pays_every_stage_and_hop_a_full_batch_the_slowest_stage()
     last_stage = 16 * (1 + 3 / 7) * MS + (2 + 6 / 7) * MS
     assert prediction.batch_tps == pytest.approx(8 / (2 * last_stage))
     assert prediction.dominant.startswith("slowest stage b: 16 layers")
+    # a 1-stream token by the engine's segments: stage 0's layers, the last's and its head,
+    # both hops as the coordinator's "transit"
+    segments = dict(prediction.segments)
+    assert segments == pytest.approx({"stage0": 16 * MS, "stage1": 18 * MS, "transit": hops_1})
+    assert prediction.to_dict()["segments_ms"] == {"stage0": 16.0, "stage1": 18.0, "transit": 0.11}
 
 
 def test_a_stage_held_to_a_cpu_quota_runs_its_layers_at_burst_speed_while_it_would_rest() -> None:
@@ -249,6 +254,7 @@ def test_a_stage_held_to_a_cpu_quota_runs_its_layers_at_burst_speed_while_it_wou
     prediction = predict_pp(SHAPE, cluster(speed("a"), held), [("a", 24), ("b", 8)], batch=8)
     hops_1 = (50e-6 + ROW_BYTES / GIGABIT) + (50e-6 + 8 / GIGABIT)
     assert prediction.decode_tps == pytest.approx(1 / (24 * MS + 10 * MS + hops_1))
+    assert dict(prediction.segments)["stage1"] == pytest.approx(10 * MS)  # its burst
     unheld = predict_pp(SHAPE, cluster(speed("a"), speed("b", 2.0)), [("a", 24), ("b", 8)], 8)
     assert unheld.decode_tps == pytest.approx(1 / (24 * MS + 20 * MS + hops_1))
     assert prediction.batch_tps == pytest.approx(unheld.batch_tps)
