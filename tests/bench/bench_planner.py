@@ -75,6 +75,7 @@ def run(
         singles = [scaling.one_stream(url) for _ in range(ROUNDS)]
         aggregate = statistics.median(scaling.many_streams(url) for _ in range(AGGREGATE_ROUNDS))
         ttft_long, prompt_tokens = long_prompt_ttft(url)
+        served = scaling.cluster(url).get("served") or {}  # the 1-stream rounds' decode steps
     plan = status.get("plan") or {}
     predictions = plan.get("predictions") or []
     return {
@@ -88,7 +89,21 @@ def run(
         "ttft": ttft_long,
         "prompt_tokens": prompt_tokens,
         "aggregate": aggregate,
+        "served_segments": served.get("segments_ms") or {},
     }
+
+
+def by_stage(label: str, predicted: dict[str, Any], served: dict[str, float]) -> str:
+    """A pipeline's 1-stream token by stage and hops, predicted -> served, with the error."""
+    nodes = predicted.get("nodes") or []
+    parts = []
+    for name, ms in (predicted.get("segments_ms") or {}).items():
+        index = name.removeprefix("stage")
+        where = f" on {nodes[int(index)]}" if index.isdigit() else ""
+        got = served.get(name)
+        tail = f"{got:.1f} ({100 * error(ms, got):+.0f}%)" if got else "not served"
+        parts.append(f"{name}{where} {ms:.1f} -> {tail}")
+    return f"{label} by stage, ms a 1-stream token, predicted -> served: " + "; ".join(parts)
 
 
 def long_prompt_ttft(url: str) -> tuple[float, int]:
@@ -154,6 +169,11 @@ def main() -> None:
                 f"{predicted['ttft_ms']:.0f}",
                 f"{1000 * result['ttft']:.0f} ({result['prompt_tokens']} tokens)",
             ])  # fmt: skip
+        pipeline = measured.get(f"pp={everyone}")
+        if pipeline and pipeline["predicted"] and pipeline["predicted"].get("segments_ms"):
+            label = f"pp={everyone}"
+            stages = by_stage(label, pipeline["predicted"], pipeline["served_segments"])
+            picks.append(f"- {setup.name}, {stages}")
         pick = auto["predicted"]["label"] if auto["predicted"] else str(auto["strategy"])
         # the pick is one of the candidates: judged by that candidate's forced run, like the
         # others; auto's own run of the same plan shows how far two runs of one plan differ
