@@ -94,14 +94,15 @@ def run(
 
 
 def by_stage(label: str, predicted: dict[str, Any], served: dict[str, float]) -> str:
-    """A pipeline's 1-stream token by stage and hops, predicted -> served, with the error."""
+    """A pipeline's 1-stream token by stage and hops, predicted -> served (how much longer
+    serving took than predicted)."""
     nodes = predicted.get("nodes") or []
     parts = []
     for name, ms in (predicted.get("segments_ms") or {}).items():
         index = name.removeprefix("stage")
         where = f" on {nodes[int(index)]}" if index.isdigit() else ""
         got = served.get(name)
-        tail = f"{got:.1f} ({100 * error(ms, got):+.0f}%)" if got else "not served"
+        tail = f"{got:.1f} ({100 * (got / ms - 1):+.0f}%)" if got else "not served"
         parts.append(f"{name}{where} {ms:.1f} -> {tail}")
     return f"{label} by stage, ms a 1-stream token, predicted -> served: " + "; ".join(parts)
 
