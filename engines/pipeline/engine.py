@@ -421,7 +421,9 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             segments = self._clock.answered(expected.number, answer.times)
             # rows removed while their frame was out are not charged (nor kept)
             running = [uid for uid in expected.uids if uid in self._schedule]
-            self.step_timing.observe(segments, running, decode=not expected.is_prefill)
+            # a 1-stream token: a decode step while no other sequence shares the pipeline
+            alone = not expected.is_prefill and self._schedule.active == 1
+            self.step_timing.observe(segments, running, decode=alone)
         scores = {}
         if answer.flags & wire.SCORES:
             scores = dict(zip(answer.uids, answer.scores(), strict=True))

@@ -73,9 +73,9 @@ def run(
         status = scaling.cluster(url)
         scaling.one_stream(url)  # warm-up
         singles = [scaling.one_stream(url) for _ in range(ROUNDS)]
+        served = scaling.cluster(url).get("served") or {}  # the 1-stream rounds' decode steps
         aggregate = statistics.median(scaling.many_streams(url) for _ in range(AGGREGATE_ROUNDS))
         ttft_long, prompt_tokens = long_prompt_ttft(url)
-        served = scaling.cluster(url).get("served") or {}  # the 1-stream rounds' decode steps
     plan = status.get("plan") or {}
     predictions = plan.get("predictions") or []
     return {
