@@ -46,9 +46,9 @@ class ServedSpeed:
 
 
 def one_stream_segments_ms(step_timing: dict[str, Any] | None) -> dict[str, float]:
-    """The mean milliseconds of each engine step segment over the steps that carried one
-    sequence (StepTimes' "one_row"): a 1-stream token's time, where the engine reports
-    segments (pp and tp), to set beside the prediction's."""
+    """The mean milliseconds of each engine step segment over the decode steps taken while
+    one sequence was alone in the engine (StepTimes' "one_row"): a 1-stream token's time,
+    where the engine reports segments (pp and tp), to set beside the prediction's."""
     one_row = (step_timing or {}).get("one_row") or {}
     return {
         name: round(1000 * totals["sum"] / totals["count"], 2)

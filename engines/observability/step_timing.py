@@ -59,9 +59,10 @@ class StepTimes:
     shows; `forget` drops a request once it left the batch. One thread observes (the
     scheduler), any thread may take a `snapshot` (a /metrics scrape).
 
-    Decode steps of one sequence (`decode=True`, one uid) are also summed apart: what a
-    1-stream token costs, the figure the measured planner predicts (planner/speed.py
-    `Prediction.segments`); a prompt's chunks would skew it.
+    Steps the engine marks `decode=True` (a decode step with no other sequence in the engine)
+    that carried one uid are also summed apart: what a 1-stream token costs, the figure the
+    measured planner predicts (planner/speed.py `Prediction.segments`); a prompt's chunks, or
+    a lone row waiting behind another micro-batch, would skew it.
     """
 
     def __init__(self) -> None:
