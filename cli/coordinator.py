@@ -150,6 +150,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     members: list[Any] = []
     verified: list[Any] = []
     survey, speeds = None, None
+    tp_possible = Parallelism(args.parallelism) in (Parallelism.AUTO, Parallelism.TP)
     if key is not None:
         membership = open_membership(key, args.interface, args.discovery_timeout, args.hostfile)
         try:
@@ -170,12 +171,12 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
             if wants_measuring(args.measure_speeds, nodes):
                 here = coordinator_address(args.interface, members)
                 survey = SpeedSurvey(membership, nodes[0].node_id, here)
-                speeds = survey.for_plan(facts, nodes, args.max_batch)
+                speeds = survey.for_plan(facts, nodes, args.max_batch, tp_possible)
         finally:
             membership.close()
     if survey is None and wants_measuring(args.measure_speeds, nodes):  # alone, and asked
         survey = SpeedSurvey(None, nodes[0].node_id)
-        speeds = survey.for_plan(facts, nodes, args.max_batch)
+        speeds = survey.for_plan(facts, nodes, args.max_batch, tp_possible)
     for line in survey.describe() if survey is not None else ():
         print(line)
     settings = PlanSettings(

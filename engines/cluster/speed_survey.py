@@ -71,12 +71,17 @@ class ProbeSpec:
         }
 
 
-def probe_spec(facts: ModelFacts, world_size: int, max_batch: int, float32: bool) -> ProbeSpec:
+def probe_spec(
+    facts: ModelFacts, world_size: int, max_batch: int, float32: bool, tp: bool = True
+) -> ProbeSpec:
+    """What to measure; with `tp` False (the operator chose pp or single, which a re-plan keeps)
+    no tp shard and no all_sum: seconds of measuring no candidate would use."""
     rows = tuple(sorted({1, *(r for r in (4, 8, 16) if r < max_batch), max_batch}))
     tp_sizes = tuple(
         ranks
         for ranks in range(2, world_size + 1)
-        if can_shard(facts.attention_heads, ranks)
+        if tp
+        and can_shard(facts.attention_heads, ranks)
         and can_shard(facts.kv_heads, ranks)
         and (facts.intermediate_size == 0 or facts.intermediate_size % ranks == 0)
     )
@@ -136,14 +141,15 @@ class SpeedSurvey:
         self._lock = threading.Lock()
 
     def for_plan(
-        self, facts: ModelFacts, nodes: list[NodeResources], max_batch: int
+        self, facts: ModelFacts, nodes: list[NodeResources], max_batch: int, tp: bool = True
     ) -> ClusterSpeeds:
         """The speeds of `nodes` for planning `facts` at `max_batch` (float32 on the CPU),
-        measuring every node not measured yet at once (only then is the config read)."""
+        measuring every node not measured yet at once (only then is the config read); tp's
+        shards and all_sums only when tp may be planned (`tp`)."""
         with self._lock:
             missing = [node.node_id for node in nodes if node.node_id not in self._nodes]
         if missing:
-            spec = probe_spec(facts, len(nodes), max_batch, on_cpu())
+            spec = probe_spec(facts, len(nodes), max_batch, on_cpu(), tp)
             log.info("measuring %s for the planner", ", ".join(missing))
             started = time.monotonic()
             links = {node_id: self._measure_link(node_id) for node_id in missing}

@@ -14,7 +14,8 @@ import pytest
 from openai import OpenAI
 
 from discovery.cluster_key import format_key, generate_key
-from engines.cluster.speed_survey import node_speed, wants_measuring
+from engines.cluster.speed_survey import node_speed, probe_spec, wants_measuring
+from engines.model.info import inspect_model
 from engines.model.speed_probe import measure
 from planner import NodeResources
 from planner.measured import LEAVING_SINGLE_MARGIN, MORE_MACHINES_MARGIN
@@ -34,6 +35,13 @@ def test_the_probe_measures_a_layer_its_shard_and_the_head(demo_model_dir: Path)
     assert speed.shard(2) is not None and speed.shard(4) is None
     assert 0 < speed.layer.at(1) < 1.0 and 0 < speed.prefill_layer_s < 5.0
     assert measured["probe_s"] < 60
+
+
+def test_tp_shards_are_measured_only_when_tp_may_be_planned(demo_model_dir: Path) -> None:
+    facts = inspect_model(demo_model_dir)
+    assert probe_spec(facts, 2, 4, float32=True).tp_sizes == (2,)
+    assert probe_spec(facts, 2, 4, float32=True, tp=False).tp_sizes == ()
+    assert probe_spec(facts, 1, 4, float32=True).tp_sizes == ()  # alone
 
 
 @pytest.mark.parametrize(
@@ -159,7 +167,11 @@ def test_a_measured_pipeline_sets_each_stage_predicted_beside_served(
          "--max-batch", "4"],
     )  # fmt: skip
     servers.append(server)
-    prediction = server.cluster()["predicted"]
+    cluster = server.cluster()
+    # pp was asked for, and a re-plan keeps it: no tp shard or all_sum was measured for it
+    [link] = cluster["speeds"]["links"].values()
+    assert "all_sum_ms" not in link and "tp_layer_ms" not in link, link
+    prediction = cluster["predicted"]
     assert prediction["label"] == "pp=2", prediction
     assert list(prediction["segments_ms"]) == ["stage0", "stage1", "transit"], prediction
     assert min(prediction["segments_ms"].values()) > 0
