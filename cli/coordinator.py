@@ -150,7 +150,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     members: list[Any] = []
     verified: list[Any] = []
     survey, speeds = None, None
-    tp_possible = Parallelism(args.parallelism) in (Parallelism.AUTO, Parallelism.TP)
+    tp_possible = Parallelism(args.parallelism).may_plan_tp
     if key is not None:
         membership = open_membership(key, args.interface, args.discovery_timeout, args.hostfile)
         try:

@@ -24,6 +24,11 @@ class Parallelism(StrEnum):
     PP = "pp"
     SINGLE = "single"
 
+    @property
+    def may_plan_tp(self) -> bool:
+        """Whether tp can be planned under this choice, now or at a re-plan (which keeps it)."""
+        return self in (Parallelism.AUTO, Parallelism.TP)
+
     @staticmethod
     def decide(inputs: DecisionInputs) -> Decision:
         """The Swift original's spelling; the one implementation is the module-level decide()."""

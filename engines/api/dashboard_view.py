@@ -9,6 +9,7 @@ from html import escape
 from typing import Any
 
 from engines.observability.request_timing import SEGMENTS, RequestRecord
+from engines.observability.served_speed import on_node
 
 CHART_WIDTH = 240
 CHART_HEIGHT = 48
@@ -222,14 +223,8 @@ def _segments_beside(prediction: dict[str, Any], served: dict[str, float]) -> st
     if not predicted:
         return ""
     nodes = prediction.get("nodes") or []
-
-    def named(segment: str) -> str:
-        index = segment.removeprefix("stage")
-        on = f" on {nodes[int(index)]}" if index.isdigit() and int(index) < len(nodes) else ""
-        return f"{segment}{on}"
-
     parts = "; ".join(
-        f"{named(name)} {ms:.1f} -> "
+        f"{on_node(name, nodes)} {ms:.1f} -> "
         + (f"{served[name]:.1f}" if name in served else "not served yet")
         for name, ms in predicted.items()
     )

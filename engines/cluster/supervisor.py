@@ -161,8 +161,10 @@ class ClusterSupervisor:
         """The measured speeds of `nodes` (measuring those not measured yet), when wanted."""
         if self.survey is None or not wants_measuring(self.plan_settings.measure, nodes):
             return None
-        tp = self.plan_settings.choice in (Parallelism.AUTO, Parallelism.TP)
-        return self.survey.for_plan(self.facts, nodes, self.plan_settings.max_batch, tp)
+        settings = self.plan_settings
+        return self.survey.for_plan(
+            self.facts, nodes, settings.max_batch, settings.choice.may_plan_tp
+        )
 
     def _candidates(self) -> list[NodeResources]:
         nodes = [self.coordinator()]

@@ -55,3 +55,13 @@ def one_stream_segments_ms(step_timing: dict[str, Any] | None) -> dict[str, floa
         for name, totals in one_row.items()
         if totals.get("count")
     }
+
+
+def on_node(segment: str, nodes: list[str]) -> str:
+    """A pipeline's segment with the node its stage runs on ("stage1 on vm-2", as
+    engines/pipeline/frame_clock.py names stages, nodes in pipeline order); the hops and any
+    other segment as they are."""
+    index = segment.removeprefix("stage")
+    if index == segment or not index.isdigit() or int(index) >= len(nodes):
+        return segment
+    return f"{segment} on {nodes[int(index)]}"

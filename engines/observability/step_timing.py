@@ -76,19 +76,19 @@ class StepTimes:
         self, segments: Mapping[str, float], uids: Iterable[int] = (), decode: bool = False
     ) -> None:
         uids = list(uids)
+        one_stream = decode and len(uids) == 1
         with self._lock:
             self.steps += 1
-            if decode and len(uids) == 1:
-                for name, seconds in segments.items():
-                    totals = self._one_row.setdefault(name, [0, 0.0])
-                    totals[0] += 1
-                    totals[1] += max(seconds, 0.0)
             for name, seconds in segments.items():
                 seconds = max(seconds, 0.0)
                 histogram = self._segments.get(name)
                 if histogram is None:
                     histogram = self._segments[name] = _Histogram()
                 histogram.observe(seconds)
+                if one_stream:
+                    totals = self._one_row.setdefault(name, [0, 0.0])
+                    totals[0] += 1
+                    totals[1] += seconds
             for uid in uids:
                 shares = self._requests.setdefault(uid, {})
                 for name, seconds in segments.items():

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from engines.observability.served_speed import on_node
 from tests.bench import bench_scaling as scaling
 from tests.bench.common import markdown_table, write_section
 from tests.lab.machines import Lab, MachineSpec, lab_unavailable
@@ -99,11 +100,9 @@ def by_stage(label: str, predicted: dict[str, Any], served: dict[str, float]) ->
     nodes = predicted.get("nodes") or []
     parts = []
     for name, ms in (predicted.get("segments_ms") or {}).items():
-        index = name.removeprefix("stage")
-        where = f" on {nodes[int(index)]}" if index.isdigit() else ""
         got = served.get(name)
         tail = f"{got:.1f} ({100 * (got / ms - 1):+.0f}%)" if got else "not served"
-        parts.append(f"{name}{where} {ms:.1f} -> {tail}")
+        parts.append(f"{on_node(name, nodes)} {ms:.1f} -> {tail}")
     return f"{label} by stage, ms a 1-stream token, predicted -> served: " + "; ".join(parts)
 
 
