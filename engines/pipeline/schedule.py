@@ -56,9 +56,10 @@ class MicroBatchSchedule:
 
     A micro-batch is sent when its previous answer is back, so with one micro-batch per stage
     every stage can work at once. A newcomer's prompt goes down in chunks of `prefill_chunk`:
-    while others decode, one chunk at a time, so a long prompt delays each of their tokens by
-    one chunk (as SingleEngine's one chunk per step); while nobody decodes, up to
-    `prefill_in_flight` chunks fill the pipeline. Newcomers take turns, a chunk each. The last
+    while others decode, at most a chunk's worth of tokens at a time, so a long prompt delays
+    each of their tokens by one chunk (as SingleEngine's one chunk per step) and short prompts
+    arriving together go down together; while nobody decodes, up to `prefill_in_flight`
+    chunks fill the pipeline. Newcomers take turns, a chunk each. The last
     chunk, ending the prompt, comes back with the first token (as SingleEngine computes the
     rest of a prompt and samples in one pass); the newcomer then joins the smallest
     micro-batch, that token as its input. A sequence starting from a prefix-cache entry of
@@ -231,24 +232,36 @@ class MicroBatchSchedule:
 
     def _plan_prefills(self, decoding: bool) -> list[Planned]:
         frames: list[Planned] = []
-        in_flight = sum(frame.is_prefill for frame in self._in_flight)
-        limit = 1 if decoding else self.prefill_in_flight
-        while self._prefilling and in_flight < limit:
+        out = [frame for frame in self._in_flight if frame.is_prefill]
+        count, tokens = len(out), sum(len(frame.tokens) for frame in out)
+        while self._prefilling:
             sequence = self._sequences[self._prefilling[0]]
             body = len(sequence.prompt)
             start, stop = sequence.prefilled, min(sequence.prefilled + self.prefill_chunk, body)
+            if not self._prefill_fits(decoding, count, tokens + stop - start):
+                break
             self._prefill_steps += 1
             row = Row(sequence.uid, start)
             begins = self._take_begins([sequence.uid])
             chunk, last = sequence.prompt[start:stop], stop == body
             step = self._prefill_steps
             frames.append(Planned(PREFILL_GROUP, step, (row,), chunk, begins, last_chunk=last))
-            in_flight += 1
+            count, tokens = count + 1, tokens + len(chunk)
             sequence.prefilled = sequence.position = stop
             self._prefilling.popleft()
             if not last:  # round robin: a short prompt behind a long one waits one chunk, not all
                 self._prefilling.append(sequence.uid)
         return frames
+
+    def _prefill_fits(self, decoding: bool, frames: int, tokens: int) -> bool:
+        """Whether `frames` prefill frames of `tokens` in all may be out at once: while others
+        decode, a chunk's worth of tokens (the delay a decoding sequence accepts per token;
+        short prompts arriving together share it, instead of a trip around the pipeline each);
+        while nobody decodes, `prefill_in_flight` frames, one per stage (stage 0 runs every
+        frame it plans before it reads an answer: more would hold back the first token)."""
+        if decoding:
+            return tokens <= self.prefill_chunk
+        return frames < self.prefill_in_flight
 
     def _join(self, sequence: _Sequence) -> None:
         """Into the smallest micro-batch (an idle one on a tie), its first token as input."""

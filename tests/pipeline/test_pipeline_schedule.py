@@ -63,6 +63,32 @@ def test_schedule_prefills_newcomers_in_turn_and_fills_the_pipe_when_idle() -> N
     ]
 
 
+def test_short_prompts_arriving_while_others_decode_go_down_together() -> None:
+    schedule = MicroBatchSchedule(groups=2, prefill_chunk=4, prefill_in_flight=3)
+    schedule.add(1, [10])
+    schedule.plan()
+    assert schedule.answered([7]) == [(1, 7)]  # 1 decodes from here on
+    schedule.add(2, [20, 21])
+    schedule.add(3, [30, 31])
+    schedule.add(4, [40, 41, 42, 43, 44, 45])
+    frames = schedule.plan()  # a chunk's worth (4 tokens): 2 and 3 at once, 4 waits
+    assert [(frame.group, frame.rows, frame.tokens) for frame in frames] == [
+        (0, (Row(1, 1),), (7,)),
+        (PREFILL_GROUP, (Row(2, 0),), (20, 21)),
+        (PREFILL_GROUP, (Row(3, 0),), (30, 31)),
+    ]
+    assert schedule.plan() == []  # the budget is out until those chunks are answered
+    assert schedule.answered([8]) == [(1, 8)]
+    assert schedule.answered([5]) == [(2, 5)]
+    frames = schedule.plan()  # 3's 2 tokens are still out: 4's first chunk (4) must wait
+    assert [frame.group for frame in frames] == [0, 1]  # 1 and newcomer 2 decode
+    assert schedule.answered([6]) == [(3, 6)]
+    frames = schedule.plan()  # a long prompt still goes a chunk at a time
+    assert [(frame.rows, frame.tokens) for frame in frames] == [
+        ((Row(4, 0),), (40, 41, 42, 43)),
+    ]
+
+
 def test_schedule_restarts_only_without_known_sequences() -> None:
     schedule = MicroBatchSchedule(groups=2, prefill_chunk=4, prefill_in_flight=2)
     schedule.add(1, [1, 2])
