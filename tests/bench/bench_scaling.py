@@ -106,8 +106,18 @@ def one_stream(url: str) -> tuple[float, float]:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]), stamps[0] - started
 
 
-def many_streams(url: str) -> float:
-    """Aggregate tok/s of STREAMS concurrent streams, first token to last."""
+@dataclass(frozen=True)
+class Streams:
+    """A round of STREAMS concurrent streams: aggregate tok/s first token to last (`whole`),
+    and while every stream decodes (`steady`: from the last stream's first token to the first
+    stream's last, what a batch's decode speed means); `ramp_s`, the first tokens' spread."""
+
+    whole: float
+    steady: float
+    ramp_s: float
+
+
+def concurrent_streams(url: str) -> Streams:
     stamps: list[list[float]] = [[] for _ in range(STREAMS)]
     threads = [threading.Thread(target=stream, args=(url, s, i)) for i, s in enumerate(stamps)]
     for thread in threads:
@@ -115,7 +125,17 @@ def many_streams(url: str) -> float:
     for thread in threads:
         thread.join()
     every = sorted(stamp for s in stamps for stamp in s)
-    return (len(every) - STREAMS) / (every[-1] - min(s[0] for s in stamps))
+    first, all_in = min(s[0] for s in stamps), max(s[0] for s in stamps)
+    first_out = min(s[-1] for s in stamps)
+    whole = (len(every) - STREAMS) / (every[-1] - first)
+    inside = sum(1 for stamp in every if all_in < stamp <= first_out)
+    steady = inside / (first_out - all_in) if first_out > all_in and inside else whole
+    return Streams(whole, steady, all_in - first)
+
+
+def many_streams(url: str) -> float:
+    """Aggregate tok/s of STREAMS concurrent streams, first token to last."""
+    return concurrent_streams(url).whole
 
 
 def step_means(before: dict[str, Any], after: dict[str, Any]) -> str:
