@@ -1,7 +1,7 @@
 """Measuring the cluster for the planner: the link to every member (pings over its control
-channel), then every node's speed for the model (an agent runs the `speed_probe` role in the
-kind of process its stage runs in; the coordinator runs the same module last, in this serve
-process, where its stage will run), one at a time, each bounded, cached per node;
+channel), then every node's speed for the model (an agent runs the `speed_probe` role, the
+coordinator the same module in a child process, last, having imported mlx meanwhile), one at
+a time, each bounded, cached per node;
 and, when tp is possible, the all_sum tp would run between the coordinator and each member,
 and a tp layer of the model over the same 2 ranks, all_sums included
 (engines/cluster/all_sum_survey.py), which pings over the control channel only estimate.
@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+from discovery.json_child import ChildNotReady, JsonChild
 from engines.cluster.all_sum_survey import AllSumProbe, GroupProbe
 from engines.core.engine import DEFAULT_PREFILL_CHUNK
-from engines.core.memory_release import release_freed_memory
 from engines.model.info import ModelFacts, read_config
 from engines.model.precision import on_cpu
 from planner import NodeResources
@@ -36,8 +38,10 @@ from planner.speed import ClusterSpeeds, Curve, LinkSpeed, NodeSpeed
 
 log = logging.getLogger(__name__)
 
+PROBE_MODULE = "engines.model.speed_probe"
 PROBE_TIMEOUT_S = 60.0  # a node's probe; the first one on a machine also imports mlx
 RELEASE_WAIT_S = 5.0
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MEASURE_CHOICES = ("auto", "on", "off")
 
 
@@ -166,9 +170,10 @@ class SpeedSurvey:
     ) -> None:
         """Each member, then the coordinator, one at a time; and each member's all_sum with
         the coordinator once the next machine has measured itself. Processes start (and
-        import mlx, a second and more) on machines that are idle meanwhile: this side's rank of
-        each member's group here while a member measures, the member's rank there while the
-        next machine measures."""
+        import mlx, a second and more) on machines that are idle meanwhile: the coordinator's
+        probe and this side's rank of each member's group here while a member measures, the
+        member's rank there while the next machine measures."""
+        here = start_probe_here() if self.coordinator_id in missing else None
         started: list[GroupProbe] = []
         pending: GroupProbe | None = None  # its member's rank starts while the next measures
         try:
@@ -184,13 +189,15 @@ class SpeedSurvey:
                 pending = None
                 if group is not None and node_id in self._links:
                     pending = self._begin_group(group)
-            if self.coordinator_id in missing:
-                self._measure(self.coordinator_id, spec, None)
+            if here is not None:
+                self._measure(self.coordinator_id, spec, None, here)
             if pending is not None:
                 self._finish_group(pending)
         finally:
             for group in started:
                 group.close()
+            if here is not None:
+                here.stop(5.0, ask=here.close_stdin)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -248,11 +255,12 @@ class SpeedSurvey:
         node_id: str,
         spec: ProbeSpec,
         link: LinkSpeed | None,
+        here: JsonChild | None = None,
     ) -> None:
-        """`node_id`'s speed (the coordinator's here, in this process)."""
+        """`node_id`'s speed (the coordinator's in `here`, its started probe process)."""
         try:
-            if node_id == self.coordinator_id:
-                speed = node_speed(node_id, measure_here(spec))
+            if here is not None:
+                speed = node_speed(node_id, measure_here(spec, here))
             else:
                 speed = node_speed(node_id, self._measure_member(node_id, spec))
         except Exception as error:  # noqa: BLE001 - any failure leaves this node unmeasured
@@ -359,17 +367,21 @@ def _describe_tp_layer(layer: dict[int, float] | None, rest: dict[int, float] | 
     return f"; a tp layer of 2 ranks, all_sums included: {points}"
 
 
-def measure_here(spec: ProbeSpec) -> dict[str, Any]:
-    """This machine's speed, measured in this serve process with its BLAS threads: the process
-    that runs the coordinator's stage (single's model, a pipeline's stage 0, tp's rank 0),
-    beside the threads that serve it. A child process of its own read stage 0 faster than it
-    served (docs/benchmarks.md, "Measured planner"). The probe's models are freed after."""
-    from engines.model import speed_probe  # noqa: PLC0415 - imports mlx, which serving has
+def start_probe_here() -> JsonChild:
+    """This machine's speed probe process, started without its spec: it imports mlx and waits
+    for measure_here(). The caller stops it."""
+    child = JsonChild([sys.executable, "-m", PROBE_MODULE], name="speed probe", cwd=PROJECT_ROOT)
+    child.start(None)
+    return child
 
+
+def measure_here(spec: ProbeSpec, child: JsonChild) -> dict[str, Any]:
+    """This machine's speed, measured in `child` (a process of its own, as a worker runs)."""
     try:
-        return speed_probe.measure_spec(spec.payload())
-    finally:
-        release_freed_memory()
+        child.send(spec.payload())
+        return child.wait_ready(PROBE_TIMEOUT_S)["speed"]
+    except (ChildNotReady, OSError, ValueError) as error:
+        raise PeerError(f"the coordinator's speed probe failed: {error}") from None
 
 
 def _rows(count: int) -> str:
