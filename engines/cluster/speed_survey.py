@@ -369,7 +369,9 @@ def _describe_tp_layer(layer: dict[int, float] | None, rest: dict[int, float] | 
 
 def start_probe_here() -> JsonChild:
     """This machine's speed probe process, started without its spec: it imports mlx and waits
-    for measure_here(). The caller stops it."""
+    for measure_here(). The caller stops it. A process of its own, not this one: run in the
+    serve process, the probe left the model loaded after it decoding 12-15% slower (its freed
+    buffers change where the weights land; with glibc's mmap threshold fixed, they did not)."""
     child = JsonChild([sys.executable, "-m", PROBE_MODULE], name="speed probe", cwd=PROJECT_ROOT)
     child.start(None)
     return child
