@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from engines.observability.served_speed import one_stream_segments_ms
 from tests.bench.common import PROJECT_ROOT, markdown_table
 
 ROUNDS = 2  # per variant, alternating
@@ -62,7 +63,6 @@ def pin_children(core: int) -> None:
 def serve_one_stream(model: Path) -> tuple[float, dict[str, float]]:
     """(median 1-stream decode tok/s, the engine's mean 1-stream segments in ms)."""
     from engines.core.request import GenerationRequest
-    from engines.observability.served_speed import one_stream_segments_ms
     from tests.bench.pipeline_cluster import open_pipeline_runner
 
     os.sched_setaffinity(0, {0})
@@ -87,17 +87,17 @@ def serve_one_stream(model: Path) -> tuple[float, dict[str, float]]:
             after = runner.engine.step_timing.snapshot()
     finally:
         os.sched_setaffinity(0, {0, 1})
-    return statistics.median(rates), segments_between(before, after, one_stream_segments_ms)
+    return statistics.median(rates), segments_between(before, after)
 
 
-def segments_between(before: dict, after: dict, to_ms) -> dict[str, float]:
+def segments_between(before: dict, after: dict) -> dict[str, float]:
     """The mean 1-stream segments of the steps between two StepTimes snapshots."""
     first, last = before.get("one_row") or {}, after.get("one_row") or {}
     delta = {}
     for name, totals in last.items():
         old = first.get(name, {"count": 0, "sum": 0.0})
         delta[name] = {"count": totals["count"] - old["count"], "sum": totals["sum"] - old["sum"]}
-    return to_ms({"one_row": delta})
+    return one_stream_segments_ms({"one_row": delta})
 
 
 def spinners() -> list[subprocess.Popen]:
