@@ -125,36 +125,14 @@ class StageBatches:
             raise WireError(f"micro-batch {group} sent step {step}, expected step {expected}")
         self._steps[group] = step
 
-    def prefill(self, rows: Sequence[Row], lengths: Sequence[int], hidden: mx.array) -> mx.array:
-        """Run a prefill frame (B, L, D): a chunk of one sequence over its own caches, or the
-        whole prompts of several new sequences, left-padded to L (`lengths` their own tokens),
-        over their caches batched for this pass (as mlx-lm's BatchGenerator prefills a batch);
-        each keeps its own caches afterwards, to join a micro-batch of its own."""
-        for row in rows:
-            if row.uid not in self._alone:
-                raise WireError(
-                    f"prefill chunk for sequence {row.uid}, which is not prefilling here"
-                )
-            self._check_position(row)
-        if len(rows) == 1:
-            hidden = self.stage.forward(hidden, self._alone[rows[0].uid])  # (1, L, D)
-            self._positions[rows[0].uid] += hidden.shape[1]
-            return hidden
-        begun = [row.uid for row in rows if row.position]
-        if begun:
-            raise WireError(f"a prefill frame of {len(rows)} rows continues sequences {begun}")
-        batched = self._alone[rows[0].uid]
-        for row in rows[1:]:
-            for cache, other in zip(batched, self._alone[row.uid], strict=True):
-                cache.extend(other)  # empty caches: only their padding and offsets join
-        padding = [hidden.shape[1] - length for length in lengths]
-        for cache in batched:
-            cache.prepare(left_padding=padding)
-        hidden = self.stage.forward(hidden, batched)  # (B, L, D)
-        for index, (row, length) in enumerate(zip(rows, lengths, strict=True)):
-            own = (cache.extract(index) for cache in batched)  # without the padding
-            self._alone[row.uid] = [type(cache).merge([cache]) for cache in own]
-            self._positions[row.uid] += length
+    def prefill(self, row: Row, hidden: mx.array) -> mx.array:
+        """Run a prefill chunk (1, L, D) of one sequence over its own caches."""
+        caches = self._alone.get(row.uid)
+        if caches is None:
+            raise WireError(f"prefill chunk for sequence {row.uid}, which is not prefilling here")
+        self._check_position(row)
+        hidden = self.stage.forward(hidden, caches)  # (1, L, D)
+        self._positions[row.uid] += hidden.shape[1]
         return hidden
 
     def decode(self, group: int, rows: Sequence[Row], hidden: mx.array) -> mx.array:

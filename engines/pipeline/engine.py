@@ -176,9 +176,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         parts = (*stage.blocks, stage.embed_tokens, stage.norm, stage.head)
         self._weight_bytes = parameter_bytes(*parts)
         self._load_grammars()
-        windows = [window for window in stage.layout.windows if window is not None]
-        self._schedule.shared_width = min([self.prefill_chunk, *windows])
-        if windows:
+        if any(window is not None for window in self.stage.layout.windows):
             self.prefix_index.turn_off(NOT_REUSABLE)  # windows anywhere in the chain
         if self.prefix_index.disk_max_bytes and self._disk is None:
             self._disk = open_disk_tier(self._disk_dir, self.model_path, self.layers)
@@ -334,11 +332,6 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             except ChannelError as error:
                 raise self._lost(f"ending sequences {known}", error) from error
 
-    def prefill_counts(self) -> tuple[int, int]:
-        """(prefill frames sent, prompts they ended): short prompts arriving together share
-        frames, so the second may exceed the first."""
-        return self._schedule.prefill_frames, self._schedule.prefill_prompts
-
     def step_times(self, uid: int) -> dict[str, float]:
         return self.step_timing.request(uid)
 
@@ -398,18 +391,17 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             self._local.drop(released)
             self._send_end([], [], released)
         started = time.perf_counter()
-        group, step, rows, lengths = planned.group, planned.step, planned.rows, planned.lengths
-        if planned.is_prefill:  # (B, L): one chunk, or whole short prompts left-padded
-            tokens = mx.array(planned.padded_chunks(), dtype=mx.uint32)
-            hidden = self._local.prefill(rows, lengths, self.stage.embed(tokens))  # (B, L, D)
+        tokens = mx.array(planned.tokens, dtype=mx.uint32)
+        group, step, rows = planned.group, planned.step, planned.rows
+        if planned.is_prefill:
+            hidden = self._local.prefill(rows[0], self.stage.embed(tokens[None]))  # (1, L, D)
         else:
-            tokens = mx.array(planned.tokens, dtype=mx.uint32)
             hidden = self._local.decode(group, rows, self.stage.embed(tokens[:, None]))  # (B, 1, D)
         mx.eval(hidden)
         stage_zero_s = time.perf_counter() - started
         number = self._take_number()
         flags = wire.LAST_CHUNK if planned.last_chunk else 0  # the last stage samples it
-        self._send(wire.hidden_frame(number, group, step, rows, hidden, (), flags, lengths))
+        self._send(wire.hidden_frame(number, group, step, rows, hidden, flags=flags))
         self._clock.sent(number, stage_zero_s)
         self._awaiting.append(wire.Frame(Kind.TOKEN, number, group, step, rows, flags))
 

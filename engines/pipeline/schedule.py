@@ -21,27 +21,13 @@ class Planned:
     group: int
     step: int
     rows: tuple[Row, ...]
-    tokens: tuple[int, ...]  # decode: one per row; prefill: the rows' chunks one after another
+    tokens: tuple[int, ...]  # decode: one per row; prefill: the chunk of the one row
     begins: tuple[int, ...] = ()  # uids whose BEGIN must go down before this frame
-    last_chunk: bool = False  # prefill chunks ending their prompts: each samples a first token
-    lengths: tuple[int, ...] = ()  # prefill: each row's chunk length
+    last_chunk: bool = False  # a prefill chunk ending its prompt: it samples the first token
 
     @property
     def is_prefill(self) -> bool:
         return self.group == PREFILL_GROUP
-
-    @property
-    def padded_tokens(self) -> int:
-        """The positions a prefill frame computes: its rows, each as long as the longest."""
-        return len(self.rows) * max(self.lengths, default=0)
-
-    def padded_chunks(self, pad: int = 0) -> list[list[int]]:
-        """A prefill frame's chunks, one per row, left-padded with `pad` to the longest."""
-        width, chunks, start = max(self.lengths), [], 0
-        for length in self.lengths:
-            chunks.append([pad] * (width - length) + list(self.tokens[start : start + length]))
-            start += length
-        return chunks
 
 
 @dataclass(slots=True)
@@ -71,15 +57,13 @@ class MicroBatchSchedule:
     A micro-batch is sent when its previous answer is back, so with one micro-batch per stage
     every stage can work at once. A newcomer's prompt goes down in chunks of `prefill_chunk`:
     while others decode, at most a chunk's worth of tokens at a time, so a long prompt delays
-    each of their tokens by one chunk (as SingleEngine's one chunk per step); while nobody
-    decodes, up to `prefill_in_flight` chunks fill the pipeline. Newcomers take turns, a chunk
-    each. New prompts of at most `shared_width` tokens share a frame (one forward pass on
-    every stage), left-padded to the longest, while the frame holds at most a chunk's worth
-    of positions. The last chunk, ending a prompt, comes back with the first token (as
-    SingleEngine computes the rest of a prompt and samples in one pass); the newcomer then
-    joins the smallest micro-batch, that token as its input. A sequence starting from a
-    prefix-cache entry of `cached` tokens is prefilled from there (positions start at
-    `cached`), in frames of its own.
+    each of their tokens by one chunk (as SingleEngine's one chunk per step) and short prompts
+    arriving together go down together; while nobody decodes, up to `prefill_in_flight`
+    chunks fill the pipeline. Newcomers take turns, a chunk each. The last
+    chunk, ending the prompt, comes back with the first token (as SingleEngine computes the
+    rest of a prompt and samples in one pass); the newcomer then joins the smallest
+    micro-batch, that token as its input. A sequence starting from a prefix-cache entry of
+    `cached` tokens is prefilled from there (positions start at `cached`).
     """
 
     def __init__(self, groups: int, prefill_chunk: int, prefill_in_flight: int) -> None:
@@ -90,11 +74,6 @@ class MicroBatchSchedule:
             )
         self.prefill_chunk = prefill_chunk
         self.prefill_in_flight = prefill_in_flight
-        # the longest prompt that may share a frame (the engine lowers it below a sliding
-        # window, which a padded pass must not outgrow)
-        self.shared_width = prefill_chunk
-        self.prefill_frames = 0  # planned since the schedule was made...
-        self.prefill_prompts = 0  # ...and the prompts they ended (more when prompts share)
         self._groups = [_Group() for _ in range(groups)]
         self._sequences: dict[int, _Sequence] = {}
         self._prefilling: deque[int] = deque()  # uids in arrival order
@@ -254,7 +233,7 @@ class MicroBatchSchedule:
     def _plan_prefills(self, decoding: bool) -> list[Planned]:
         frames: list[Planned] = []
         out = [frame for frame in self._in_flight if frame.is_prefill]
-        count, tokens = len(out), sum(frame.padded_tokens for frame in out)
+        count, tokens = len(out), sum(len(frame.tokens) for frame in out)
         while self._prefilling:
             sequence = self._sequences[self._prefilling[0]]
             body = len(sequence.prompt)
@@ -262,54 +241,17 @@ class MicroBatchSchedule:
             if not self._prefill_fits(decoding, count, tokens + stop - start):
                 break
             self._prefill_steps += 1
-            room = self.prefill_chunk - tokens if decoding else self.prefill_chunk
-            together = self._together(sequence, room)
-            if len(together) > 1:
-                frames.append(self._shared_prefill(together))
-            else:
-                row = Row(sequence.uid, start)
-                begins = self._take_begins([sequence.uid])
-                chunk, last = sequence.prompt[start:stop], stop == body
-                step, lengths = self._prefill_steps, (stop - start,)
-                frames.append(Planned(PREFILL_GROUP, step, (row,), chunk, begins, last, lengths))
-                sequence.prefilled = sequence.position = stop
-                self._prefilling.popleft()
-                if not last:  # round robin: a short prompt behind a long one waits a chunk
-                    self._prefilling.append(sequence.uid)
-            count, tokens = count + 1, tokens + frames[-1].padded_tokens
-            self.prefill_frames += 1
-            self.prefill_prompts += len(frames[-1].rows) if frames[-1].last_chunk else 0
+            row = Row(sequence.uid, start)
+            begins = self._take_begins([sequence.uid])
+            chunk, last = sequence.prompt[start:stop], stop == body
+            step = self._prefill_steps
+            frames.append(Planned(PREFILL_GROUP, step, (row,), chunk, begins, last_chunk=last))
+            count, tokens = count + 1, tokens + len(chunk)
+            sequence.prefilled = sequence.position = stop
+            self._prefilling.popleft()
+            if not last:  # round robin: a short prompt behind a long one waits one chunk, not all
+                self._prefilling.append(sequence.uid)
         return frames
-
-    def _together(self, head: _Sequence, room: int) -> list[_Sequence]:
-        """The next newcomer, and the new short prompts queued behind it that may share its
-        frame: whole, left-padded to the longest, in `room` positions at most."""
-        if not self._shareable(head):
-            return [head]
-        chosen, width = [head], len(head.prompt)
-        for uid in list(self._prefilling)[1:]:
-            other = self._sequences[uid]
-            wider = max(width, len(other.prompt))
-            if self._shareable(other) and wider * (len(chosen) + 1) <= room:
-                chosen.append(other)
-                width = wider
-        return chosen
-
-    def _shareable(self, sequence: _Sequence) -> bool:
-        """A prompt not started (nor taken from a prefix-cache entry) that one frame holds."""
-        return sequence.prefilled == 0 and len(sequence.prompt) <= self.shared_width
-
-    def _shared_prefill(self, together: list[_Sequence]) -> Planned:
-        """One frame of whole prompts, each ending in it (so each samples its first token)."""
-        uids = [sequence.uid for sequence in together]
-        begins = self._take_begins(uids)
-        tokens = tuple(token for sequence in together for token in sequence.prompt)
-        lengths = tuple(len(sequence.prompt) for sequence in together)
-        rows = tuple(Row(uid, 0) for uid in uids)
-        for sequence in together:
-            sequence.prefilled = sequence.position = len(sequence.prompt)
-            self._prefilling.remove(sequence.uid)
-        return Planned(PREFILL_GROUP, self._prefill_steps, rows, tokens, begins, True, lengths)
 
     def _prefill_fits(self, decoding: bool, frames: int, tokens: int) -> bool:
         """Whether `frames` prefill frames of `tokens` in all may be out at once: while others

@@ -284,7 +284,7 @@ class EncryptedPipelineServer:
                 f"{self.stage.hidden_size}"
             )
         if frame.is_prefill:
-            hidden = batches.prefill(frame.rows, frame.lengths, hidden)
+            hidden = batches.prefill(frame.rows[0], hidden)
         else:
             hidden = batches.decode(frame.group, frame.rows, hidden)
         number, group, step, rows = frame.number, frame.group, frame.step, frame.rows
@@ -293,17 +293,17 @@ class EncryptedPipelineServer:
             mx.eval(hidden)
             session.meter.compute_s += time.perf_counter() - started
             times = (*frame.times, session.meter.entry())
-            onward = wire.hidden_frame(
-                number, group, step, rows, hidden, times, last_chunk, frame.lengths
+            wire.send(
+                session.outbound,
+                wire.hidden_frame(number, group, step, rows, hidden, times, last_chunk),
+                self.stage.layers,
             )
-            wire.send(session.outbound, onward, self.stage.layers)
             return
         if not frame.samples:  # nothing to sample: acknowledge once the caches hold the chunk
             mx.eval(batches.prefill_caches_of(rows[0].uid))
             tokens: list[int] = []
             scores = None
-        else:  # a decode step, or prompts' last chunks: each one's first token, from its last
-            # position (a row shorter than the frame is padded on the left)
+        else:  # a decode step, or a prompt's last chunk: its last position's first token
             tokens, scores = self._sample(session, frame.uids, hidden[:, -1:, :])  # (B, 1, D)
         session.meter.compute_s += time.perf_counter() - started
         times = (*frame.times, session.meter.entry())

@@ -3,28 +3,25 @@
 A frame's plaintext (sealed whole by the hop's SecureChannel) is
 
     version u8 | kind u8 | flags u8 | dtype u8 | ndim u8 | number u64 | group u16 | step u32 |
-    rows u16 | shape (ndim x u32) | rows x (uid u64, position u32) | [lengths] | [times] | body
+    rows u16 | shape (ndim x u32) | rows x (uid u64, position u32) | [times] | body
 
 all big-endian. `number` counts the frames the coordinator sends down a session (SETUP is 0);
 an answer (TOKEN, READY) carries the number of the frame it answers. `group` is the micro-batch
 (PREFILL_GROUP for a prefill chunk) and `step` that micro-batch's frame count. Each row is a
 sequence (uid) and how many of its tokens the KV caches held before this frame (position).
-HIDDEN bodies are the raw row-major bytes of a (B, L, D) activation, one row per sequence.
-A prefill HIDDEN frame carries `lengths`, rows x u32: each row's own tokens, the last of its L
-positions (the rest is left padding, as mlx-lm's batched caches take it); a frame of several
-rows holds prompts that each end in it (LAST_CHUNK), so short prompts share one forward pass.
-TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement; a prefill frame
-flagged LAST_CHUNK ends its rows' prompts, and the last stage samples each one's first token
-from it), then, when flagged SCORES, a JSON list with each row's [logprob, [[id, logprob], ...]]
-or null, or a string when the last stage refused that row's sequence (its grammar did not
-compile there: the row's token means nothing); BEGIN / SETUP / STATUS / READY / END bodies UTF-8
-JSON objects. A BEGIN row's position is where the sequence starts: 0, or the tokens it takes
-from the prefix-cache entry its document names; its document may carry an output grammar the
-last stage applies. An END may keep ended sequences' caches as prefix-cache entries and drop
-entries (then it may have no rows). A HIDDEN or TOKEN frame with the STAGE_TIMES flag carries,
-before its body, `count u8` and count x (compute µs u64, sealing µs u64): each remote stage it
-passed appends its session's running totals (engines/pipeline/frame_clock.py). docs/pipeline.md
-describes the flow.
+HIDDEN bodies are the raw row-major bytes of a (B, L, D) activation, one row per sequence;
+TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement, one for a prefill
+chunk flagged LAST_CHUNK: it ends its prompt, and the last stage samples the sequence's first
+token from it), then, when flagged
+SCORES, a JSON list with each row's [logprob, [[id, logprob], ...]] or null, or a string when
+the last stage refused that row's sequence (its grammar did not compile there: the row's token
+means nothing); BEGIN / SETUP / STATUS / READY / END bodies UTF-8 JSON objects. A BEGIN
+row's position is where the sequence starts: 0, or the tokens it takes from the prefix-cache
+entry its document names; its document may carry an output grammar the last stage applies. An
+END may keep ended sequences' caches as prefix-cache entries and drop entries (then it may have
+no rows). A HIDDEN or TOKEN frame with the STAGE_TIMES flag carries, before its body, `count u8`
+and count x (compute µs u64, sealing µs u64): each remote stage it passed appends its
+session's running totals (engines/pipeline/frame_clock.py). docs/pipeline.md describes the flow.
 """
 
 from __future__ import annotations
@@ -46,17 +43,15 @@ from planner.errors import ChannelError
 # 5: BEGIN carries an output grammar (a v4 last stage would ignore it and sample freely)
 # 6: BEGIN carries the request's document (a v5 last stage would ignore its penalties)
 # 7: a prompt's last chunk (LAST_CHUNK) samples its first token; END may spill entries to disk
-# 8: a prefill frame carries each row's length and may hold several prompts (left-padded)
-VERSION = 8
+VERSION = 7
 PURPOSE = b"pipeline"  # the SecureChannel purpose of every pipeline hop
-AD_LABEL = b"tandem pipeline v8"
+AD_LABEL = b"tandem pipeline v7"
 HEADER = struct.Struct(">BBBBBQHIH")
 DIM = struct.Struct(">I")
 ROW = struct.Struct(">QI")
 AD_FIELDS = struct.Struct(">QII")
 BINDING = struct.Struct(">BHIH")
 TOKEN = struct.Struct(">I")
-LENGTH = struct.Struct(">I")
 MAX_NDIM = 4
 MAX_ROWS = 1024
 MAX_JSON_BYTES = 64 * 1024
@@ -137,7 +132,6 @@ class Frame:
     shape: tuple[int, ...] = ()
     body: bytes = b""
     times: tuple[tuple[int, int], ...] = ()  # per remote stage: (compute µs, sealing µs) so far
-    lengths: tuple[int, ...] = ()  # a prefill HIDDEN frame's tokens per row (the rest is padding)
 
     @property
     def is_prefill(self) -> bool:
@@ -223,32 +217,16 @@ def hidden_frame(
     hidden: mx.array,
     times: Sequence[tuple[int, int]] = (),
     flags: int = 0,
-    lengths: Sequence[int] = (),
 ) -> Frame:
     """A HIDDEN frame from an evaluated (B, L, D) activation, one row per sequence; `flags`
-    LAST_CHUNK marks prefill chunks that end their prompts; `lengths` a prefill frame's
-    tokens per row, left-padded to L (all L when not given)."""
+    LAST_CHUNK marks a prefill chunk that ends its prompt."""
     code = DTYPE_CODES.get(hidden.dtype)
     if code is None:
         raise WireError(f"activations of dtype {hidden.dtype} cannot travel on the pipeline wire")
     body = memoryview(hidden).tobytes()  # row-major, whatever the array's strides
     shape = tuple(hidden.shape)
     rows = tuple(rows)
-    if group == PREFILL_GROUP and not lengths:
-        lengths = (shape[1],) * len(rows)
-    return Frame(
-        Kind.HIDDEN,
-        number,
-        group,
-        step,
-        rows,
-        flags,
-        code,
-        shape,
-        body,
-        tuple(times),
-        tuple(lengths),
-    )
+    return Frame(Kind.HIDDEN, number, group, step, rows, flags, code, shape, body, tuple(times))
 
 
 def token_frame(
@@ -314,7 +292,6 @@ def encode(frame: Frame) -> bytes:
     )
     dims = b"".join(DIM.pack(size) for size in frame.shape)
     rows = b"".join(ROW.pack(row.uid, row.position) for row in frame.rows)
-    rows += b"".join(LENGTH.pack(length) for length in frame.lengths)
     times = b""
     if frame.times:
         if len(frame.times) > MAX_TIMED_STAGES:
@@ -351,21 +328,13 @@ def decode(payload: bytes) -> Frame:
     )
     start = HEADER.size + ndim * DIM.size
     rows = tuple(Row(*ROW.unpack_from(payload, start + index * ROW.size)) for index in range(count))
-    lengths: tuple[int, ...] = ()
-    if kind is Kind.HIDDEN and group == PREFILL_GROUP:
-        if len(payload) < offset + count * LENGTH.size:
-            raise WireError("HIDDEN prefill frame ends inside its lengths")
-        lengths = tuple(
-            LENGTH.unpack_from(payload, offset + index * LENGTH.size)[0] for index in range(count)
-        )
-        offset += count * LENGTH.size
     times: tuple[tuple[int, int], ...] = ()
     if flags & STAGE_TIMES:
         if kind not in (Kind.HIDDEN, Kind.TOKEN):
             raise WireError(f"{kind.name} frame carries stage times")
         times, offset = _decode_times(payload, offset, kind)
     body = payload[offset:]
-    frame = Frame(kind, number, group, step, rows, flags, dtype, shape, bytes(body), times, lengths)
+    frame = Frame(kind, number, group, step, rows, flags, dtype, shape, bytes(body), times)
     _validate(frame)
     return frame
 
@@ -430,8 +399,8 @@ def _validate_hidden(frame: Frame) -> None:
         raise WireError(
             f"HIDDEN frame shape {shape} is not (B, L, D) with B = {len(frame.rows)} rows"
         )
-    if frame.is_prefill:
-        _validate_lengths(frame)
+    if frame.is_prefill and shape[0] != 1:
+        raise WireError(f"a prefill chunk carries one sequence, this one {shape[0]}")
     if not frame.is_prefill and shape[1] != 1:
         raise WireError(f"a decode micro-batch carries one token per row, this one {shape[1]}")
     itemsize = np.dtype(DTYPES[frame.dtype][1]).itemsize
@@ -440,18 +409,6 @@ def _validate_hidden(frame: Frame) -> None:
         raise WireError(
             f"HIDDEN frame of shape {shape} needs {expected} bytes, carries {len(frame.body)}"
         )
-
-
-def _validate_lengths(frame: Frame) -> None:
-    """A prefill frame: a length per row, none past L and the longest L; several rows only
-    when each ends its prompt (a stage keeps a prompt's chunks on its own caches)."""
-    width, lengths = frame.shape[1], frame.lengths
-    if len(lengths) != len(frame.rows) or not all(0 < n <= width for n in lengths):
-        raise WireError(f"prefill frame of {width} positions has row lengths {list(lengths)}")
-    if max(lengths) != width:
-        raise WireError(f"prefill frame of {width} positions, its longest row {max(lengths)}")
-    if len(frame.rows) > 1 and not frame.flags & LAST_CHUNK:
-        raise WireError(f"a prefill frame of {len(frame.rows)} rows that end no prompt")
 
 
 def send(channel: Channel, frame: Frame, sender: range) -> None:

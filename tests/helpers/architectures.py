@@ -185,57 +185,6 @@ def run_stage_chain(path: Path, facts: ModelFacts, prefill_chunk: int = 8) -> Ou
     return Outcome(tokens=tuple(tuple(output) for output in outputs))
 
 
-# Each at most the demo's 16-token sliding window: the engine shares a frame only below it.
-SHORT_PROMPTS = ("Once upon a time", "Hi", "The cat sat on the mat and looked")
-
-
-def run_stage_batches(
-    path: Path, facts: ModelFacts, shared: bool, kv_bits: int = 0, steps: int = 8
-) -> tuple[tuple[int, ...], ...]:
-    """SHORT_PROMPTS through two stages' StageBatches, as stage 0 and the last stage run
-    frames: prefilled in one shared frame (left-padded) or each in a frame of its own, then
-    decoded together in one micro-batch; greedy tokens per prompt."""
-    import mlx.core as mx
-    from mlx_lm.utils import load_tokenizer
-
-    from engines.pipeline.batches import StageBatches
-    from engines.pipeline.stage_model import StageModel
-    from engines.pipeline.wire import Row
-
-    tokenizer = load_tokenizer(path)
-    ranges = (range(0, 1), range(1, facts.num_layers))
-    stages = [
-        StageBatches(StageModel.load(path, layers, layers.stop == facts.num_layers, False, kv_bits))
-        for layers in ranges
-    ]
-    prompts = [tokenizer.encode(prompt) for prompt in SHORT_PROMPTS]
-    for stage in stages:
-        for uid in range(len(prompts)):
-            stage.begin(uid)
-    frames = [list(range(len(prompts)))] if shared else [[uid] for uid in range(len(prompts))]
-    first: dict[int, int] = {}
-    for uids in frames:
-        lengths = [len(prompts[uid]) for uid in uids]
-        width = max(lengths)
-        padded = [[0] * (width - len(prompts[uid])) + prompts[uid] for uid in uids]
-        hidden = stages[0].stage.embed(mx.array(padded))
-        rows = [Row(uid, 0) for uid in uids]
-        for stage in stages:
-            hidden = stage.prefill(rows, lengths, hidden)
-        tokens = mx.argmax(stages[-1].stage.logits(hidden[:, -1:, :]), axis=-1).tolist()
-        first.update(zip(uids, tokens, strict=True))
-    outputs = [[first[uid]] for uid in range(len(prompts))]
-    for step in range(steps):
-        rows = [Row(uid, len(prompts[uid]) + step) for uid in range(len(prompts))]
-        hidden = stages[0].stage.embed(mx.array([[output[-1]] for output in outputs]))
-        for stage in stages:
-            hidden = stage.decode(0, rows, hidden)
-        tokens = mx.argmax(stages[-1].stage.logits(hidden), axis=-1).tolist()
-        for output, token in zip(outputs, tokens, strict=True):
-            output.append(token)
-    return tuple(tuple(output) for output in outputs)
-
-
 def run_pp(path: Path, facts: ModelFacts) -> Outcome:
     """Two stages: layer 0 here, layer 1 in a real stage worker process over a sealed hop."""
     from tests.helpers.pipeline import make_engine, start_workers, stop_workers

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from engines.model.info import inspect_model
 from engines.model.layers import pipeline_problem
 from planner import Parallelism, decide
 from tests.helpers.architectures import (
@@ -18,7 +17,6 @@ from tests.helpers.architectures import (
     refusal,
     run_pp,
     run_single,
-    run_stage_batches,
     run_stage_chain,
     run_tp,
 )
@@ -50,24 +48,6 @@ def test_stages_decode_like_the_single_engine(case: Case, models_root: Path) -> 
     assert all(len(set(tokens)) >= 6 for tokens in single.tokens)  # varied: a real comparison
     chain = run_stage_chain(path, facts)
     assert chain.tokens == single.tokens, chain.error
-
-
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_prompts_sharing_a_prefill_frame_decode_as_each_alone(
-    case: Case, models_root: Path
-) -> None:
-    """Short prompts arriving together share a prefill frame, left-padded on every stage's
-    caches (sliding windows, quantized weights, MoE, MLA): each then decodes as if alone."""
-    path, facts = build(case, models_root)
-    alone = run_stage_batches(path, facts, shared=False)
-    assert run_stage_batches(path, facts, shared=True) == alone
-    assert len({tokens[:2] for tokens in alone}) > 1  # different prompts: a real comparison
-
-
-def test_a_shared_prefill_frame_fills_quantized_kv_caches_as_alone(demo_model_dir: Path) -> None:
-    facts = inspect_model(demo_model_dir)  # (the cases' 16-wide heads cannot be quantized)
-    alone = run_stage_batches(demo_model_dir, facts, shared=False, kv_bits=4)
-    assert run_stage_batches(demo_model_dir, facts, shared=True, kv_bits=4) == alone
 
 
 @pytest.mark.cluster

@@ -41,20 +41,6 @@ def test_greedy_batch_matches_single_engine_alone(pipeline: Pipeline) -> None:
     assert status(pipeline)[1]["active_requests"] == 0
 
 
-def test_short_prompts_arriving_together_share_prefill_frames(pipeline: Pipeline) -> None:
-    """Prompts of different lengths arriving at once go down left-padded in shared frames (one
-    forward pass on every stage), and each gets the tokens SingleEngine gives it alone."""
-    frames_before, prompts_before = pipeline.engine.prefill_counts()
-    prompts = ("A", "Why not", "Go on then", "Hi", "Tell me more", "Yes")  # 16-token chunks
-    requests = [make_request(pipeline.runner, prompt, max_tokens=6) for prompt in prompts]
-    alone = [run(pipeline.reference, request) for request in requests]
-    together = run_all(pipeline.runner, requests)
-    assert [outcome.tokens for outcome in together] == [outcome.tokens for outcome in alone]
-    frames, prompts = pipeline.engine.prefill_counts()
-    assert prompts - prompts_before == len(requests)
-    assert frames - frames_before < len(requests) / 2, (frames - frames_before, len(requests))
-
-
 def test_burst_of_eight_ends_every_request_correctly(pipeline: Pipeline) -> None:
     """Different lengths, stops and temperatures, one cancelled, one timing out, all at once."""
     runner = pipeline.runner

@@ -63,50 +63,30 @@ def test_schedule_prefills_newcomers_in_turn_and_fills_the_pipe_when_idle() -> N
     ]
 
 
-def test_short_prompts_arriving_while_others_decode_share_a_frame() -> None:
+def test_short_prompts_arriving_while_others_decode_go_down_together() -> None:
     schedule = MicroBatchSchedule(groups=2, prefill_chunk=4, prefill_in_flight=3)
     schedule.add(1, [10])
     schedule.plan()
     assert schedule.answered([7]) == [(1, 7)]  # 1 decodes from here on
     schedule.add(2, [20, 21])
-    schedule.add(3, [30])
+    schedule.add(3, [30, 31])
     schedule.add(4, [40, 41, 42, 43, 44, 45])
-    frames = schedule.plan()  # 2 and 3 in one frame of 2 x 2 positions, a chunk's worth
-    assert [(frame.group, frame.rows, frame.tokens, frame.lengths) for frame in frames] == [
-        (0, (Row(1, 1),), (7,), ()),
-        (PREFILL_GROUP, (Row(2, 0), Row(3, 0)), (20, 21, 30), (2, 1)),
-    ]
-    assert frames[1].last_chunk and frames[1].begins == (2, 3)
-    assert frames[1].padded_chunks(pad=0) == [[20, 21], [0, 30]]  # left-padded
-    assert schedule.plan() == []  # the budget is out until that frame is answered
-    assert schedule.answered([8]) == [(1, 8)]
-    assert schedule.answered([5, 6]) == [(2, 5), (3, 6)]  # both first tokens at once
-    frames = schedule.plan()  # 3 joins 1's idle batch, 2 the other; a long prompt goes a
-    # chunk at a time
+    frames = schedule.plan()  # a chunk's worth (4 tokens): 2 and 3 at once, 4 waits
     assert [(frame.group, frame.rows, frame.tokens) for frame in frames] == [
-        (0, (Row(1, 2), Row(3, 1)), (8, 6)),
-        (1, (Row(2, 2),), (5,)),
-        (PREFILL_GROUP, (Row(4, 0),), (40, 41, 42, 43)),
+        (0, (Row(1, 1),), (7,)),
+        (PREFILL_GROUP, (Row(2, 0),), (20, 21)),
+        (PREFILL_GROUP, (Row(3, 0),), (30, 31)),
     ]
-    assert not frames[2].last_chunk and frames[2].lengths == (4,)
-
-
-def test_only_whole_new_prompts_share_a_frame_of_a_chunk_at_most() -> None:
-    schedule = MicroBatchSchedule(groups=2, prefill_chunk=6, prefill_in_flight=1)
-    schedule.shared_width = 3  # as under a sliding window of 3
-    schedule.add(1, [10, 11, 12])
-    schedule.add(2, [20, 21, 22, 23])  # longer than the shared width: alone
-    schedule.add(3, [30, 31], cached=1)  # from a prefix-cache entry: alone
-    schedule.add(4, [40])  # shares 1's frame: 2 rows x 3 positions
-    schedule.add(5, [50])  # a third row would need 9 positions
-    frames = schedule.plan()  # nobody decodes: one frame in flight
-    assert [(frame.rows, frame.lengths, frame.padded_tokens) for frame in frames] == [
-        ((Row(1, 0), Row(4, 0)), (3, 1), 6),
+    assert schedule.plan() == []  # the budget is out until those chunks are answered
+    assert schedule.answered([8]) == [(1, 8)]
+    assert schedule.answered([5]) == [(2, 5)]
+    frames = schedule.plan()  # 3's 2 tokens are still out: 4's first chunk (4) must wait
+    assert [frame.group for frame in frames] == [0, 1]  # 1 and newcomer 2 decode
+    assert schedule.answered([6]) == [(3, 6)]
+    frames = schedule.plan()  # a long prompt still goes a chunk at a time
+    assert [(frame.rows, frame.tokens) for frame in frames] == [
+        ((Row(4, 0),), (40, 41, 42, 43)),
     ]
-    assert schedule.answered([7, 8]) == [(1, 7), (4, 8)]
-    frames = schedule.plan()  # 1 and 4 decode; the rest share the chunk's 6 positions
-    prefills = [(frame.rows, frame.lengths) for frame in frames if frame.is_prefill]
-    assert prefills == [((Row(2, 0),), (4,)), ((Row(3, 1),), (1,)), ((Row(5, 0),), (1,))]
 
 
 def test_schedule_restarts_only_without_known_sequences() -> None:

@@ -193,9 +193,9 @@ def test_malformed_control_frames(
         ((1, 1, HIDDEN_SIZE - 1), [Row(1, 0)], 0, "activation width 255"),
         ((2, 1, HIDDEN_SIZE), [Row(1, 0)], 0, "not \\(B, L, D\\) with B = 1 rows"),
         ((1, 2, HIDDEN_SIZE), [Row(1, 0)], 0, "one token per row, this one 2"),
-        ((2, 1, HIDDEN_SIZE), [Row(1, 0), Row(2, 0)], PREFILL_GROUP, "2 rows that end no prompt"),
+        ((2, 1, HIDDEN_SIZE), [Row(1, 0), Row(2, 0)], PREFILL_GROUP, "one sequence, this one 2"),
     ],
-    ids=["width", "rows-vs-batch", "decode-of-two-tokens", "prefill-of-two-unended-prompts"],
+    ids=["width", "rows-vs-batch", "decode-of-two-tokens", "prefill-of-two-sequences"],
 )
 def test_activation_of_the_wrong_shape(
     stage: LiveStage,
@@ -212,21 +212,3 @@ def test_activation_of_the_wrong_shape(
         chain.send(wire.hidden_frame(chain.take(), group, 1, rows, hidden))
 
     reject(stage, chain, attack, logged)
-
-
-def test_a_shared_prefill_frame_may_only_start_sequences(stage: LiveStage, chain: Chain) -> None:
-    """Prompts share a prefill frame only whole: a row that already holds a chunk is refused."""
-
-    def attack() -> None:
-        chain.begin(1)
-        chain.begin(2)
-        number = chain.take()
-        chain.send(
-            wire.hidden_frame(number, PREFILL_GROUP, 1, [Row(1, 0)], mx.zeros((1, 2, HIDDEN_SIZE)))
-        )
-        chain.answer(Frame(Kind.TOKEN, number, PREFILL_GROUP, 1, (Row(1, 0),)))  # acknowledged
-        rows, hidden = [Row(1, 2), Row(2, 0)], mx.zeros((2, 3, HIDDEN_SIZE))
-        last = wire.LAST_CHUNK
-        chain.send(wire.hidden_frame(chain.take(), PREFILL_GROUP, 2, rows, hidden, (), last))
-
-    reject(stage, chain, attack, r"a prefill frame of 2 rows continues sequences \[1\]")

@@ -52,36 +52,6 @@ def test_activation_round_trip(dtype: mx.Dtype) -> None:
     assert mx.array_equal(restored, hidden).item()
 
 
-def test_a_prefill_frame_carries_each_rows_length_and_shares_only_last_chunks() -> None:
-    hidden = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(2, 3, 4)
-    rows, last = [Row(1, 0), Row(2, 0)], wire.LAST_CHUNK
-    frame = wire.decode(
-        wire.encode(wire.hidden_frame(5, PREFILL_GROUP, 1, rows, hidden, (), last, (3, 1)))
-    )
-    assert frame.lengths == (3, 1) and frame.rows == tuple(rows) and frame.flags & last
-    assert mx.array_equal(frame.tensor(), hidden).item()
-    one = wire.hidden_frame(6, PREFILL_GROUP, 2, [Row(3, 4)], hidden[:1])
-    assert wire.decode(wire.encode(one)).lengths == (3,)  # a chunk fills its frame
-    decode_step = wire.hidden_frame(7, 0, 1, rows, hidden[:, :1])
-    assert wire.decode(wire.encode(decode_step)).lengths == ()
-    refused = {
-        (3, 0): "row lengths",
-        (4, 1): "row lengths",
-        (2, 1): "its longest row 2",
-        (3,): "row lengths",
-    }
-    for lengths, message in refused.items():
-        bad = wire.hidden_frame(5, PREFILL_GROUP, 1, rows, hidden, (), last, lengths)
-        with pytest.raises(WireError, match=message):
-            wire.decode(wire.encode(bad))
-    unended = wire.hidden_frame(5, PREFILL_GROUP, 1, rows, hidden, (), 0, (3, 1))
-    with pytest.raises(WireError, match="2 rows that end no prompt"):
-        wire.decode(wire.encode(unended))
-    cut = wire.encode(frame)[: wire.HEADER.size + 3 * 4 + 2 * wire.ROW.size + 5]
-    with pytest.raises(WireError, match="inside its lengths"):
-        wire.decode(cut)
-
-
 def test_end_orders_round_trip_and_refusals() -> None:
     frame = wire.decode(wire.encode(end_frame(4, [1, 2], keep=[(2, 30)], evict=[7])))
     assert frame.uids == [1, 2]
