@@ -23,8 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from engines.observability.served_speed import one_stream_segments_ms
-from tests.bench.common import PROJECT_ROOT, markdown_table
+from tests.bench.common import PROJECT_ROOT, counts_between, markdown_table
 
 ROUNDS = 2  # per variant, alternating
 TOKENS = 64
@@ -51,13 +53,11 @@ def probe(model: Path, core: int) -> tuple[float, float]:
 
 
 def pin_children(core: int) -> None:
-    """Every thread of this process's children onto `core` (the stage worker)."""
-    children = subprocess.run(
-        ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True
-    ).stdout.split()
-    for child in children:
-        for thread in os.listdir(f"/proc/{child}/task"):
-            subprocess.run(["taskset", "-pc", str(core), thread], capture_output=True)
+    """Every thread of this process's children onto `core` (the stage worker): Linux sets
+    affinity per thread, and a child's BLAS and mlx threads exist by now."""
+    for child in psutil.Process().children():
+        for thread in child.threads():
+            os.sched_setaffinity(thread.id, {core})
 
 
 def serve_one_stream(model: Path) -> tuple[float, dict[str, float]]:
@@ -92,12 +92,8 @@ def serve_one_stream(model: Path) -> tuple[float, dict[str, float]]:
 
 def segments_between(before: dict, after: dict) -> dict[str, float]:
     """The mean 1-stream segments of the steps between two StepTimes snapshots."""
-    first, last = before.get("one_row") or {}, after.get("one_row") or {}
-    delta = {}
-    for name, totals in last.items():
-        old = first.get(name, {"count": 0, "sum": 0.0})
-        delta[name] = {"count": totals["count"] - old["count"], "sum": totals["sum"] - old["sum"]}
-    return one_stream_segments_ms({"one_row": delta})
+    grown = counts_between(before.get("one_row") or {}, after.get("one_row") or {})
+    return one_stream_segments_ms({"one_row": grown})
 
 
 def spinners() -> list[subprocess.Popen]:

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from discovery.cluster_key import format_key, generate_key
-from tests.bench.common import PROJECT_ROOT, markdown_table, write_section
+from tests.bench.common import PROJECT_ROOT, counts_between, markdown_table, write_section
 from tests.lab.machines import Lab, Machine, MachineSpec, lab_unavailable
 
 LAYERS, HIDDEN = 16, 1024
@@ -142,12 +142,12 @@ def step_means(before: dict[str, Any], after: dict[str, Any]) -> str:
     """Mean ms per step of each engine segment between two /v1/cluster snapshots."""
     first = (before.get("engine") or {}).get("step_timing") or {}
     last = (after.get("engine") or {}).get("step_timing") or {}
-    parts = []
-    for name, values in (last.get("segments") or {}).items():
-        old = (first.get("segments") or {}).get(name, {"count": 0, "sum": 0.0})
-        count = values["count"] - old["count"]
-        if count:
-            parts.append(f"{name} {1000 * (values['sum'] - old['sum']) / count:.1f}")
+    grown = counts_between(first.get("segments") or {}, last.get("segments") or {})
+    parts = [
+        f"{name} {1000 * totals['sum'] / totals['count']:.1f}"
+        for name, totals in grown.items()
+        if totals["count"]
+    ]
     return ", ".join(parts) or "—"
 
 

@@ -94,6 +94,18 @@ def cpu_ms_per_token(samples: Sequence[Sample]) -> str:
     return f"{median_of(samples, lambda s: s.cpu_s / s.tokens) * 1e3:.2f}"
 
 
+def counts_between(
+    first: Mapping[str, Any], last: Mapping[str, Any]
+) -> dict[str, dict[str, float]]:
+    """{name: {"count", "sum"}} totals that grew from `first` to `last` (two snapshots of
+    StepTimes' segments or one_row): what the steps between them added."""
+    delta = {}
+    for name, totals in last.items():
+        old = first.get(name, {"count": 0, "sum": 0.0})
+        delta[name] = {"count": totals["count"] - old["count"], "sum": totals["sum"] - old["sum"]}
+    return delta
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A markdown table; every column after the first is right-aligned (they hold numbers)."""
     align = ["---"] + ["---:"] * (len(header) - 1)
