@@ -20,7 +20,7 @@ TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely 
 class Finish(StrEnum):
     """Why a generation ended: the final event's `finish_reason` (a str, as OpenAI spells it)."""
 
-    STOP = "stop"  # EOS or a stop sequence
+    STOP = "stop"  # EOS, or a stop sequence (then the event's `stop_sequence` names it)
     LENGTH = "length"  # max_tokens
     CANCELLED = "cancelled"  # the client went away, or asked
     ERROR = "error"  # see the event's `failure` and `error`
@@ -57,6 +57,7 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, not recomputed
+    stop_sequence: str | None = None  # the stop string that ended a STOP (None: EOS)
 
 
 @dataclass(frozen=True, slots=True)

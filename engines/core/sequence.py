@@ -55,7 +55,7 @@ class ActiveSequence:
         self._stop_filter = StopTextFilter(self.request.stop)
         self._eos = eos
         self._deadline = time.monotonic() + self.request.timeout_s
-        self._stopped_by_text = False
+        self._matched_stop: str | None = None  # the stop string that ended it
         self.completion_tokens = 0
 
     def accept(self, output: StepOutput) -> Finish | None:
@@ -68,11 +68,11 @@ class ActiveSequence:
         self.completion_tokens += 1
         self._detokenizer.add_token(token)
         text, matched = self._stop_filter.feed(self._detokenizer.last_segment)
-        if text or not matched:
+        if text or matched is None:
             event = TokenEvent(text, token, output.logprob, output.top_logprobs)
             self.submission.push(event)
-        if matched:
-            self._stopped_by_text = True
+        if matched is not None:
+            self._matched_stop = matched
             return Finish.STOP
         if self.completion_tokens >= self.request.max_tokens:
             return Finish.LENGTH
@@ -89,7 +89,7 @@ class ActiveSequence:
 
     def finish(self, ending: Ending) -> None:
         """Flush held-back text (a natural end only) and send the final event with usage."""
-        if ending.reason.natural and not self._stopped_by_text:
+        if ending.reason.natural and self._matched_stop is None:
             self._detokenizer.finalize()
             tail, _ = self._stop_filter.feed(self._detokenizer.last_segment)
             tail += self._stop_filter.flush()
@@ -103,6 +103,7 @@ class ActiveSequence:
                 prompt_tokens=len(self.request.prompt_tokens),
                 completion_tokens=self.completion_tokens,
                 cached_tokens=self.cached_tokens,
+                stop_sequence=self._matched_stop,
             )
         )
         self.submission.done = True

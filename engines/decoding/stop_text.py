@@ -4,25 +4,30 @@ from __future__ import annotations
 
 
 class StopTextFilter:
-    """Feed text deltas; get back what is safe to emit and whether a stop string matched."""
+    """Feed text deltas; get back what is safe to emit and the stop string that matched."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Return (text safe to emit now, True if a stop string was found)."""
+    def feed(self, delta: str) -> tuple[str, str | None]:
+        """Return (text safe to emit now, the stop string found or None).
+
+        When two stop strings match, the one that starts first wins (the longer at a tie).
+        """
         if not self._stops:
-            return delta, False
+            return delta, None
         self._held += delta
-        cut = min((i for i in (self._held.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(self._held.find(stop), -len(stop), stop) for stop in self._stops]
+        matches = sorted(match for match in found if match[0] >= 0)
+        if matches:
+            cut, _, stop = matches[0]
             text, self._held = self._held[:cut], ""
-            return text, True
+            return text, stop
         keep = self._longest_stop_prefix_suffix()
         text = self._held[: len(self._held) - keep]
         self._held = self._held[len(self._held) - keep :]
-        return text, False
+        return text, None
 
     def flush(self) -> str:
         """The held-back text, once the generation ended without a stop string."""
