@@ -5,6 +5,7 @@ loads (chat template, BOS, the ids that end a generation); clear refusals."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from tokenizers import Tokenizer
 from engines.model.gguf.tokenizer import read_vocabulary, write_tokenizer
 from planner.errors import ModelError
 from tests.helpers.smollm2 import smollm2_gguf
+
+CORPUS_PATH = Path(__file__).parents[2] / "engines" / "model" / "data" / "corpus.txt"
 
 CORPUS = (
     "Hello, world! The capital of France is Paris.",
@@ -172,3 +175,129 @@ def test_unsupported_vocabularies_are_refused_by_name(
     with pytest.raises(ModelError, match=message):
         write_tokenizer(gguf.GGUFReader(path), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model():
+    """A SentencePiece BPE vocabulary trained on the demo corpus, shaped like Llama's: byte
+    fallback, whitespace-only pieces, split digits, no normalization, a control and a
+    user-defined symbol."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS_PATH.read_text(encoding="utf-8").splitlines()),
+        model_writer=model,
+        vocab_size=1000,
+        model_type="bpe",
+        byte_fallback=True,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=True,
+        control_symbols=["<|turn_end|>"],
+        user_defined_symbols=["<tool_call>"],
+        minloglevel=2,
+    )
+    return sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def piece_type(processor, piece_id: int) -> int:
+    for kind, test in (
+        (gguf.TokenType.UNKNOWN, processor.is_unknown),
+        (gguf.TokenType.CONTROL, processor.is_control),
+        (gguf.TokenType.BYTE, processor.is_byte),
+        (gguf.TokenType.UNUSED, processor.is_unused),
+    ):
+        if test(piece_id):
+            return kind
+    user_defined = processor.id_to_piece(piece_id) == "<tool_call>"
+    return gguf.TokenType.USER_DEFINED if user_defined else gguf.TokenType.NORMAL
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dir(sentencepiece_model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The vocabulary written to a GGUF the way llama.cpp's converter writes a Llama one."""
+    root = tmp_path_factory.mktemp("sentencepiece")
+    size = sentencepiece_model.get_piece_size()
+    path = write_vocabulary_gguf(
+        root / "spm.gguf",
+        "llama",
+        [sentencepiece_model.id_to_piece(i) for i in range(size)],
+        token_scores=[sentencepiece_model.get_score(i) for i in range(size)],
+        token_types=[piece_type(sentencepiece_model, i) for i in range(size)],
+        bos_token_id=sentencepiece_model.bos_id(),
+        eos_token_id=sentencepiece_model.eos_id(),
+        unk_token_id=sentencepiece_model.unk_id(),
+        eot_token_id=sentencepiece_model.piece_to_id("<|turn_end|>"),
+        add_bos_token=True,
+        add_space_prefix=True,
+        chat_template=(
+            "{{ bos_token }}{% for m in messages %}{{ m['content'] }}<|turn_end|>{% endfor %}"
+        ),
+    )
+    write_tokenizer(gguf.GGUFReader(path), root / "model")
+    return root / "model"
+
+
+def test_sentencepiece_ids_equal_sentencepiece(
+    sentencepiece_model, sentencepiece_dir: Path
+) -> None:
+    tokenizer = load_tokenizer(sentencepiece_dir)
+    size = sentencepiece_model.get_piece_size()
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == size
+    assert [tokenizer.id_to_token(i) for i in range(size)] == [
+        sentencepiece_model.id_to_piece(i) for i in range(size)
+    ]
+    bos = sentencepiece_model.bos_id()
+    lines = CORPUS_PATH.read_text(encoding="utf-8").splitlines()[:40]
+    for text in (*CORPUS, *lines):
+        assert tokenizer.encode(text).ids == [bos, *sentencepiece_model.encode(text)], text
+        assert tokenizer.decode(tokenizer.encode(text).ids) == text
+    # The corpus reaches byte fallback: CJK, emoji, tabs.
+    used = {piece for text in CORPUS for piece in tokenizer.encode(text).tokens}
+    assert {"<0xE6>", "<0xF0>", "<0x09>"} <= used
+
+
+def test_sentencepiece_special_tokens_as_llama_cpp(
+    sentencepiece_model, sentencepiece_dir: Path
+) -> None:
+    """llama.cpp matches control and user-defined tokens whole, and gives the text after each
+    one its own leading space, as if it began the prompt."""
+    tokenizer = load_tokenizer(sentencepiece_dir)
+    encode = sentencepiece_model.encode
+    turn_end = sentencepiece_model.piece_to_id("<|turn_end|>")
+    tool_call = sentencepiece_model.piece_to_id("<tool_call>")
+    bos, eos = sentencepiece_model.bos_id(), sentencepiece_model.eos_id()
+    cases = {
+        "Hello<|turn_end|>": [*encode("Hello"), turn_end],
+        "<|turn_end|>  next line\n": [turn_end, *encode("  next line\n")],
+        'say <tool_call>{"a": 1}</s>x': [
+            *encode("say "),
+            tool_call,
+            *encode('{"a": 1}'),
+            eos,
+            *encode("x"),
+        ],
+        "<s><unk></s><|turn_end|><tool_call>": [bos, 0, eos, turn_end, tool_call],
+        "": [],
+    }
+    for text, want in cases.items():
+        assert tokenizer.encode(text).ids == [bos, *want], text
+
+
+def test_sentencepiece_files_load_in_mlx_lm(sentencepiece_model, sentencepiece_dir: Path) -> None:
+    from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, load
+    from mlx_lm.utils import load_config
+
+    (sentencepiece_dir / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    config = load_config(sentencepiece_dir)
+    turn_end = sentencepiece_model.piece_to_id("<|turn_end|>")
+    assert config["eos_token_id"] == [2, turn_end]  # EOS and EOT both end a generation
+    wrapper = load(sentencepiece_dir, eos_token_ids=config["eos_token_id"])
+    assert wrapper.eos_token_ids == {2, turn_end}
+    assert isinstance(wrapper.detokenizer, SPMStreamingDetokenizer)
+    # The template writes BOS itself, as real SentencePiece templates do; it appears once.
+    prompt = wrapper.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    assert prompt == [1, *sentencepiece_model.encode("Hi there"), turn_end]
