@@ -75,7 +75,13 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 }
 # Token types whose text llama.cpp matches whole in a prompt, before any splitting.
 SPECIAL_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN)
-ADDED_TYPES = (*SPECIAL_TYPES, TokenType.USER_DEFINED)
+# tokenizer_config.json's names for the tokens the GGUF names tokenizer.ggml.<name>_token_id.
+SPECIAL_TOKEN_NAMES = {
+    "bos_token": "bos",
+    "eos_token": "eos",
+    "unk_token": "unknown",
+    "pad_token": "padding",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +114,10 @@ def write_tokenizer(reader: GGUFReader, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     special = {
-        f"{name}_token": token
-        for name in ("bos", "eos", "unk", "pad")
-        if (token := vocabulary.token(name if name != "pad" else "padding")) is not None
+        key: token
+        for key, name in SPECIAL_TOKEN_NAMES.items()
+        if (token := vocabulary.token(name)) is not None
     }
-    if "unk_token" not in special and (token := vocabulary.token("unknown")) is not None:
-        special["unk_token"] = token
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
