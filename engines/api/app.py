@@ -11,12 +11,13 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from engines.api import chat, completions, dashboard
-from engines.api.auth import PROTECTED_PREFIX, BearerKeyMiddleware
+from engines.api.auth import PROTECTED_PREFIXES, BearerKeyMiddleware
 from engines.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from engines.api.error_handlers import install_error_handlers
 from engines.api.errors import (
     SERVER_FAILURE,
     UNAUTHORIZED,
+    ErrorDialects,
     documented,
     model_not_found,
 )
@@ -55,16 +56,18 @@ def create_app(
         summary="One model served by a cluster, OpenAI-compatible.",
         strict_content_type=False,
     )
-    install_error_handlers(app)
+    dialects = error_dialects()
+    install_error_handlers(app, dialects)
     app.add_middleware(FormBodyAsJsonMiddleware)
     if service.limits.api_key:
         app.add_middleware(
             BearerKeyMiddleware,
             api_key=service.limits.api_key,
-            prefixes=(PROTECTED_PREFIX,) + (() if metrics_open else (METRICS_PATH,)),
+            prefixes=PROTECTED_PREFIXES + (() if metrics_open else (METRICS_PATH,)),
             browser_paths=() if dashboard_open else DASHBOARD_PATHS,
+            dialects=dialects,
         )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, dialects=dialects)
     metrics = Metrics(service)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 413s too
     install_openapi(app, service)
@@ -79,6 +82,11 @@ def create_app(
         return Response(body, media_type=content_type)
 
     return app
+
+
+def error_dialects() -> ErrorDialects:
+    """The dialects whose routes render errors in their own shape (OpenAI's elsewhere)."""
+    return ErrorDialects(routes=())
 
 
 def create_info_router(service: Service) -> APIRouter:
@@ -97,7 +105,7 @@ def create_info_router(service: Service) -> APIRouter:
         responses={**UNAUTHORIZED, 404: documented("no such model"), **SERVER_FAILURE},
     )
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id != service.model_id:
+        if service.served_id(model_id) is None:
             raise model_not_found(model_id, service.model_id)
         return model_card()
 

@@ -1,4 +1,6 @@
-"""Optional bearer-key check in front of /v1: checked before the body is read or validated."""
+"""Optional API-key check in front of /v1 and /api: checked before the body is read or
+validated. The key comes as `Authorization: Bearer <key>` or, as Anthropic's clients send it,
+`x-api-key: <key>`."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engines.api.errors import APIError
+from engines.api.errors import APIError, ErrorDialects
 
-PROTECTED_PREFIX = "/v1"
+PROTECTED_PREFIXES = ("/v1", "/api")
 
 
 class BearerKeyMiddleware:
@@ -20,8 +22,9 @@ class BearerKeyMiddleware:
         self,
         app: ASGIApp,
         api_key: str,
-        prefixes: tuple[str, ...] = (PROTECTED_PREFIX,),
+        prefixes: tuple[str, ...] = PROTECTED_PREFIXES,
         browser_paths: tuple[str, ...] = (),
+        dialects: ErrorDialects | None = None,
     ) -> None:
         """`prefixes` need the key; `browser_paths` (also protected, exact or as a prefix)
         accept it as the password of HTTP Basic auth too, so a browser can prompt for it."""
@@ -30,6 +33,7 @@ class BearerKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
         self._prefixes = prefixes
         self._browser_paths = browser_paths
+        self._dialects = dialects or ErrorDialects()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
@@ -37,16 +41,21 @@ class BearerKeyMiddleware:
         if not browser and not any(_under(path, prefix) for prefix in self._prefixes):
             await self.app(scope, receive, send)
             return
-        supplied = dict(scope["headers"]).get(b"authorization")
-        if supplied is not None and (
-            hmac.compare_digest(supplied, self._expected)
-            or (browser and hmac.compare_digest(_basic_password(supplied), self._key))
+        headers = dict(scope["headers"])
+        supplied = headers.get(b"authorization")
+        key_header = headers.get(b"x-api-key")
+        if (key_header is not None and hmac.compare_digest(key_header, self._key)) or (
+            supplied is not None
+            and (
+                hmac.compare_digest(supplied, self._expected)
+                or (browser and hmac.compare_digest(_basic_password(supplied), self._key))
+            )
         ):
             await self.app(scope, receive, send)
             return
         message = (
-            "missing Authorization header; send 'Authorization: Bearer <key>'"
-            if supplied is None
+            "missing API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            if supplied is None and key_header is None
             else "invalid API key"
         )
         error = APIError(
@@ -56,7 +65,7 @@ class BearerKeyMiddleware:
             type="authentication_error",
             headers={"WWW-Authenticate": 'Basic realm="tandem"' if browser else "Bearer"},
         )
-        await error.response()(scope, receive, send)
+        await self._dialects.response(path, error)(scope, receive, send)
 
 
 def _under(path: str, prefix: str) -> bool:

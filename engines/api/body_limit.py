@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engines.api.errors import APIError
+from engines.api.errors import APIError, ErrorDialects
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -17,11 +17,17 @@ class BodyLimitMiddleware:
     oversized one.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        dialects: ErrorDialects | None = None,
+    ) -> None:
         if max_bytes < 1:
             raise ValueError(f"the body limit must be at least 1 byte, got {max_bytes}")
         self.app = app
         self.max_bytes = max_bytes
+        self._dialects = dialects or ErrorDialects()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,4 +70,4 @@ class BodyLimitMiddleware:
             "accepts (--max-body-bytes)"
         )
         error = APIError(413, message, code="request_too_large", headers={"Connection": "close"})
-        await error.response()(scope, receive, send)
+        await self._dialects.response(scope["path"], error)(scope, receive, send)

@@ -11,13 +11,27 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engines.api.constraints import output_grammar
-from engines.api.errors import ERROR_RESPONSES, STREAMED
-from engines.api.generation import build_request, check_supported, collect, wait_budget_s
+from engines.api.conversation import ChatInput, FunctionTool, OutputFormat, ToolCall, Turn
+from engines.api.errors import ERROR_RESPONSES, STREAMED, APIError
+from engines.api.fields import chat_top_logprobs, check_chat_fields
+from engines.api.generation import (
+    Sampling,
+    build_request,
+    check_features,
+    check_max_tokens,
+    check_serving,
+    collect,
+    engine_features,
+    wait_budget_s,
+)
 from engines.api.logprobs import TokenScore, chat_logprobs
 from engines.api.metrics import mark_submitted, received_at
 from engines.api.prompts import chat_prompt_tokens
+from engines.api.reply import ReplyStream
 from engines.api.schemas import (
     AssistantMessage,
+    AssistantToolCall,
+    CalledFunction,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -28,20 +42,93 @@ from engines.api.schemas import (
     ToolCallDelta,
     Usage,
 )
-from engines.api.streaming import EventStreamResponse, stream_generation
-from engines.api.tools import (
-    ToolCallStream,
-    ToolFormat,
-    forces_call,
-    split_tool_calls,
-    template_tools,
-    tool_format_for,
-)
+from engines.api.streaming import OPENAI_SSE, Frame, stream_response
+from engines.api.tools import tool_format_for
+from engines.core.engine import TokenEvent
 from engines.core.service import Service
 
 
+def chat_input_of(body: ChatCompletionRequest) -> ChatInput:
+    """The conversation, tools and output format a chat completion asks for."""
+    choice = body.tool_choice
+    forced = None if isinstance(choice, str | None) else choice.function.name
+    mode = "required" if forced is not None else (choice or "auto")
+    output = None
+    requested = body.response_format
+    if requested is not None and requested.type == "json_object":
+        output = OutputFormat()
+    elif requested is not None and requested.type == "json_schema":
+        schema = requested.json_schema.json_schema
+        output = OutputFormat(None if schema is None else schema.model_dump())
+    return ChatInput(
+        turns=tuple(
+            Turn(
+                role=message.role,
+                content=message.text(),
+                tool_calls=tuple(
+                    ToolCall(call.id, call.function.name, call.function.arguments)
+                    for call in message.tool_calls or ()
+                ),
+                tool_call_id=message.tool_call_id,
+                name=message.name,
+                reasoning=message.reasoning_content,
+            )
+            for message in body.messages
+        ),
+        tools=tuple(
+            FunctionTool(
+                tool.function.name,
+                tool.function.description,
+                None if tool.function.parameters is None else tool.function.parameters.model_dump(),
+            )
+            for tool in body.tools or ()
+        ),
+        tool_mode=mode,
+        forced_tool=forced,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        output_format=output,
+        thinking=False if body.reasoning_effort == "none" else None,
+        template_options=dict(body.chat_template_kwargs or {}),
+    )
+
+
+def sampling_of(body: ChatCompletionRequest, service: Service) -> Sampling:
+    """max_completion_tokens wins over the legacy max_tokens (both are checked)."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        check_max_tokens(getattr(body, name), name, service.limits)
+    param, value = "max_completion_tokens", body.max_completion_tokens
+    if value is None:
+        param, value = "max_tokens", body.max_tokens
+    return Sampling(
+        max_tokens=value,
+        **body.sampling_values(),
+        logprobs=chat_top_logprobs(body),
+        names={
+            "max_tokens": param,
+            "prompt_tokens": "messages",
+            "logprobs": "logprobs" if body.top_logprobs is None else "top_logprobs",
+        },
+    )
+
+
+def grammar_param(chat: ChatInput) -> str | None:
+    """The field that asks for an output grammar, if any."""
+    if chat.forces_call():
+        return chat.names.tool_choice
+    return chat.names.output_format if chat.output_format is not None else None
+
+
+def api_tool_calls(calls: list[ToolCall]) -> list[AssistantToolCall]:
+    return [
+        AssistantToolCall(
+            id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments)
+        )
+        for call in calls
+    ]
+
+
 class ChatChunks:
-    """The chunk shapes of a streamed chat completion (see streaming.ChunkWriter).
+    """The chunk shapes of a streamed chat completion (a streaming.StreamWriter).
 
     With tools on offer, text that may start a tool call is held back; the calls go out in
     one chunk at the end, and the finish reason becomes "tool_calls".
@@ -53,63 +140,73 @@ class ChatChunks:
         created: int,
         model: str,
         tokenizer: Any,
-        tools: ToolFormat | None = None,
-        body: ChatCompletionRequest | None = None,
+        reply: ReplyStream,
+        include_usage: bool = False,
     ) -> None:
         self.id = id
         self.created = created
         self.model = model
         self._tokenizer = tokenizer
-        self._tools = ToolCallStream(tools) if tools is not None else None
-        self._body = body
+        self._reply = reply
+        self._include_usage = include_usage
 
-    def opening(self) -> ChatCompletionChunk:
-        return self._chunk(ChatDelta(role="assistant", content=""))
+    def opening(self) -> list[Frame]:
+        return [self._chunk(ChatDelta(role="assistant", content=""))]
 
-    def content(self, text: str, scores: list[TokenScore]) -> ChatCompletionChunk | None:
-        if self._tools is not None:
-            text = self._tools.feed(text)
-            if not text:
-                return None  # logprobs of held-back tokens are not sent (OpenAI sends none)
+    def content(self, text: str, scores: list[TokenScore]) -> list[Frame]:
+        pieces = self._reply.feed(text)
+        if not pieces:
+            return []  # logprobs of held-back tokens are not sent (OpenAI sends none)
         logprobs = chat_logprobs(self._tokenizer, scores) if scores else None
-        return self._chunk(ChatDelta(content=text), logprobs=logprobs)
+        return [
+            self._chunk(
+                self._delta(piece.kind, piece.text), logprobs=logprobs if index == 0 else None
+            )
+            for index, piece in enumerate(pieces)
+        ]
 
-    def finish(self, reason: str) -> list[ChatCompletionChunk]:
-        chunks = []
-        if self._tools is not None and self._body is not None:
-            held, calls = self._tools.finish(template_tools(self._body), single_call(self._body))
-            if held:
-                chunks.append(self._chunk(ChatDelta(content=held)))
-            if calls:
-                deltas = [
-                    ToolCallDelta(index=index, id=call.id, function=call.function)
-                    for index, call in enumerate(calls)
-                ]
-                chunks.append(self._chunk(ChatDelta(tool_calls=deltas)))
-                reason = "tool_calls"
-        chunks.append(self._chunk(ChatDelta(), reason))
-        return chunks
+    def finish(self, final: TokenEvent) -> list[Frame]:
+        pieces, calls = self._reply.finish()
+        frames = [self._chunk(self._delta(piece.kind, piece.text)) for piece in pieces]
+        reason = str(final.finish_reason)
+        if calls:
+            deltas = [
+                ToolCallDelta(
+                    index=index,
+                    id=call.id,
+                    function=CalledFunction(name=call.name, arguments=call.arguments),
+                )
+                for index, call in enumerate(calls)
+            ]
+            frames.append(self._chunk(ChatDelta(tool_calls=deltas)))
+            reason = "tool_calls"
+        frames.append(self._chunk(ChatDelta(), reason))
+        if self._include_usage:
+            usage = Usage.counted(final.prompt_tokens, final.completion_tokens, final.cached_tokens)
+            chunk = ChatCompletionChunk(
+                id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+            )
+            frames.append((None, chunk))
+        return frames
 
-    def usage(self, usage: Usage) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=[], usage=usage
-        )
+    def failure(self, error: APIError) -> list[Frame]:
+        return [(None, error.body())]
+
+    @staticmethod
+    def _delta(kind: str, text: str) -> ChatDelta:
+        return ChatDelta(reasoning_content=text) if kind == "reasoning" else ChatDelta(content=text)
 
     def _chunk(
         self,
         delta: ChatDelta,
         finish_reason: str | None = None,
         logprobs: ChoiceLogprobs | None = None,
-    ) -> ChatCompletionChunk:
+    ) -> Frame:
         choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
-        return ChatCompletionChunk(
+        chunk = ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=[choice]
         )
-
-
-def single_call(body: ChatCompletionRequest) -> bool:
-    """parallel_tool_calls=false, or a forced call (whose grammar allows exactly one)."""
-    return body.parallel_tool_calls is False or forces_call(body)
+        return (None, chunk)
 
 
 def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
@@ -121,53 +218,54 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         responses={200: {"model": ChatCompletion, "content": STREAMED}, **ERROR_RESPONSES},
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        check_supported(service, body)
+        check_serving(service, body.model)
+        check_chat_fields(body)
+        chat = chat_input_of(body)
+        sampling = sampling_of(body, service)
+        check_features(engine_features(service), sampling, grammar_param(chat))
         tokenizer = service.tokenizer
-        tools = tool_format_for(body, tokenizer)
-        grammar = output_grammar(body, tokenizer, tools)
+        tools = tool_format_for(chat, tokenizer)
+        grammar = output_grammar(chat, tokenizer, tools)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         # Templating and tokenizing a long prompt takes a while: never on the event loop.
-        prompt = await asyncio.to_thread(
-            chat_prompt_tokens, tokenizer, body.messages, max_prompt_tokens, template_tools(body)
+        prompt = await asyncio.to_thread(chat_prompt_tokens, tokenizer, chat, max_prompt_tokens)
+        generation = build_request(
+            service,
+            completion_id,
+            sampling,
+            prompt,
+            max_prompt_tokens,
+            grammar,
+            grammar_param(chat),
         )
-        submission = service.submit(
-            build_request(service, completion_id, body, prompt, max_prompt_tokens, grammar),
-            received_at=received_at(request.scope),
-        )
+        submission = service.submit(generation, received_at=received_at(request.scope))
         mark_submitted(request.scope)
+        reply = ReplyStream.of(tokenizer, chat, tools, prompt)
         if body.stream:
-            writer = ChatChunks(completion_id, created, service.model_id, tokenizer, tools, body)
-            events = stream_generation(
-                submission, wait_budget_s(service), writer, body.include_usage()
+            writer = ChatChunks(
+                completion_id, created, service.model_id, tokenizer, reply, body.include_usage()
             )
-            return EventStreamResponse(events, on_close=submission.cancel)
+            return stream_response(submission, wait_budget_s(service), writer, OPENAI_SSE)
         outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
+        whole = reply.read_whole(outcome.text)
+        finish_reason = "tool_calls" if whole.calls else outcome.finish_reason
+        # OpenAI's content is null beside calls when the model said nothing else
+        content = (whole.content or None) if whole.calls else whole.content
+        message = AssistantMessage(
+            content=content,
+            reasoning_content=whole.reasoning or None,
+            tool_calls=api_tool_calls(whole.calls) or None,
+        )
+        logprobs = (
+            chat_logprobs(tokenizer, outcome.scores) if sampling.logprobs is not None else None
+        )
+        choice = ChatChoice(message=message, finish_reason=finish_reason, logprobs=logprobs)
         usage = Usage.counted(
             outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens
         )
-        content: str | None = outcome.text
-        calls = None
-        finish_reason = outcome.finish_reason
-        if tools is not None:
-            content, found = split_tool_calls(
-                outcome.text, tools, template_tools(body), single_call(body)
-            )
-            if found:
-                calls, finish_reason = found, "tool_calls"
-                content = content or None
-        logprobs = chat_logprobs(tokenizer, outcome.scores) if body.logprobs else None
-        choice = ChatChoice(
-            message=AssistantMessage(content=content, tool_calls=calls),
-            finish_reason=finish_reason,
-            logprobs=logprobs,
-        )
         completion = ChatCompletion(
-            id=completion_id,
-            created=created,
-            model=service.model_id,
-            choices=[choice],
-            usage=usage,
+            id=completion_id, created=created, model=service.model_id, choices=[choice], usage=usage
         )
         return JSONResponse(completion.model_dump())
 

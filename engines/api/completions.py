@@ -10,49 +10,89 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engines.api.errors import ERROR_RESPONSES, STREAMED
-from engines.api.generation import build_request, check_supported, collect, wait_budget_s
+from engines.api.errors import ERROR_RESPONSES, STREAMED, APIError
+from engines.api.fields import check_completion_fields
+from engines.api.generation import (
+    Sampling,
+    build_request,
+    check_features,
+    check_max_tokens,
+    check_serving,
+    collect,
+    engine_features,
+    wait_budget_s,
+)
 from engines.api.logprobs import TokenScore, completion_logprobs
 from engines.api.metrics import mark_submitted, received_at
 from engines.api.prompts import completion_prompt_tokens
 from engines.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
-from engines.api.streaming import EventStreamResponse, stream_generation
+from engines.api.streaming import OPENAI_SSE, Frame, stream_response
+from engines.core.engine import TokenEvent
 from engines.core.service import Service
 
 
+def sampling_of(body: CompletionRequest, service: Service) -> Sampling:
+    """max_completion_tokens wins over the legacy max_tokens (both are checked)."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        check_max_tokens(getattr(body, name), name, service.limits)
+    param, value = "max_completion_tokens", body.max_completion_tokens
+    if value is None:
+        param, value = "max_tokens", body.max_tokens
+    return Sampling(
+        max_tokens=value,
+        **body.sampling_values(),
+        logprobs=body.logprobs,
+        names={"max_tokens": param, "prompt_tokens": "prompt"},
+    )
+
+
 class CompletionChunks:
-    """The chunk shapes of a streamed completion; OpenAI sends no opening chunk here."""
+    """The chunk shapes of a streamed completion (a streaming.StreamWriter); OpenAI sends no
+    opening chunk here."""
 
     def __init__(
-        self, id: str, created: int, model: str, tokenizer: Any, top: int | None = None
+        self,
+        id: str,
+        created: int,
+        model: str,
+        tokenizer: Any,
+        top: int | None = None,
+        include_usage: bool = False,
     ) -> None:
         self.id = id
         self.created = created
         self.model = model
         self._tokenizer = tokenizer
         self._top = top  # None: no logprobs
+        self._include_usage = include_usage
         self._offset = 0  # text_offset of the next token
 
-    def opening(self) -> None:
-        return None
+    def opening(self) -> list[Frame]:
+        return []
 
-    def content(self, text: str, scores: list[TokenScore]) -> Completion:
+    def content(self, text: str, scores: list[TokenScore]) -> list[Frame]:
         logprobs = None
         if self._top is not None and scores:
             logprobs = completion_logprobs(self._tokenizer, scores, self._top, self._offset)
         self._offset += len(text)
-        return self._chunk([CompletionChoice(text=text, logprobs=logprobs)])
+        return [self._chunk([CompletionChoice(text=text, logprobs=logprobs)])]
 
-    def finish(self, reason: str) -> list[Completion]:
-        return [self._chunk([CompletionChoice(text="", finish_reason=reason)])]
+    def finish(self, final: TokenEvent) -> list[Frame]:
+        reason = str(final.finish_reason)
+        frames = [self._chunk([CompletionChoice(text="", finish_reason=reason)])]
+        if self._include_usage:
+            usage = Usage.counted(final.prompt_tokens, final.completion_tokens, final.cached_tokens)
+            frames.append(self._chunk([], usage))
+        return frames
 
-    def usage(self, usage: Usage) -> Completion:
-        return self._chunk([], usage)
+    def failure(self, error: APIError) -> list[Frame]:
+        return [(None, error.body())]
 
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
-        return Completion(
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Frame:
+        completion = Completion(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
+        return (None, completion)
 
 
 def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
@@ -64,7 +104,10 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         responses={200: {"model": Completion, "content": STREAMED}, **ERROR_RESPONSES},
     )
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        check_supported(service, body)
+        check_serving(service, body.model)
+        check_completion_fields(body)
+        sampling = sampling_of(body, service)
+        check_features(engine_features(service), sampling)
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         # Templating and tokenizing a long prompt takes a while: never on the event loop.
@@ -72,18 +115,20 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
             completion_prompt_tokens, service.tokenizer, body.prompt, max_prompt_tokens
         )
         submission = service.submit(
-            build_request(service, completion_id, body, prompt, max_prompt_tokens),
+            build_request(service, completion_id, sampling, prompt, max_prompt_tokens),
             received_at=received_at(request.scope),
         )
         mark_submitted(request.scope)
         if body.stream:
             writer = CompletionChunks(
-                completion_id, created, service.model_id, service.tokenizer, body.logprobs
+                completion_id,
+                created,
+                service.model_id,
+                service.tokenizer,
+                body.logprobs,
+                body.include_usage(),
             )
-            events = stream_generation(
-                submission, wait_budget_s(service), writer, body.include_usage()
-            )
-            return EventStreamResponse(events, on_close=submission.cancel)
+            return stream_response(submission, wait_budget_s(service), writer, OPENAI_SSE)
         outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
         logprobs = None
         if body.logprobs is not None:

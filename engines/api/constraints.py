@@ -8,9 +8,9 @@ from typing import Any
 
 from llguidance import LLMatcher
 
+from engines.api.conversation import ChatInput
 from engines.api.errors import APIError
-from engines.api.schemas import ChatCompletionRequest
-from engines.api.tools import ToolFormat, forces_call
+from engines.api.tools import ToolFormat
 
 # Compact JSON: a model that may emit whitespace forever (a small or random one) cannot stall
 # inside the object; the result is the same JSON.
@@ -18,25 +18,18 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 ANY_OBJECT = {"type": "object"}
 
 
-def output_grammar(
-    body: ChatCompletionRequest, tokenizer: Any, tools: ToolFormat | None
-) -> str | None:
+def output_grammar(chat: ChatInput, tokenizer: Any, tools: ToolFormat | None) -> str | None:
     """The grammar the output must match, or None; 400 naming the field for a bad schema."""
-    if tools is not None and forces_call(body):
-        return _tool_call_grammar(body, tokenizer, tools)
-    requested = body.response_format
-    if requested is None or requested.type == "text":
+    if tools is not None and chat.forces_call():
+        return _tool_call_grammar(chat, tokenizer, tools)
+    if chat.output_format is None:
         return None
-    if requested.type == "json_object":
-        return _checked(
-            LLMatcher.grammar_from_json_schema(ANY_OBJECT, overrides=JSON_OPTIONS),
-            "response_format",
-        )
-    schema = requested.json_schema.json_schema
-    param = "response_format.json_schema.schema"
-    document = ANY_OBJECT if schema is None else schema.model_dump()
+    schema = chat.output_format.schema
+    param = chat.names.output_format if schema is None else chat.names.schema
     try:
-        grammar = LLMatcher.grammar_from_json_schema(document, overrides=JSON_OPTIONS)
+        grammar = LLMatcher.grammar_from_json_schema(
+            ANY_OBJECT if schema is None else schema, overrides=JSON_OPTIONS
+        )
     except ValueError as error:
         raise APIError(
             400, f"invalid JSON schema: {error}", param=param, code="invalid_value"
@@ -44,20 +37,15 @@ def output_grammar(
     return _checked(grammar, param)
 
 
-def _tool_call_grammar(body: ChatCompletionRequest, tokenizer: Any, tools: ToolFormat) -> str:
+def _tool_call_grammar(chat: ChatInput, tokenizer: Any, tools: ToolFormat) -> str:
     """`<tool_call>{"name": one of the tools, "arguments": its parameters}</tool_call>`."""
-    choice = body.tool_choice
-    offered = body.tools or []
-    if not isinstance(choice, str | None):
-        offered = [tool for tool in offered if tool.function.name == choice.function.name]
+    offered = [tool for tool in chat.tools if chat.forced_tool in (None, tool.name)]
     calls = [
         {
             "type": "object",
             "properties": {
-                "name": {"const": tool.function.name},
-                "arguments": ANY_OBJECT
-                if tool.function.parameters is None
-                else tool.function.parameters.model_dump(),
+                "name": {"const": tool.name},
+                "arguments": ANY_OBJECT if tool.parameters is None else tool.parameters,
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
@@ -71,7 +59,7 @@ def _tool_call_grammar(body: ChatCompletionRequest, tokenizer: Any, tools: ToolF
         f"{_literal(tokenizer, tools.end)}\n"
         f"call: %json {json.dumps(schema)}\n"
     )
-    return _checked(LLMatcher.grammar_from_lark(lark), "tools")
+    return _checked(LLMatcher.grammar_from_lark(lark), chat.names.tools)
 
 
 def _literal(tokenizer: Any, marker: str) -> str:

@@ -202,7 +202,7 @@ def render_predictions(status: dict[str, Any]) -> str:
     )
     speeds = status.get("speeds") or {}
     probes = "".join(
-        f'<li>{escape(node)}: a layer {escape(str(speed.get("layer_ms")))} ms by rows</li>'
+        f"<li>{escape(node)}: a layer {escape(str(speed.get('layer_ms')))} ms by rows</li>"
         for node, speed in (speeds.get("nodes") or {}).items()
     ) + "".join(
         f"<li>link to {escape(node)}: {link.get('latency_us')} us one way, "

@@ -1,4 +1,5 @@
-"""The app's exception handlers: every error leaves the API as OpenAI-shaped JSON."""
+"""The app's exception handlers: every error leaves the API as JSON in the shape of the
+dialect whose route it answers (OpenAI's unless a dialect says otherwise)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,15 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
 from engines.api.errors import (
     SERVER_ERROR,
     APIError,
+    ErrorDialects,
     describe_validation,
     engine_unavailable,
-    error_body,
     overloaded,
     queue_full,
 )
@@ -24,49 +25,52 @@ from planner.errors import EngineError, OverloadedError, QueueFullError
 log = logging.getLogger(__name__)
 
 
-async def handle_api_error(_: Request, error: APIError) -> JSONResponse:
-    return error.response()
+# The routes whose schema declares OpenAI fields it only accepts at their default (fields.py).
+REFUSING_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 
-async def handle_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-    message, param = describe_validation(error.errors())
-    refusal = refusal_of(param)
-    if refusal is not None:  # a field the schema only allows at its default
-        return APIError(400, refusal, param=param, code="unsupported_parameter").response()
-    return APIError(400, message, param=param, code="invalid_value").response()
+def install_error_handlers(app: FastAPI, dialects: ErrorDialects | None = None) -> None:
+    """Every error leaves the app as its dialect's JSON, never as a traceback."""
+    dialects = dialects or ErrorDialects()
 
+    def render(request: Request, error: APIError) -> Response:
+        return dialects.response(request.url.path, error)
 
-async def handle_http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-    codes = {404: "not_found", 405: "method_not_allowed"}
-    api_error = APIError(
-        error.status_code,
-        str(error.detail),
-        code=codes.get(error.status_code),
-        headers=dict(error.headers or {}),
-    )
-    return api_error.response()
+    async def handle_api_error(request: Request, error: APIError) -> Response:
+        return render(request, error)
 
+    async def handle_validation_error(request: Request, error: RequestValidationError) -> Response:
+        message, param = describe_validation(error.errors())
+        refusal = refusal_of(param) if request.url.path in REFUSING_ROUTES else None
+        if refusal is not None:  # a field the schema only allows at its default
+            refused = APIError(400, refusal, param=param, code="unsupported_parameter")
+            return render(request, refused)
+        return render(request, APIError(400, message, param=param, code="invalid_value"))
 
-async def handle_queue_full(_: Request, error: QueueFullError) -> JSONResponse:
-    return queue_full(error).response()
+    async def handle_http_error(request: Request, error: StarletteHTTPException) -> Response:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        api_error = APIError(
+            error.status_code,
+            str(error.detail),
+            code=codes.get(error.status_code),
+            headers=dict(error.headers or {}),
+        )
+        return render(request, api_error)
 
+    async def handle_queue_full(request: Request, error: QueueFullError) -> Response:
+        return render(request, queue_full(error))
 
-async def handle_engine_error(_: Request, error: EngineError) -> JSONResponse:
-    return engine_unavailable(str(error)).response()
+    async def handle_engine_error(request: Request, error: EngineError) -> Response:
+        return render(request, engine_unavailable(str(error)))
 
+    async def handle_overloaded(request: Request, error: OverloadedError) -> Response:
+        return render(request, overloaded(error))
 
-async def handle_overloaded(_: Request, error: OverloadedError) -> JSONResponse:
-    return overloaded(error).response()
+    async def handle_unexpected(request: Request, error: Exception) -> Response:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
+        internal = APIError(500, "internal server error; see the server log", type=SERVER_ERROR)
+        return render(request, internal)
 
-
-async def handle_unexpected(request: Request, error: Exception) -> JSONResponse:
-    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
-    body = error_body("internal server error; see the server log", type=SERVER_ERROR)
-    return JSONResponse(body, status_code=500)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves the app as OpenAI-shaped JSON, never as a traceback."""
     # Starlette types handlers as taking `Exception`; each of ours takes the class it is
     # registered for, which is what Starlette passes.
     app.add_exception_handler(APIError, handle_api_error)

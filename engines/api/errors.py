@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.responses import Response
 
 from engines.api.schemas import ErrorResponse
 from planner.errors import OverloadedError, QueueFullError
@@ -72,6 +74,31 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+ErrorRenderer = Callable[[APIError], Response]
+
+
+def openai_error(error: APIError) -> Response:
+    return error.response()
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorDialects:
+    """Which dialect's shape an error takes, by the path it answers: each dialect's routes
+    render their own errors (401s and 413s from the middlewares included); OpenAI's shape
+    everywhere else."""
+
+    routes: tuple[tuple[str, ErrorRenderer], ...] = ()  # (path prefix, renderer)
+
+    def renderer(self, path: str) -> ErrorRenderer:
+        for prefix, render in self.routes:
+            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                return render
+        return openai_error
+
+    def response(self, path: str, error: APIError) -> Response:
+        return self.renderer(path)(error)
+
+
 def error_body(
     message: str, *, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -91,9 +118,12 @@ def overloaded(error: OverloadedError) -> APIError:
     return APIError(503, str(error), type=SERVER_ERROR, code="memory_pressure", headers=headers)
 
 
-def model_not_found(requested: str, served: str) -> APIError:
-    message = f"the model '{requested}' does not exist; this server serves '{served}'"
-    return APIError(404, message, param="model", code="model_not_found")
+def model_not_found(requested: str, served: str, param: str = "model") -> APIError:
+    message = (
+        f"the model '{requested}' does not exist; this server serves '{served}' "
+        "(--model-alias gives it other names)"
+    )
+    return APIError(404, message, param=param, code="model_not_found")
 
 
 def generation_timeout(message: str) -> APIError:

@@ -1,5 +1,5 @@
-"""Which OpenAI request fields this server honours: every declared field the engine cannot
-honour is refused with a 400 that names it, never silently ignored."""
+"""Which OpenAI request fields this server honours: every declared field it cannot honour is
+refused with a 400 that names it, never silently ignored."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ CHAT_REFUSALS = (
     Refusal("modalities", ([], ["text"], ["text", "text"]), "this server answers with text only"),
     Refusal("audio", (), "audio output is not supported"),
     Refusal("prediction", (), "predicted outputs are not supported"),
-    Refusal("reasoning_effort", (), "reasoning_effort is not supported by this server"),
     Refusal("verbosity", (), "verbosity is not supported by this server"),
     Refusal("web_search_options", (), "web search is not supported"),
     Refusal("functions", ([],), "the deprecated 'functions' field is not supported; use 'tools'"),
@@ -56,65 +55,43 @@ def refusal_of(param: str | None) -> str | None:
     return None
 
 
-def check_fields(body: SamplingFields, features: frozenset[str]) -> None:
-    """400 for the first field the request sets that this server (or its engine) cannot honour.
+def check_chat_fields(body: ChatCompletionRequest) -> None:
+    """400 for the first field a chat request sets that this server cannot honour, or sets
+    in a way that contradicts another."""
+    _check_refusals(body, SHARED_REFUSALS + CHAT_REFUSALS)
+    if body.top_logprobs is not None and body.logprobs is False:
+        message = "top_logprobs needs logprobs set to true"
+        raise APIError(400, message, param="top_logprobs", code="invalid_value")
+    if body.tool_choice is not None and body.tools is None and body.tool_choice != "none":
+        message = "tool_choice needs tools"
+        raise APIError(400, message, param="tool_choice", code="invalid_value")
+    wants_json = body.response_format is not None and body.response_format.type != "text"
+    forced = body.tool_choice == "required" or not isinstance(body.tool_choice, str | None)
+    if forced and body.tools and wants_json:
+        message = "response_format and a forced tool_choice cannot both constrain the output"
+        raise APIError(400, message, param="response_format", code="invalid_value")
 
-    `features` is what the running engine honours beyond plain sampling (Engine.features).
+
+def check_completion_fields(body: CompletionRequest) -> None:
+    """400 for the first field a completion request sets that this server cannot honour."""
+    _check_refusals(body, SHARED_REFUSALS + COMPLETION_REFUSALS)
+
+
+def chat_top_logprobs(body: ChatCompletionRequest) -> int | None:
+    """GenerationRequest.logprobs for chat: None (off) or how many alternatives per token.
+
+    top_logprobs alone asks for them too (logprobs=false with it is refused above).
     """
-    refusals = SHARED_REFUSALS + (
-        CHAT_REFUSALS if isinstance(body, ChatCompletionRequest) else COMPLETION_REFUSALS
-    )
+    if body.logprobs or (body.logprobs is None and body.top_logprobs is not None):
+        return body.top_logprobs or 0
+    return None
+
+
+def _check_refusals(body: SamplingFields, refusals: tuple[Refusal, ...]) -> None:
     for refusal in refusals:
         value = getattr(body, refusal.field)
         if value is not None and not _is_harmless(value, refusal.harmless):
             raise APIError(400, refusal.reason, param=refusal.field, code=UNSUPPORTED)
-    for field in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if getattr(body, field) and "penalties" not in features:
-            raise _engine_lacks(field)
-    if wants_logprobs(body) and "logprobs" not in features:
-        raise _engine_lacks("logprobs")
-    if isinstance(body, ChatCompletionRequest):
-        _check_chat(body, features)
-
-
-def wants_logprobs(body: SamplingFields) -> bool:
-    if isinstance(body, CompletionRequest):
-        return body.logprobs is not None
-    # top_logprobs alone asks for them too; logprobs=false with it is refused in _check_chat
-    return bool(body.logprobs) or (body.logprobs is None and body.top_logprobs is not None)
-
-
-def top_logprobs(body: SamplingFields) -> int | None:
-    """The GenerationRequest.logprobs value: None (off) or how many alternatives per token."""
-    if isinstance(body, CompletionRequest):
-        return body.logprobs
-    if not wants_logprobs(body):
-        return None
-    return body.top_logprobs or 0
-
-
-def _check_chat(body: ChatCompletionRequest, features: frozenset[str]) -> None:
-    if body.top_logprobs is not None and body.logprobs is False:
-        message = "top_logprobs needs logprobs set to true"
-        raise APIError(400, message, param="top_logprobs", code="invalid_value")
-    wants_json = body.response_format is not None and body.response_format.type != "text"
-    if wants_json and "grammar" not in features:
-        raise _engine_lacks("response_format")
-    if body.tool_choice is not None and body.tools is None and body.tool_choice != "none":
-        message = "tool_choice needs tools"
-        raise APIError(400, message, param="tool_choice", code="invalid_value")
-    forced = body.tool_choice == "required" or not isinstance(body.tool_choice, str | None)
-    if forced and body.tools:
-        if "grammar" not in features:
-            raise _engine_lacks("tool_choice")
-        if wants_json:
-            message = "response_format and a forced tool_choice cannot both constrain the output"
-            raise APIError(400, message, param="response_format", code="invalid_value")
-
-
-def _engine_lacks(field: str) -> APIError:
-    message = f"{field} is not supported by the engine serving this model right now"
-    return APIError(400, message, param=field, code=UNSUPPORTED)
 
 
 def _is_harmless(value: Any, harmless: tuple[Any, ...]) -> bool:

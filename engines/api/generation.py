@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
+from typing import Any
 
 from engines.api.errors import APIError, engine_unavailable, generation_timeout, model_not_found
-from engines.api.fields import check_fields, top_logprobs
 from engines.api.logprobs import TokenScore
-from engines.api.schemas import SamplingFields
 from engines.core.engine import Failure, TokenEvent
 from engines.core.request import GenerationRequest
 from engines.core.runner import Submission
@@ -24,16 +23,57 @@ log = logging.getLogger(__name__)
 # longer so the runner's own message wins, and a hung engine still cannot hold a client forever.
 TIMEOUT_MARGIN_S = 1.0
 DISCONNECT_POLL_S = 0.25
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when the field is omitted
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's and Anthropic's default when the field is omitted
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"
-# request fields build_request makes itself; the others are copied from the body by name
-BUILT_FIELDS = frozenset(
-    {"request_id", "prompt_tokens", "max_tokens", "stop", "timeout_s", "logprobs", "grammar"}
-)
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class GenerationTimeout(Exception):
     """No final event arrived within the request's time budget."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """What a request asks of its generation, in GenerationRequest's terms, whatever the
+    dialect: each dialect maps its body onto this (None: the request's default).
+
+    `names` maps a request field to the body's own name for it ("max_tokens" ->
+    "max_output_tokens"), so a 400 names what the caller sent.
+    """
+
+    max_tokens: int | None = None  # None: the server's default, within the room left
+    # A max_tokens beyond the room the prompt leaves: a 400, or (True) cut to the room.
+    clamp_max_tokens: bool = False
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: int | None = None  # None: off; k: the token's logprob and k alternatives
+    names: Mapping[str, str] = field(default_factory=dict)
+
+    def name_of(self, request_field: str) -> str:
+        return self.names.get(request_field, request_field)
+
+    def given(self) -> dict[str, Any]:
+        """The fields set, as GenerationRequest takes them (absent ones keep its defaults)."""
+        values = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "stop": self.stop,
+            "seed": self.seed,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logprobs": self.logprobs,
+        }
+        return {name: value for name, value in values.items() if value is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,109 +86,106 @@ class Outcome:
     completion_tokens: int
     scores: list[TokenScore]  # one per token, when the request asked for logprobs
     cached_tokens: int = 0
+    stop_sequence: str | None = None  # the stop string that ended it (None: EOS or length)
 
 
-def check_supported(service: Service, body: SamplingFields) -> None:
-    """What the schema cannot check: the model this server serves, n (one choice only), the
-    fields the running engine cannot honour, and that a tokenizer is there (none until the
-    first engine has loaded)."""
-    if body.model != service.model_id:
-        raise model_not_found(body.model, service.model_id)
-    if body.n is not None and body.n != 1:
-        message = f"only n=1 is supported, got n={body.n}"
-        raise APIError(400, message, param="n", code="invalid_value")
+def check_serving(service: Service, model: str, param: str = "model") -> None:
+    """404 unless `model` names the served model (or one of its aliases); 503 while no
+    tokenizer is there (none until the first engine has loaded)."""
+    if service.served_id(model) is None:
+        raise model_not_found(model, service.model_id, param)
     if service.tokenizer is None:
         reason = f": {service.state_reason}" if service.state_reason else ""
         raise engine_unavailable(f"the model is not loaded yet ({service.state}{reason})")
+
+
+def engine_features(service: Service) -> frozenset[str]:
+    """What the running engine honours beyond plain sampling (Engine.features)."""
     runner = service.runner
-    check_fields(body, runner.engine.features if runner is not None else frozenset())
+    return runner.engine.features if runner is not None else frozenset()
+
+
+def check_features(
+    features: frozenset[str], sampling: Sampling, constrained: str | None = None
+) -> None:
+    """400 naming the first thing asked for that the engine cannot honour (`features`, see
+    engine_features); `constrained` is the body's field that asks for an output grammar."""
+    for name in PENALTIES:
+        if getattr(sampling, name) and "penalties" not in features:
+            raise engine_lacks(sampling.name_of(name))
+    if sampling.logprobs is not None and "logprobs" not in features:
+        raise engine_lacks(sampling.name_of("logprobs"))
+    if constrained is not None and "grammar" not in features:
+        raise engine_lacks(constrained)
+
+
+def engine_lacks(param: str) -> APIError:
+    message = f"{param} is not supported by the engine serving this model right now"
+    return APIError(400, message, param=param, code="unsupported_parameter")
 
 
 def build_request(
     service: Service,
     request_id: str,
-    body: SamplingFields,
+    sampling: Sampling,
     prompt_tokens: tuple[int, ...],
     context_tokens: int,
     grammar: str | None = None,
+    grammar_param: str | None = None,
 ) -> GenerationRequest:
     """The engine-agnostic request, checked; prompt + max_tokens must fit the context the KV
     cache was planned for (an absent max_tokens shrinks to what is left); a request the running
     engine would refuse on its own (Engine.refusal) is a 400 here, before it queues."""
-    given = {name: getattr(body, name) for name in _fields_by_name(body)}
-    given = {name: value for name, value in given.items() if value is not None}
-    given.setdefault("temperature", DEFAULT_TEMPERATURE)
+    room = context_tokens - len(prompt_tokens)
     request = GenerationRequest(
         request_id=request_id,
         prompt_tokens=prompt_tokens,
-        max_tokens=resolve_max_tokens(body, service.limits, context_tokens - len(prompt_tokens)),
-        stop=body.stop_sequences(),
+        max_tokens=resolve_max_tokens(sampling, service.limits, room),
         timeout_s=service.limits.request_timeout_s,
-        logprobs=top_logprobs(body),
         grammar=grammar,
-        **given,
+        **sampling.given(),
     )
     try:
         request.check()
     except RequestError as error:
-        param = _param_of(error.field, body)
+        param = grammar_param if error.field == "grammar" else sampling.name_of(error.field)
         raise APIError(400, str(error), param=param, code="invalid_value") from None
     runner = service.runner
     refusal = runner.engine.refusal(request) if runner is not None else None
     if refusal is not None:
-        param = _param_of("grammar", body) if grammar is not None else None
+        param = grammar_param if grammar is not None else None
         raise APIError(400, refusal, param=param, code="invalid_value")
     return request
 
 
-def _fields_by_name(body: SamplingFields) -> list[str]:
-    """The request's fields the body carries under the same name and meaning: copied as they
-    are (an absent one keeps the request's default)."""
-    return [
-        field.name
-        for field in fields(GenerationRequest)
-        if field.name in type(body).model_fields and field.name not in BUILT_FIELDS
-    ]
+def check_max_tokens(value: int | None, param: str, limits: ServiceLimits) -> None:
+    if value is not None and not 1 <= value <= limits.max_tokens_cap:
+        raise APIError(
+            400,
+            f"{param} must be between 1 and {limits.max_tokens_cap}, got {value}",
+            param=param,
+            code="invalid_value",
+        )
 
 
-def _param_of(field: str, body: SamplingFields) -> str:
-    """The body's field a request field came from, for the 400 that names it."""
-    if field == "grammar":
-        return "response_format" if getattr(body, "response_format", None) else "tool_choice"
-    if field == "prompt_tokens":
-        return "messages" if hasattr(body, "messages") else "prompt"
-    if field == "logprobs" and hasattr(body, "top_logprobs"):
-        return "top_logprobs"
-    return field
-
-
-def resolve_max_tokens(body: SamplingFields, limits: ServiceLimits, room: int) -> int:
-    """max_completion_tokens wins over the legacy max_tokens; absent both, the server default.
-
-    `room` is what the planned context leaves after the prompt.
-    """
-    for name in ("max_tokens", "max_completion_tokens"):  # both checked, though one wins
-        given = getattr(body, name)
-        if given is not None and not 1 <= given <= limits.max_tokens_cap:
-            raise APIError(
-                400,
-                f"{name} must be between 1 and {limits.max_tokens_cap}, got {given}",
-                param=name,
-                code="invalid_value",
-            )
-    param, value = "max_completion_tokens", body.max_completion_tokens
-    if value is None:
-        param, value = "max_tokens", body.max_tokens
+def resolve_max_tokens(sampling: Sampling, limits: ServiceLimits, room: int) -> int:
+    """The request's max_tokens: the one asked for, or the server default; `room` is what the
+    planned context leaves after the prompt."""
+    param = sampling.name_of("max_tokens")
+    value = sampling.max_tokens
+    check_max_tokens(value, param, limits)
     if room < 1:
         raise APIError(
             400,
             "the prompt fills the whole context the KV cache was planned for "
             "(--context-tokens); shorten it",
-            param="messages" if hasattr(body, "messages") else "prompt",
+            param=sampling.name_of("prompt_tokens"),
             code="context_length_exceeded",
         )
     if value is None:
         return min(limits.default_max_tokens, limits.max_tokens_cap, room)
+    if value > room and sampling.clamp_max_tokens:
+        return room
     if value > room:
         raise APIError(
             400,
@@ -236,6 +273,7 @@ async def collect(
                         event.completion_tokens,
                         scores,
                         event.cached_tokens,
+                        event.stop_sequence,
                     )
                 if event.finish_reason is not None:
                     raise failure_of(event)

@@ -24,7 +24,16 @@ from engines.observability.request_timing import REJECTED, SEGMENTS, RequestReco
 RECEIVED_AT = "tandem.received_at"  # key in the ASGI scope state: monotonic arrival time
 SUBMITTED = "tandem.submitted"  # set in the scope state once the request reached the queue
 OTHER_ROUTE = "other"  # unmatched paths share one label, so scanners cannot grow the series
-GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_ROUTES = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/messages",
+        "/v1/responses",
+        "/api/chat",
+        "/api/generate",
+    }
+)
 # Paths answered before routing (a 401 from the key check) keep their name when they are these.
 KNOWN_PATHS = GENERATION_ROUTES | {"/v1/models", "/v1/cluster", "/metrics", "/", "/dashboard"}
 ERROR_BODY_LIMIT = 4096  # bytes of an error response kept to find its message
@@ -313,9 +322,11 @@ class MetricsMiddleware:
 
 
 def _error_message(body: bytes, status: int) -> str:
-    """The OpenAI-shaped error's message, or the bare status when the body is not that."""
+    """An error body's message, in any dialect's shape (`{"error": {"message": ...}}`, or
+    Ollama's `{"error": "..."}`); the bare status when the body is neither."""
     try:
-        message = json.loads(body)["error"]["message"]
+        error = json.loads(body)["error"]
+        message = error if isinstance(error, str) else error["message"]
     except (ValueError, KeyError, TypeError):
         return f"HTTP {status}"
     return str(message)

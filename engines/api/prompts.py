@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
 from jinja2 import TemplateError
 
+from engines.api.conversation import ChatInput, Turn
 from engines.api.errors import APIError
-from engines.api.schemas import ChatMessage
 
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 
@@ -17,29 +16,30 @@ DEFAULT_MAX_PROMPT_TOKENS = 32768
 _TEMPLATE_ROLES = {"developer": "system"}
 
 
-def chat_prompt_tokens(
-    tokenizer: Any,
-    messages: list[ChatMessage],
-    max_prompt_tokens: int,
-    tools: list[dict[str, Any]] | None = None,
-) -> tuple[int, ...]:
+def chat_prompt_tokens(tokenizer: Any, chat: ChatInput, max_prompt_tokens: int) -> tuple[int, ...]:
     """Render the conversation (and the tools on offer) with the model's chat template, ending
     in the assistant's turn."""
-    check_prompt_size(tokenizer, chat_text_length(messages, tools), max_prompt_tokens, "messages")
-    conversation = [_template_message(message) for message in messages]
+    param = chat.names.messages
+    check_prompt_size(tokenizer, chat.text_length(), max_prompt_tokens, param)
+    conversation = [_template_message(turn) for turn in chat.turns]
     if getattr(tokenizer, "has_chat_template", False):
-        extra = {"tools": tools} if tools else {}
+        options = dict(chat.template_options)
+        tools = chat.template_tools()
+        if tools:
+            options["tools"] = tools
+        if chat.thinking is not None:  # mlx-lm renames it for templates that say `thinking`
+            options["enable_thinking"] = chat.thinking
         try:
             tokens = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, **extra
+                conversation, add_generation_prompt=True, **options
             )
-        except (TemplateError, ValueError) as error:
+        except (TemplateError, ValueError, TypeError) as error:
             raise APIError(
-                400, f"the model's chat template rejected the messages: {error}", param="messages"
+                400, f"the model's chat template rejected the messages: {error}", param=param
             ) from error
     else:
         tokens = tokenizer.encode(_plain_transcript(conversation))
-    return _checked(tokens, max_prompt_tokens, "messages")
+    return _checked(tokens, max_prompt_tokens, param)
 
 
 def completion_prompt_tokens(
@@ -81,11 +81,6 @@ def check_prompt_size(tokenizer: Any, text_length: int, max_prompt_tokens: int, 
         )
 
 
-def chat_text_length(messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> int:
-    offered = sum(len(json.dumps(tool)) for tool in tools or ())
-    return offered + sum(len(message.text()) for message in messages)
-
-
 @functools.lru_cache(maxsize=4)
 def longest_token_chars(tokenizer: Any) -> int:
     """The most characters one token can stand for in this tokenizer (at least 1)."""
@@ -93,36 +88,28 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max((len(token) for token in vocabulary), default=1) or 1
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    turn: dict[str, Any] = {
-        "role": _TEMPLATE_ROLES.get(message.role, message.role),
-        "content": message.text(),
+def _template_message(turn: Turn) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": _TEMPLATE_ROLES.get(turn.role, turn.role),
+        "content": turn.content,
     }
-    if message.name is not None:
-        turn["name"] = message.name
-    if message.tool_call_id is not None:
-        turn["tool_call_id"] = message.tool_call_id
-    if message.tool_calls:
+    if turn.name is not None:
+        message["name"] = turn.name
+    if turn.tool_call_id is not None:
+        message["tool_call_id"] = turn.tool_call_id
+    if turn.reasoning:
+        message["reasoning_content"] = turn.reasoning  # what thinking templates read back
+    if turn.tool_calls:
         # Templates render the arguments as an object (`arguments | tojson`), not as text.
-        turn["tool_calls"] = [
+        message["tool_calls"] = [
             {
                 "id": call.id,
-                "type": call.type,
-                "function": {
-                    "name": call.function.name,
-                    "arguments": _arguments(call.function.arguments),
-                },
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments_value()},
             }
-            for call in message.tool_calls
+            for call in turn.tool_calls
         ]
-    return turn
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+    return message
 
 
 def _plain_transcript(conversation: list[dict[str, Any]]) -> str:

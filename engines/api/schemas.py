@@ -84,6 +84,7 @@ class ChatMessage(RequestModel):
     tool_calls: list[ToolCall] | None = None  # the assistant's calls, passed to the template
     tool_call_id: str | None = None  # the call a tool message answers
     refusal: str | None = None  # sent back by clients that replay an assistant's message
+    reasoning_content: str | None = None  # an assistant's earlier thinking, replayed
 
     def text(self) -> str:
         """The content as one string (text parts are joined without a separator, as OpenAI)."""
@@ -215,6 +216,19 @@ class SamplingFields(RequestModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def sampling_values(self) -> dict[str, Any]:
+        """The sampling fields set, under GenerationRequest's names (generation.Sampling)."""
+        values = {
+            name: getattr(self, name)
+            for name in (
+                "temperature", "top_p", "top_k", "min_p", "seed",
+                "repetition_penalty", "presence_penalty", "frequency_penalty",
+            )
+        }  # fmt: skip
+        return {"stop": self.stop_sequences()} | {
+            name: value for name, value in values.items() if value is not None
+        }
+
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -239,7 +253,9 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[Literal["text"]] | None = None
     audio: None = None
     prediction: None = None
-    reasoning_effort: None = None
+    # "none" turns a thinking template's thinking off; the others leave it on
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: passed to the chat template
     verbosity: None = None
     web_search_options: None = None
     functions: list[OpenObject] | None = Field(default=None, max_length=0)
@@ -337,13 +353,16 @@ class AssistantToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # the thought of a thinking model, apart from the content (vLLM's and DeepSeek's field)
+    reasoning_content: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
 
     @model_serializer(mode="wrap")
-    def drop_absent_tool_calls(self, serialize: Any) -> dict[str, Any]:
+    def drop_absent(self, serialize: Any) -> dict[str, Any]:
         body = serialize(self)
-        if body.get("tool_calls") is None:
-            body.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning_content"):
+            if body.get(key) is None:
+                body.pop(key, None)
         return body
 
 
@@ -373,6 +392,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

@@ -1,4 +1,5 @@
-"""Server-sent events: token events become `data: {json}` chunks, then `data: [DONE]`."""
+"""Streamed generations: token events become a dialect's frames (its StreamWriter), framed as
+server-sent events (`data:` lines, or named `event:` lines) or as NDJSON (Framing)."""
 
 from __future__ import annotations
 
@@ -6,62 +7,86 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
-from engines.api.errors import SERVER_ERROR, APIError, error_body, generation_timeout
+from engines.api.errors import SERVER_ERROR, APIError, generation_timeout
 from engines.api.generation import GenerationTimeout, failure_of, watch_events
 from engines.api.logprobs import TokenScore
-from engines.api.schemas import Usage
+from engines.core.engine import TokenEvent
 from engines.core.runner import Submission
 
 log = logging.getLogger(__name__)
 
-DONE = "data: [DONE]\n\n"
-# An SSE comment: clients ignore it, proxies see a live connection during a long prefill.
-KEEPALIVE = ": keep-alive\n\n"
 KEEPALIVE_S = 10.0
+# (an SSE event name, or None for a bare `data:` line; the payload)
+Frame = tuple[str | None, BaseModel | dict[str, Any]]
 
 
-class ChunkWriter(Protocol):
-    """The chunk shapes of one endpoint (chat and completions differ only here).
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """How a dialect's frames go on the wire."""
 
-    `content` may hold text back (a tool call being written) and return None; `finish`
-    returns the last chunks, the held-back ones first.
+    style: Literal["sse", "ndjson"]
+    keepalive: str | None  # sent when nothing else went out for KEEPALIVE_S; None: nothing
+    closing: str | None = None  # after the last frame, whatever happened (OpenAI's [DONE])
+
+    @property
+    def media_type(self) -> str:
+        return "text/event-stream" if self.style == "sse" else "application/x-ndjson"
+
+    def encode(self, frame: Frame) -> str:
+        name, payload = frame
+        if isinstance(payload, BaseModel):
+            data = payload.model_dump_json()
+        else:
+            data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+        if self.style == "ndjson":
+            return data + "\n"
+        return (f"event: {name}\n" if name else "") + f"data: {data}\n\n"
+
+
+# An SSE comment: clients ignore it, proxies see a live connection during a long prefill.
+SSE_COMMENT = ": keep-alive\n\n"
+OPENAI_SSE = Framing("sse", SSE_COMMENT, "data: [DONE]\n\n")
+
+
+class StreamWriter(Protocol):
+    """One dialect's frames for a streamed generation.
+
+    `content` may hold text back (a tool call being written) and return nothing; `finish`
+    returns the last frames of a natural end (held-back text first, usage last); `failure`
+    the frames that report an error once the headers are sent.
     """
 
-    def opening(self) -> BaseModel | None: ...
+    def opening(self) -> list[Frame]: ...
 
-    def content(self, text: str, scores: list[TokenScore]) -> BaseModel | None: ...
+    def content(self, text: str, scores: list[TokenScore]) -> list[Frame]: ...
 
-    def finish(self, reason: str) -> list[BaseModel]: ...
+    def finish(self, final: TokenEvent) -> list[Frame]: ...
 
-    def usage(self, usage: Usage) -> BaseModel: ...
-
-
-def encode_event(payload: BaseModel | dict[str, Any]) -> str:
-    if isinstance(payload, BaseModel):
-        data = payload.model_dump_json()
-    else:
-        data = json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
+    def failure(self, error: APIError) -> list[Frame]: ...
 
 
 class EventStreamResponse(StreamingResponse):
-    """A text/event-stream response that runs `on_close` however the stream ends.
+    """A streamed response that runs `on_close` however the stream ends.
 
     A client that disconnects cancels the stream, possibly before the generator ever
     started (then its own cleanup never runs): `on_close` is what cancels the generation.
     """
 
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        on_close: Callable[[], None],
+        media_type: str = "text/event-stream",
+    ) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(events, headers=headers)
+        super().__init__(events, headers=headers, media_type=media_type)
         self._on_close = on_close
 
     async def stream_response(self, send: Send) -> None:
@@ -74,45 +99,51 @@ class EventStreamResponse(StreamingResponse):
                 await close()
 
 
+def stream_response(
+    submission: Submission, timeout_s: float, writer: StreamWriter, framing: Framing
+) -> EventStreamResponse:
+    events = stream_generation(submission, timeout_s, writer, framing)
+    return EventStreamResponse(events, submission.cancel, framing.media_type)
+
+
 async def stream_generation(
-    submission: Submission, timeout_s: float, writer: ChunkWriter, include_usage: bool
+    submission: Submission, timeout_s: float, writer: StreamWriter, framing: Framing
 ) -> AsyncIterator[str]:
-    """The whole SSE body of one generation; it always ends with [DONE], errors included."""
+    """The whole body of one streamed generation; errors go out in-band, in the dialect's
+    frames, and the framing's closing line always ends it."""
     try:
-        opening = writer.opening()
-        if opening is not None:
-            yield encode_event(opening)
+        for frame in writer.opening():
+            yield framing.encode(frame)
         quiet = True  # nothing sent since the last tick
         async with aclosing(watch_events(submission, timeout_s, KEEPALIVE_S)) as events:
             async for event in events:
                 if event is None:
-                    if quiet:
-                        yield KEEPALIVE
+                    if quiet and framing.keepalive is not None:
+                        yield framing.keepalive
                     quiet = True
                     continue
                 quiet = False
                 score = TokenScore.of(event)
                 scores = [score] if score is not None else []
+                frames: list[Frame] = []
                 if event.text or scores:
-                    chunk = writer.content(event.text, scores)
-                    if chunk is not None:
-                        yield encode_event(chunk)
+                    frames += writer.content(event.text, scores)
                 if event.finish_reason is not None and event.finish_reason.natural:
-                    for chunk in writer.finish(event.finish_reason):
-                        yield encode_event(chunk)
-                    if include_usage:
-                        usage = Usage.counted(
-                            event.prompt_tokens, event.completion_tokens, event.cached_tokens
-                        )
-                        yield encode_event(writer.usage(usage))
+                    frames += writer.finish(event)
                 elif event.finish_reason is not None:
-                    yield encode_event(failure_of(event).body())
+                    frames += writer.failure(failure_of(event))
+                for frame in frames:
+                    yield framing.encode(frame)
     except GenerationTimeout as error:
-        yield encode_event(generation_timeout(f"request timed out: {error}").body())
+        for frame in writer.failure(generation_timeout(f"request timed out: {error}")):
+            yield framing.encode(frame)
     except APIError as error:
-        yield encode_event(error.body())
+        for frame in writer.failure(error):
+            yield framing.encode(frame)
     except Exception as error:  # the headers are sent: report in-band, never drop the stream
         log.error("stream %s failed", submission.request.request_id, exc_info=error)
-        message = "internal server error; see the server log"
-        yield encode_event(error_body(message, type=SERVER_ERROR))
-    yield DONE
+        internal = APIError(500, "internal server error; see the server log", type=SERVER_ERROR)
+        for frame in writer.failure(internal):
+            yield framing.encode(frame)
+    if framing.closing is not None:
+        yield framing.closing

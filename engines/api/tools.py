@@ -9,8 +9,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from engines.api.conversation import ChatInput, ToolCall
 from engines.api.errors import APIError
-from engines.api.schemas import AssistantToolCall, CalledFunction, ChatCompletionRequest
 
 log = logging.getLogger(__name__)
 
@@ -37,49 +37,35 @@ class ToolFormat:
         return cls(kind, tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
 
 
-def tool_format_for(body: ChatCompletionRequest, tokenizer: Any) -> ToolFormat | None:
+def tool_format_for(chat: ChatInput, tokenizer: Any) -> ToolFormat | None:
     """The format to parse calls with (None: the request offers no tools); 400 when the model
-    cannot take tools or the tool_choice cannot be honoured."""
-    if not body.tools:
+    cannot take tools or the tool choice cannot be honoured."""
+    if not chat.tools:
         return None
+    names = chat.names
     found = ToolFormat.of(tokenizer)
     if found is None:
         message = "this model's chat template has no tool-call support, so it cannot take tools"
-        raise APIError(400, message, param="tools", code="unsupported_parameter")
-    choice = body.tool_choice
-    if not isinstance(choice, str | None):
-        names = [tool.function.name for tool in body.tools]
-        if choice.function.name not in names:
-            message = f"tool_choice names '{choice.function.name}', which is not in tools {names}"
-            raise APIError(400, message, param="tool_choice", code="invalid_value")
-    if forces_call(body) and found.kind != JSON_TOOLS:
+        raise APIError(400, message, param=names.tools, code="unsupported_parameter")
+    offered = [tool.name for tool in chat.tools]
+    if chat.forced_tool is not None and chat.forced_tool not in offered:
+        message = f"{names.tool_choice} names '{chat.forced_tool}', which is not in tools {offered}"
+        raise APIError(400, message, param=names.tool_choice, code="invalid_value")
+    if chat.forces_call() and found.kind != JSON_TOOLS:
         message = (
             f"forcing a tool call works for templates that call tools as <tool_call>{{json}}"
-            f"</tool_call>; this model's format is '{found.kind}' (use tool_choice 'auto')"
+            f"</tool_call>; this model's format is '{found.kind}' (let the model choose instead)"
         )
-        raise APIError(400, message, param="tool_choice", code="unsupported_parameter")
+        raise APIError(400, message, param=names.tool_choice, code="unsupported_parameter")
     return found
-
-
-def forces_call(body: ChatCompletionRequest) -> bool:
-    return bool(body.tools) and (
-        body.tool_choice == "required" or not isinstance(body.tool_choice, str | None)
-    )
-
-
-def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools as chat templates expect them (None: no tools, or tool_choice "none")."""
-    if not body.tools or body.tool_choice == "none":
-        return None
-    return [tool.model_dump(exclude_none=True) for tool in body.tools]
 
 
 def split_tool_calls(
     text: str, found: ToolFormat, tools: list[dict[str, Any]] | None, single: bool = False
-) -> tuple[str, list[AssistantToolCall]]:
+) -> tuple[str, list[ToolCall]]:
     """(the text outside the calls, the calls) for a whole generation."""
     content: list[str] = []
-    calls: list[AssistantToolCall] = []
+    calls: list[ToolCall] = []
     rest = text
     while True:
         start = rest.find(found.start)
@@ -105,7 +91,7 @@ def split_tool_calls(
 
 def parse_call(
     body: str, found: ToolFormat, tools: list[dict[str, Any]] | None, index: int
-) -> AssistantToolCall | None:
+) -> ToolCall | None:
     try:
         parsed = found.parser(body, tools)
     except Exception as error:  # a truncated or malformed call: mlx-lm's parsers raise anything
@@ -118,10 +104,7 @@ def parse_call(
     arguments = parsed.get("arguments", {})
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return AssistantToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}",
-        function=CalledFunction(name=parsed["name"], arguments=arguments),
-    )
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=parsed["name"], arguments=arguments)
 
 
 class ToolCallStream:
@@ -147,14 +130,14 @@ class ToolCallStream:
             self._in_call = True
             ready, self._held = self._held[:start], self._held[start:]
             return ready
-        keep = _partial_suffix(self._held, self._found.start)
+        keep = partial_suffix(self._held, self._found.start)
         ready = self._held[: len(self._held) - keep]
         self._held = self._held[len(ready) :]
         return ready
 
     def finish(
         self, tools: list[dict[str, Any]] | None, single: bool
-    ) -> tuple[str, list[AssistantToolCall]]:
+    ) -> tuple[str, list[ToolCall]]:
         """(content still held, the calls) once the generation has ended."""
         held, self._held = self._held, ""
         if not self._in_call:
@@ -162,7 +145,7 @@ class ToolCallStream:
         return split_tool_calls(held, self._found, tools, single)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that is a proper start of `marker`."""
     for length in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-length:]):

@@ -12,10 +12,14 @@ import httpx
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from engines.api.chat import chat_input_of, grammar_param, sampling_of
+from engines.api.completions import sampling_of as completion_sampling_of
 from engines.api.errors import APIError
-from engines.api.fields import check_fields
+from engines.api.fields import check_chat_fields
+from engines.api.generation import check_features
 from engines.api.schemas import ChatCompletionRequest, CompletionRequest
 from engines.core.runner import EngineRunner
+from engines.core.service import Service
 from tests.helpers.api import (  # noqa: F401
     CLOCK,
     WEATHER,
@@ -66,8 +70,13 @@ async def test_chat_logprobs_shape_and_values(client: httpx.AsyncClient) -> None
     assert plain["choices"][0]["message"]["content"] == text
 
 
-async def test_chat_logprobs_stream_equal_the_whole_answer(client: httpx.AsyncClient) -> None:
-    body = chat_body(logprobs=True, top_logprobs=2, max_tokens=8)
+@pytest.mark.parametrize("logprobs", [{"logprobs": True}, {}], ids=["with", "top_alone"])
+async def test_chat_logprobs_stream_equal_the_whole_answer(
+    client: httpx.AsyncClient, logprobs: dict
+) -> None:
+    # top_logprobs alone asks for logprobs too, streamed or not (the whole answer once
+    # dropped them)
+    body = chat_body(**logprobs, top_logprobs=2, max_tokens=8)
     whole = (await client.post(CHAT, json=body)).json()["choices"][0]["logprobs"]["content"]
     response = await client.post(CHAT, json={**body, "stream": True})
     chunks = parse_sse(response.text)[:-1]
@@ -253,7 +262,7 @@ REFUSED = [
     (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
     (CHAT, {"audio": {"voice": "x", "format": "mp3"}}, "audio"),
     (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
-    (CHAT, {"reasoning_effort": "high"}, "reasoning_effort"),
+    (CHAT, {"reasoning_effort": "extreme"}, "reasoning_effort"),
     (CHAT, {"verbosity": "low"}, "verbosity"),
     (CHAT, {"web_search_options": {}}, "web_search_options"),
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
@@ -303,6 +312,9 @@ async def test_default_values_of_refused_fields_pass(
     assert response.status_code == 200, response.text
 
 
+SERVICE = Service(model_id="m", tokenizer=None)  # its limits are all sampling_of reads
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -315,10 +327,12 @@ async def test_default_values_of_refused_fields_pass(
 def test_an_engine_without_a_feature_refuses_the_field(fields: dict, param: str) -> None:
     # An engine that declares none of the features (every engine declares all three today).
     body = ChatCompletionRequest.model_validate(chat_body(**fields))
+    check_chat_fields(body)
+    sampling, constrained = sampling_of(body, SERVICE), grammar_param(chat_input_of(body))
     with pytest.raises(APIError) as refused:
-        check_fields(body, frozenset())
+        check_features(frozenset(), sampling, constrained)
     assert refused.value.status == 400 and refused.value.param == param
-    check_fields(body, frozenset({"penalties", "logprobs", "grammar"}))
+    check_features(frozenset({"penalties", "logprobs", "grammar"}), sampling, constrained)
     completion = CompletionRequest.model_validate(completion_body(logprobs=1))
     with pytest.raises(APIError):
-        check_fields(completion, frozenset())
+        check_features(frozenset(), completion_sampling_of(completion, SERVICE))
