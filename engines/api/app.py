@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from engines.api import chat, completions, dashboard
+from engines.api import anthropic, chat, completions, dashboard, ollama, responses
 from engines.api.auth import PROTECTED_PREFIXES, BearerKeyMiddleware
 from engines.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from engines.api.error_handlers import install_error_handlers
@@ -73,6 +73,9 @@ def create_app(
     install_openapi(app, service)
     app.include_router(chat.create_router(service, max_prompt_tokens))
     app.include_router(completions.create_router(service, max_prompt_tokens))
+    app.include_router(anthropic.create_router(service, max_prompt_tokens))
+    app.include_router(responses.create_router(service, max_prompt_tokens))
+    app.include_router(ollama.create_router(service, max_prompt_tokens))
     app.include_router(create_info_router(service))
     app.include_router(dashboard.create_router(service, dashboard_interval_s, stopping))
 
@@ -86,7 +89,12 @@ def create_app(
 
 def error_dialects() -> ErrorDialects:
     """The dialects whose routes render errors in their own shape (OpenAI's elsewhere)."""
-    return ErrorDialects(routes=())
+    return ErrorDialects(
+        routes=(
+            (anthropic.ERROR_PREFIX, anthropic.render_error),
+            (ollama.ERROR_PREFIX, ollama.render_error),
+        )
+    )
 
 
 def create_info_router(service: Service) -> APIRouter:
