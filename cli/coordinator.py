@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from planner import ClusterPlan, NodeResources, Parallelism
-from planner.errors import PlanError
+from planner.errors import ConfigError, PlanError
 
 from .serve_config import ServeConfig
 
@@ -246,8 +246,14 @@ def serve(config: ServeConfig) -> int:
         log.info("on every other machine run:  %s", join_command(key, config.interface))
     node_id = f"{socket.gethostname()}-coordinator"
     coordinator = coordinator_resources(node_id, config.memory_limit)
+    for _, target in config.model_aliases:
+        if target not in (None, model_id):
+            raise ConfigError(
+                f"--model-alias names '{target}', but this server serves '{model_id}'"
+            )
     service = Service(
         model_id=model_id,
+        model_aliases=tuple((name, model_id) for name, _ in config.model_aliases),
         model_revision=facts.revision,
         tokenizer=None,
         limits=ServiceLimits(

@@ -20,6 +20,7 @@ from .options import (
     add_memory_budget_flag,
     add_planning_flags,
     apply_blas_flags,
+    env_default,
     kv_bits_from,
     prefix_cache_bytes_from,
 )
@@ -39,6 +40,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flag(
         parser, "--model-id", help="model name clients use (default: the repo id or directory name)"
+    )
+    parser.add_argument(
+        "--model-alias",
+        action="append",
+        default=model_aliases_from_env(),
+        metavar="NAME[=ID]",
+        help="another name that reaches the served model ID (the served model when ID is "
+        "omitted); NAME may be a pattern such as 'claude-*' (a client's own model names); "
+        "repeatable [env TANDEM_MODEL_ALIAS, comma-separated]",
     )
     add_flag(
         parser,
@@ -95,7 +105,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cast=int,
         help="HTTP connections served at once; past it new requests get 503 at once",
     )
-    add_flag(parser, "--api-key", help="require `Authorization: Bearer KEY` on /v1")
+    add_flag(
+        parser,
+        "--api-key",
+        help="require the key on /v1 and /api (`Authorization: Bearer KEY` or `x-api-key: KEY`)",
+    )
     add_interface_flag(parser)
     add_flag(
         parser, "--discovery-timeout", default=3.0, cast=float, help="seconds to browse for peers"
@@ -187,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         model=args.model,
         model_id=args.model_id,
+        model_aliases=parse_model_aliases(args.model_alias or []),
         parallelism=Parallelism(args.parallelism),
         host=args.host,
         port=args.port,
@@ -218,6 +233,22 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_body_bytes=args.max_body_bytes,
         http=HttpLimits(args.http_header_timeout, args.max_connections),
     )
+
+
+def model_aliases_from_env() -> list[str] | None:
+    raw = env_default("MODEL_ALIAS")
+    return [item.strip() for item in raw.split(",") if item.strip()] if raw else None
+
+
+def parse_model_aliases(values: list[str]) -> tuple[tuple[str, str | None], ...]:
+    """(pattern, served id or None for the served model) for each --model-alias."""
+    aliases = []
+    for value in values:
+        name, _, target = value.partition("=")
+        if not name.strip() or (value.count("=") and not target.strip()):
+            raise ConfigError(f"--model-alias must be NAME or NAME=ID, got {value!r}")
+        aliases.append((name.strip(), target.strip() or None))
+    return tuple(aliases)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,3 +51,5 @@ class ServeConfig:
     prefix_cache_disk_bytes: int = 0  # the prefix cache's disk tier; 0: none
     measure_speeds: str = "auto"  # auto | on | off (engines/cluster/speed_survey.py)
     kv_bits: int = 0  # the KV cache's quantization in every engine; 0: none
+    # --model-alias: (name or pattern, the served id it names; None: the served model)
+    model_aliases: tuple[tuple[str, str | None], ...] = ()

@@ -22,3 +22,24 @@ def test_max_tokens_cap_stays_within_what_a_request_may_ask() -> None:
     for bad in (0, MAX_TOKENS + 1):
         with pytest.raises(ConfigError, match=f"between 1 and {MAX_TOKENS}, got {bad}"):
             serve_config("--max-tokens-cap", str(bad))
+
+
+def test_model_aliases_are_names_or_patterns_of_the_served_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    flags = ("--model-alias", "claude-*", "--model-alias", "gpt-4o=tandem-demo")
+    assert serve_config(*flags).model_aliases == (("claude-*", None), ("gpt-4o", "tandem-demo"))
+    for bad in ("=x", "name="):
+        with pytest.raises(ConfigError, match="NAME or NAME=ID"):
+            serve_config("--model-alias", bad)
+    monkeypatch.setenv("TANDEM_MODEL_ALIAS", "a, b=m")
+    assert serve_config().model_aliases == (("a", None), ("b", "m"))
+
+
+def test_a_served_id_answers_to_its_aliases() -> None:
+    from engines.core.service import Service
+
+    service = Service("tandem-demo", None, model_aliases=(("claude-*", "tandem-demo"),))
+    assert service.served_id("tandem-demo") == "tandem-demo"
+    assert service.served_id("claude-sonnet-4-5") == "tandem-demo"
+    assert service.served_id("gpt-4o") is None
