@@ -101,3 +101,21 @@ def loading(description: str) -> Iterator[None]:
         done.set()
         ticker.join()
         bar.close()
+
+
+@contextmanager
+def counting(description: str, unit: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A bar that the yielded callback moves to (done, total) `unit`s (None off a terminal)."""
+    if not on_terminal():
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=None, desc=description, unit=f" {unit}", leave=False) as bar:
+
+        def advance(done: int, total: int) -> None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        yield advance

@@ -19,6 +19,16 @@ SPLIT_COUNT_KEY = "split.count"
 ARCHITECTURE_KEY = "general.architecture"
 
 
+class MappedReader(GGUFReader):
+    """gguf-py's reader over a plain array view of its memory map: numpy's memmap runs Python
+    hooks on every slice, ~80% of the time to read a vocabulary of 50k strings."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):  # noqa: ANN001, ANN202
+        if type(self.data) is not np.ndarray:
+            self.data = self.data.view(np.ndarray)  # the same mapped bytes
+        return super()._get(offset, dtype, count, override_order)
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFSource:
     """The readers of one model's GGUF files (the first holds the metadata) and its tensors."""
@@ -111,7 +121,7 @@ def _open_reader(path: Path) -> GGUFReader:
     if magic != GGUF_MAGIC:
         raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r})")
     try:
-        reader = GGUFReader(path)
+        reader = MappedReader(path)
     except (ValueError, IndexError, KeyError, OverflowError) as error:
         raise ModelError(f"{path}: unreadable GGUF ({error}); is the file complete?") from None
     for tensor in reader.tensors:

@@ -1,0 +1,149 @@
+"""A GGUF file -> an mlx-lm model directory, built in a hidden directory and renamed whole."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from engines.model.gguf.architectures import CONFIG_TENSORS, find_architecture
+from engines.model.gguf.configs import build_config
+from engines.model.gguf.source import GGUFSource, open_source
+from engines.model.gguf.tensors import TensorPlan, convert, plan_tensor
+from engines.model.gguf.writer import ShardWriter, write_json
+from engines.model.precision import on_cpu
+from planner.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+# Room kept free beyond the model's own bytes, so an import never fills a disk to the brim.
+DISK_MARGIN_BYTES = 512 * 1024**2
+GGUF_SOURCE_FILE = "gguf_source.json"  # which file the directory was imported from
+
+Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
+
+
+def import_gguf(path: Path, out_dir: Path, progress: Progress | None = None) -> Path:
+    """Import the GGUF at `path` into `out_dir` (absent or empty) atomically; returns out_dir.
+
+    Everything is written into a hidden directory beside `out_dir` and renamed at the end, so
+    a failure (bad input, full disk, interruption) leaves nothing that looks like a model.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ModelError(f"{out_dir} already exists and is not an empty directory")
+    source = open_source(Path(path))
+    plans, config = plan_import(source)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    check_disk_room(out_dir.parent, estimate_bytes(plans, config["torch_dtype"]))
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    try:
+        write_model(source, plans, config, staging, progress)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def plan_import(source: GGUFSource) -> tuple[list[TensorPlan], dict]:
+    """Every tensor's plan and the config.json, checked before a byte is written."""
+    architecture = find_architecture(source.architecture)
+    config = build_config(source, architecture)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    plans = [
+        plan_tensor(tensor, architecture, heads, kv_heads)
+        for name, tensor in source.tensors.items()
+        if name not in CONFIG_TENSORS
+    ]
+    config["torch_dtype"] = float_dtype(source, plans)
+    quantization = quantization_entries(plans)
+    if quantization:
+        config["quantization"] = quantization
+        config["quantization_config"] = quantization
+    return plans, config
+
+
+def float_dtype(source: GGUFSource, plans: list[TensorPlan]) -> str:
+    """The float type of the imported model (its scales, biases and float tensors).
+
+    On the CPU a quantized model computes in float32: mlx's CPU kernels take float16 scales
+    ~40x slower (fp16 -> fp32 is exact, so the GGUF's values are kept). Elsewhere: the
+    embedding's type when it is float, else float16, the type of the GGUF's own block scales.
+    """
+    if on_cpu() and any(plan.treatment.kind != "float" for plan in plans):
+        return "float32"
+    embedding = source.tensors["token_embd.weight"].tensor_type.name
+    return {"F32": "float32", "BF16": "bfloat16"}.get(embedding, "float16")
+
+
+def quantization_entries(plans: list[TensorPlan]) -> dict:
+    """config.json's quantization: the commonest setting, and each layer that differs."""
+    settings = {plan.module: plan.treatment.quantization() for plan in plans}
+    quantized = {module: setting for module, setting in settings.items() if setting}
+    if not quantized:
+        return {}
+    counts = Counter(tuple(sorted(setting.items())) for setting in quantized.values())
+    default = dict(counts.most_common(1)[0][0])
+    entries: dict = dict(default)
+    for module, setting in sorted(quantized.items()):
+        if setting != default:
+            entries[module] = setting
+    return entries
+
+
+def estimate_bytes(plans: list[TensorPlan], dtype: str) -> int:
+    return sum(plan.treatment.output_bytes(plan.tensor.n_elements, dtype) for plan in plans)
+
+
+def check_disk_room(directory: Path, needed: int) -> None:
+    """A ModelError before writing when the disk under `directory` cannot hold `needed`."""
+    free = shutil.disk_usage(directory).free
+    if free < needed + DISK_MARGIN_BYTES:
+        raise ModelError(
+            f"not enough disk space in {directory} to import the model: it needs about "
+            f"{_gib(needed)} plus {_gib(DISK_MARGIN_BYTES)} spare, {_gib(free)} is free"
+        )
+
+
+def write_model(
+    source: GGUFSource,
+    plans: list[TensorPlan],
+    config: dict,
+    directory: Path,
+    progress: Progress | None = None,
+) -> None:
+    """Weights, config.json and tokenizer files of the model into `directory`."""
+    from engines.model.gguf.tokenizer import write_tokenizer
+
+    started = time.perf_counter()
+    writer = ShardWriter(directory)
+    for done, plan in enumerate(plans, start=1):
+        writer.add(convert(plan, config["torch_dtype"]))
+        if progress is not None:
+            progress(done, len(plans))
+    writer.finish()
+    write_json(directory / "config.json", config)
+    write_tokenizer(source.metadata, directory)
+    write_json(
+        directory / GGUF_SOURCE_FILE,
+        {"files": [path.name for path in source.paths], "architecture": source.architecture},
+    )
+    log.info(
+        "imported %s (%s, %d tensors) in %.1f s",
+        source.paths[0].name,
+        source.architecture,
+        len(plans),
+        time.perf_counter() - started,
+    )
+
+
+def _gib(count: int) -> str:
+    return f"{count / 1024**3:.1f} GiB"

@@ -1,0 +1,83 @@
+"""What each GGML tensor type becomes in mlx: kept bit for bit, re-quantized, or float."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engines.model.gguf.native import GROUP_SIZE, NATIVE_TYPES
+
+T = GGMLQuantizationType
+FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
+# Types gguf-py dequantizes, and the mlx affine width each is re-quantized to (group size 32):
+# the width of the type's own codes, one more where its finer sub-block scales (16 values for
+# the 2- and 3-bit K types, 8-value grids for IQ types) would otherwise be lost. The error
+# each leaves is measured in docs/gguf.md.
+REQUANTIZED_BITS = {
+    T.Q4_K: 4,
+    T.Q5_0: 5,
+    T.Q5_1: 5,
+    T.Q5_K: 5,
+    T.Q6_K: 6,
+    T.Q2_K: 3,
+    T.Q3_K: 4,
+    T.IQ4_NL: 4,
+    T.IQ4_XS: 4,
+    T.IQ3_XXS: 4,
+    T.IQ3_S: 4,
+    T.IQ2_XXS: 3,
+    T.IQ2_XS: 3,
+    T.IQ2_S: 3,
+    T.IQ1_S: 2,
+    T.IQ1_M: 2,
+    T.TQ1_0: 2,
+    T.TQ2_0: 2,
+}
+REQUANTIZED_GROUP_SIZE = 32
+FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Treatment:
+    """How one tensor is carried over: "native" (repacked), "requantized" or "float"."""
+
+    kind: str
+    bits: int = 0  # of the mlx quantization; 0 for float
+    group_size: int = 0
+    mode: str = "affine"
+
+    def quantization(self) -> dict[str, int | str] | None:
+        """config.json's entry for the layer, None for float."""
+        if self.kind == "float":
+            return None
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+    def output_bytes(self, elements: int, float_dtype: str) -> int:
+        """Bytes the tensor takes in the safetensors (codes plus scales and biases)."""
+        if self.kind == "float":
+            return elements * FLOAT_BYTES[float_dtype]
+        groups = elements // self.group_size
+        extra = groups if self.mode == "mxfp4" else 2 * groups * FLOAT_BYTES[float_dtype]
+        return elements * self.bits // 8 + extra
+
+
+def treatment(quantization: GGMLQuantizationType, columns: int, dimensions: int) -> Treatment:
+    """What becomes of a tensor of this type with rows of `columns` values; None-free: types
+    nothing handles raise ValueError (the caller names the tensor)."""
+    if quantization in FLOAT_TYPES:
+        return Treatment("float")
+    if quantization in NATIVE_TYPES:
+        mode = "mxfp4" if quantization == T.MXFP4 else "affine"
+        bits = 8 if quantization == T.Q8_0 else 4
+        return Treatment("native", bits, GROUP_SIZE, mode)
+    bits = REQUANTIZED_BITS.get(quantization)
+    if bits is None:
+        raise ValueError(f"no mlx counterpart for GGML type {quantization.name}")
+    if dimensions < 2 or columns % REQUANTIZED_GROUP_SIZE:
+        return Treatment("float")  # mlx quantizes rows in whole groups only
+    return Treatment("requantized", bits, REQUANTIZED_GROUP_SIZE)
+
+
+def block_size(quantization: GGMLQuantizationType) -> int:
+    return GGML_QUANT_SIZES[quantization][0]
