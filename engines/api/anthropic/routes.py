@@ -1,19 +1,142 @@
-"""The dialect's routes (a skeleton until the dialect is written)."""
+"""POST /v1/messages (Anthropic's Messages API) and POST /v1/messages/count_tokens."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from engines.api.errors import APIError
+from engines.api.anthropic.errors import ANTHROPIC_SSE
+from engines.api.anthropic.mapping import chat_input_of, sampling_of
+from engines.api.anthropic.replies import MessageEvents, content_of, stop_reason_of
+from engines.api.anthropic.schemas import (
+    CountTokensRequest,
+    ErrorBody,
+    MessageBody,
+    MessagesRequest,
+    TokenCount,
+    Usage,
+)
+from engines.api.chat import grammar_param
+from engines.api.constraints import output_grammar
+from engines.api.errors import STREAMED
+from engines.api.generation import (
+    build_request,
+    check_features,
+    check_serving,
+    collect,
+    engine_features,
+    wait_budget_s,
+)
+from engines.api.metrics import mark_submitted, received_at
+from engines.api.prompts import chat_prompt_tokens
+from engines.api.reply import ReplyStream
+from engines.api.streaming import stream_response
+from engines.api.tools import tool_format_for
 from engines.core.service import Service
+
+log = logging.getLogger(__name__)
 
 ERROR_PREFIX = "/v1/messages"
 
 
-def render_error(error: APIError) -> Response:
-    return error.response()
+def documented(description: str) -> dict[str, Any]:
+    return {"model": ErrorBody, "description": description}
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: documented("invalid_request_error: an invalid or unsupported field"),
+    401: documented("authentication_error: missing or wrong API key (with --api-key)"),
+    404: documented("not_found_error: the model is not the one this server serves"),
+    413: documented("request_too_large: the body is larger than --max-body-bytes"),
+    429: documented("rate_limit_error: the request queue is full; retry later"),
+    500: documented("api_error: internal server error"),
+    503: documented("overloaded_error: no engine is serving, or memory is critical"),
+    504: documented("timeout_error: the generation did not finish within --request-timeout"),
+}
+
+
+class UnknownFields:
+    """Logs each top-level field nobody here knows, once: ignored, but not unseen."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def note(self, body: CountTokensRequest) -> None:
+        for name in (body.model_extra or {}).keys() - self._seen:
+            self._seen.add(name)
+            log.debug("ignoring the Messages field '%s' (unknown here; logged once)", name)
 
 
 def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
-    return APIRouter()
+    router = APIRouter()
+    unknown = UnknownFields()
+
+    @router.post(
+        "/v1/messages",
+        response_model=None,
+        responses={200: {"model": MessageBody, "content": STREAMED}, **ERROR_RESPONSES},
+    )
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        unknown.note(body)
+        check_serving(service, body.model)
+        chat = chat_input_of(body)
+        sampling = sampling_of(body, service.limits)
+        check_features(engine_features(service), sampling, grammar_param(chat))
+        tokenizer = service.tokenizer
+        tools = tool_format_for(chat, tokenizer)
+        grammar = output_grammar(chat, tokenizer, tools)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        # Templating and tokenizing a long prompt takes a while: never on the event loop.
+        prompt = await asyncio.to_thread(chat_prompt_tokens, tokenizer, chat, max_prompt_tokens)
+        generation = build_request(
+            service,
+            message_id,
+            sampling,
+            prompt,
+            max_prompt_tokens,
+            grammar,
+            grammar_param(chat),
+        )
+        submission = service.submit(generation, received_at=received_at(request.scope))
+        mark_submitted(request.scope)
+        reply = ReplyStream.of(tokenizer, chat, tools, prompt)
+        if body.stream:
+            writer = MessageEvents(message_id, body.model, len(prompt), reply)
+            return stream_response(submission, wait_budget_s(service), writer, ANTHROPIC_SSE)
+        outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
+        whole = reply.read_whole(outcome.text)
+        reason, sequence = stop_reason_of(outcome.finish_reason, outcome.stop_sequence, whole.calls)
+        message = MessageBody(
+            id=message_id,
+            model=body.model,
+            content=content_of(whole),
+            stop_reason=reason,
+            stop_sequence=sequence,
+            usage=Usage.counted(
+                outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens
+            ),
+        )
+        return JSONResponse(message.model_dump())
+
+    @router.post(
+        "/v1/messages/count_tokens",
+        responses={k: v for k, v in ERROR_RESPONSES.items() if k not in (429, 504)},
+    )
+    async def count_tokens(body: CountTokensRequest) -> TokenCount:
+        """The prompt's tokens as the chat template renders it, tools included."""
+        unknown.note(body)
+        check_serving(service, body.model)
+        chat = chat_input_of(body)
+        tool_format_for(chat, service.tokenizer)  # the same 400s as a message would get
+        prompt = await asyncio.to_thread(
+            chat_prompt_tokens, service.tokenizer, chat, max_prompt_tokens
+        )
+        return TokenCount(input_tokens=len(prompt))
+
+    return router
