@@ -13,7 +13,16 @@ from planner.errors import TandemError
 from .options import env_default
 
 # Subcommand modules, each with register(subparsers) and run(args) -> int.
-SUBCOMMANDS = ("serve", "join", "peers", "plan", "demo_model", "hostfile", "status")
+SUBCOMMANDS = (
+    "serve",
+    "join",
+    "peers",
+    "plan",
+    "demo_model",
+    "gguf_import",
+    "hostfile",
+    "status",
+)
 # Long-running commands that end once they have closed everything they started: they leave
 # without the interpreter's teardown, during which a garbage-collected mlx object can destroy
 # a native thread still joinable and abort the process (exit -6 after a clean shutdown).

@@ -1,25 +1,22 @@
-"""What each GGML tensor type becomes in mlx: kept bit for bit, re-quantized, or float."""
+"""What each GGML tensor type becomes in mlx: repacked bit for bit ("native"), moved exactly into
+mlx's affine form ("affine"), re-quantized ("requantized"), or float."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
+from engines.model.gguf.affine import AFFINE_TYPES, LAYOUTS
 from engines.model.gguf.native import GROUP_SIZE, NATIVE_TYPES
 
 T = GGMLQuantizationType
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
-# Types gguf-py dequantizes, and the mlx affine width each is re-quantized to (group size 32):
-# the width of the type's own codes, one more where its finer sub-block scales (16 values for
-# the 2- and 3-bit K types, 8-value grids for IQ types) would otherwise be lost. The error
-# each leaves is measured in docs/gguf.md.
+# Types that are no affine grid over 32 values (16-value sub-blocks, non-uniform codebooks):
+# dequantized by gguf-py and re-quantized by mlx (group size 32) to the width here. The error
+# each leaves against the GGUF's own values is measured in docs/gguf.md.
 REQUANTIZED_BITS = {
-    T.Q4_K: 4,
-    T.Q5_0: 5,
-    T.Q5_1: 5,
-    T.Q5_K: 5,
-    T.Q6_K: 6,
+    T.Q6_K: 8,
     T.Q2_K: 3,
     T.Q3_K: 4,
     T.IQ4_NL: 4,
@@ -42,7 +39,7 @@ FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 class Treatment:
     """How one tensor is carried over: "native" (repacked), "requantized" or "float"."""
 
-    kind: str
+    kind: str  # "native", "affine", "requantized" or "float"
     bits: int = 0  # of the mlx quantization; 0 for float
     group_size: int = 0
     mode: str = "affine"
@@ -71,13 +68,11 @@ def treatment(quantization: GGMLQuantizationType, columns: int, dimensions: int)
         mode = "mxfp4" if quantization == T.MXFP4 else "affine"
         bits = 8 if quantization == T.Q8_0 else 4
         return Treatment("native", bits, GROUP_SIZE, mode)
+    if quantization in AFFINE_TYPES:
+        return Treatment("affine", LAYOUTS[quantization].bits, GROUP_SIZE)
     bits = REQUANTIZED_BITS.get(quantization)
     if bits is None:
         raise ValueError(f"no mlx counterpart for GGML type {quantization.name}")
     if dimensions < 2 or columns % REQUANTIZED_GROUP_SIZE:
         return Treatment("float")  # mlx quantizes rows in whole groups only
     return Treatment("requantized", bits, REQUANTIZED_GROUP_SIZE)
-
-
-def block_size(quantization: GGMLQuantizationType) -> int:
-    return GGML_QUANT_SIZES[quantization][0]

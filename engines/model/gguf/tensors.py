@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType, ReaderTensor, quants
 
+from engines.model.gguf.affine import decode_affine
 from engines.model.gguf.architectures import Architecture
 from engines.model.gguf.native import repack
 from engines.model.gguf.quantization import Treatment, treatment
@@ -52,32 +53,47 @@ def plan_tensor(
 def convert(plan: TensorPlan, float_dtype: str) -> dict[str, mx.array]:
     """The arrays mlx-lm loads for this tensor: NAME (float) or NAME, scales, biases."""
     tensor = plan.tensor
-    raw = np.asarray(tensor.data)
+    quantization = GGMLQuantizationType(tensor.tensor_type)
+    dtype = MLX_DTYPES[float_dtype]
     if plan.treatment.kind == "native":
-        packed = repack(raw, GGMLQuantizationType(tensor.tensor_type))
-        arrays = {"weight": packed.weight, "scales": packed.scales}
-        if packed.biases is not None:
-            arrays["biases"] = packed.biases
-        arrays = {key: _rope_rows(value, plan.rope_heads) for key, value in arrays.items()}
-        result = {f"{plan.module}.{key}": mx.array(value) for key, value in arrays.items()}
-        for key in ("scales", "biases"):
-            if packed.mode == "affine":  # widening fp16 is exact; mxfp4 scales are exponents
-                result[f"{plan.module}.{key}"] = result[f"{plan.module}.{key}"].astype(
-                    MLX_DTYPES[float_dtype]
-                )
-        return result
-    values = dequantize(tensor)
-    values = _rope_rows(values, plan.rope_heads)
+        packed = repack(np.asarray(tensor.data), quantization)
+        # mxfp4 scales are exponents (uint8); affine fp16 scales widen exactly.
+        return _quantized(plan, packed.weight, packed.scales, packed.biases, dtype)
+    if plan.treatment.kind == "affine":
+        affine = decode_affine(np.asarray(tensor.data), quantization)
+        return _quantized(plan, affine.weight, affine.scales, affine.biases, dtype)
+    values = _rope_rows(dequantize(tensor), plan.rope_heads)
     if plan.norm_offset:
         values = values - np.float32(plan.norm_offset)
-    array = mx.array(values).astype(MLX_DTYPES[float_dtype])
+    array = mx.array(values).astype(dtype)
     if plan.treatment.kind == "float":
         return {plan.name: array}
     weight, scales, biases = mx.quantize(
         array, group_size=plan.treatment.group_size, bits=plan.treatment.bits
     )
-    module = plan.module
-    return {f"{module}.weight": weight, f"{module}.scales": scales, f"{module}.biases": biases}
+    return {
+        f"{plan.module}.weight": weight,
+        f"{plan.module}.scales": scales,
+        f"{plan.module}.biases": biases,
+    }
+
+
+def _quantized(
+    plan: TensorPlan,
+    weight: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray | None,
+    dtype: mx.Dtype,
+) -> dict[str, mx.array]:
+    """A quantized layer's arrays, q/k rows back in HF order, float scales in `dtype`."""
+    arrays = {"weight": mx.array(_rope_rows(weight, plan.rope_heads))}
+    scales = _rope_rows(scales, plan.rope_heads)
+    arrays["scales"] = (
+        mx.array(scales) if scales.dtype == np.uint8 else mx.array(scales).astype(dtype)
+    )
+    if biases is not None:
+        arrays["biases"] = mx.array(_rope_rows(biases, plan.rope_heads)).astype(dtype)
+    return {f"{plan.module}.{key}": value for key, value in arrays.items()}
 
 
 def dequantize(tensor: ReaderTensor) -> np.ndarray:

@@ -1,0 +1,161 @@
+"""Export a demo model as GGUF the way llama.cpp's convert_hf_to_gguf.py would: its tensor
+names (from gguf-py's own TensorNameMap), the q/k row interleave of llama-family RoPE, Gemma's
+norm + 1, fused phi3 projections as they are, and its block quantizations.
+
+Returns the values the file holds, back in mlx-lm's names and order: the weights of the
+reference model a round trip must reproduce (llama.cpp would compute with exactly these).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType, quants
+
+from tests.helpers.gguf_k_quants import quantize_q4_k
+
+T = GGMLQuantizationType
+# mlx-lm model type -> GGUF architecture, as the converter registers the HF classes.
+GGUF_ARCHITECTURES = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "mistral": gguf.MODEL_ARCH.LLAMA,  # MistralForCausalLM converts as llama
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+    "phi3": gguf.MODEL_ARCH.PHI3,
+}
+PERMUTED = frozenset({"llama", "mistral"})  # the converter's LlamaModel interleaves q/k rows
+NORM_SHIFTED = frozenset({"gemma3_text"})  # Gemma3Model adds 1 to every *norm.weight
+KEPT_FLOAT = ("norm", "mlp.gate.weight")  # 1-D tensors and MoE routers stay F32
+# The type a tensor falls back to when its rows do not split into the chosen type's blocks.
+FALLBACK = T.Q8_0
+
+
+def export_gguf(model_dir: Path, out_path: Path, quantization: GGMLQuantizationType) -> dict:
+    """Write `model_dir` (a float demo model) as a GGUF; return the values it holds by mlx-lm
+    parameter name (float32, mlx-lm's row order and norm convention)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    model_type = config["model_type"]
+    architecture = GGUF_ARCHITECTURES[model_type]
+    weights = {
+        name: np.array(value.astype(mx.float32))
+        for path in sorted(model_dir.glob("model*.safetensors"))
+        for name, value in mx.load(str(path)).items()
+    }
+    names = gguf.get_tensor_name_map(architecture, config["num_hidden_layers"])
+    # llama.cpp's qwen3moe routes every layer; the demo's dense layer 0 takes the dense names.
+    dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(out_path), gguf.MODEL_ARCH_NAMES[architecture])
+    _write_hyperparameters(writer, config)
+    _write_vocabulary(writer, model_dir, config)
+    held = {}
+    for name in sorted(weights):
+        values = weights[name]
+        hf_name = name.replace(".mlp.switch_mlp.", ".mlp.experts.")  # stacked experts
+        suffixes = (".weight", ".bias")
+        gguf_name = names.get_name(hf_name, try_suffixes=suffixes) or dense_names.get_name(
+            hf_name, try_suffixes=suffixes
+        )
+        if gguf_name is None:
+            raise KeyError(f"gguf-py's map has no name for {hf_name}")
+        stored = values
+        if model_type in NORM_SHIFTED and name.endswith("norm.weight"):
+            stored = stored + np.float32(1.0)
+        if model_type in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            stored = interleave_rope_rows(stored, heads)
+        kind = _tensor_type(name, stored, quantization)
+        raw = _encode(stored, kind)
+        writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=kind)
+        decoded = quants.dequantize(raw, kind) if kind != T.F32 else raw
+        held[name] = _held_value(decoded, values, kind)
+    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+def interleave_rope_rows(values: np.ndarray, heads: int) -> np.ndarray:
+    """What the converter does to q/k rows: each head's halves -> alternating pairs."""
+    shape = values.shape
+    head_dim = shape[0] // heads
+    return values.reshape(heads, 2, head_dim // 2, *shape[1:]).swapaxes(1, 2).reshape(shape).copy()
+
+
+def _held_value(decoded: np.ndarray, original: np.ndarray, kind: GGMLQuantizationType):
+    """The quantized values in mlx-lm's order: quantizing whole rows commutes with reordering
+    them, so quantizing the original order gives the same numbers."""
+    if kind == T.F32:
+        return original
+    if kind == T.Q4_K:
+        return quants.dequantize(quantize_q4_k(original), kind)
+    return quants.dequantize(quants.quantize(original, kind), kind)
+
+
+def _tensor_type(name: str, values: np.ndarray, chosen: GGMLQuantizationType):
+    if values.ndim < 2 or any(part in name for part in KEPT_FLOAT):
+        return T.F32
+    block = gguf.GGML_QUANT_SIZES[chosen][0]
+    if values.shape[-1] % block:
+        return FALLBACK
+    return chosen
+
+
+def _encode(values: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
+    if kind == T.F32:
+        return values.astype(np.float32)
+    if kind == T.Q4_K:
+        return quantize_q4_k(values)
+    return quants.quantize(values.astype(np.float32), kind)
+
+
+def _write_hyperparameters(writer: gguf.GGUFWriter, config: dict) -> None:
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    if config["model_type"] == "qwen3_moe":
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config["model_type"] == "gemma3_text":
+        writer.add_sliding_window(config["sliding_window"])
+        # llama.cpp assumes a period of 6 for Gemma 3; the demo's is 2, so the file says so.
+        writer.add_sliding_window_pattern([i % 2 == 0 for i in range(config["num_hidden_layers"])])
+
+
+def _write_vocabulary(writer: gguf.GGUFWriter, model_dir: Path, config: dict) -> None:
+    """The demo's byte-level BPE as a gpt2-style GGUF vocabulary."""
+    document = json.loads((model_dir / "tokenizer.json").read_text())
+    vocabulary = dict(document["model"]["vocab"])
+    special = {token["content"]: token["id"] for token in document["added_tokens"]}
+    vocabulary.update(special)
+    tokens = sorted(vocabulary, key=vocabulary.__getitem__)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token in tokens]
+    )
+    merges = document["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_add_bos_token(False)
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    writer.add_chat_template(tokenizer_config["chat_template"])

@@ -1,0 +1,83 @@
+"""A demo model through GGUF and back: export as llama.cpp would, import with tandem, and the
+greedy tokens of the import beside those of a reference holding the GGUF's own values."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from gguf import GGMLQuantizationType
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+from tokenizers import Tokenizer
+
+from engines.model.gguf.importer import import_gguf
+from tests.helpers.demo_models import make_demo_model
+from tests.helpers.gguf_export import export_gguf
+
+PROMPTS = (
+    "Once upon a time",
+    # Longer than the demo's 16-token sliding window, so windowed layers drop old positions.
+    "In the beginning the model read a long prompt, sentence after sentence, and then it",
+)
+MAX_TOKENS = 24
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTrip:
+    """What one export and import did: both models' greedy tokens and teacher-forced picks."""
+
+    imported: Path
+    reference_tokens: tuple[tuple[int, ...], ...]
+    imported_tokens: tuple[tuple[int, ...], ...]
+    agreement: float  # share of positions where both pick the same next token (same inputs)
+
+
+def round_trip(root: Path, arch: str, quantization: GGMLQuantizationType, **spec: int) -> RoundTrip:
+    """Export the demo model `arch` (tiny, float) as GGUF with `quantization`, import it."""
+    name = f"{arch}-{quantization.name}-" + "-".join(f"{k}{v}" for k, v in sorted(spec.items()))
+    work = root / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    demo = make_demo_model(root / "demo", arch=arch, **spec)
+    held = export_gguf(demo, work / "model.gguf", quantization)
+    reference = work / "reference"
+    reference.mkdir()
+    shutil.copy(demo / "config.json", reference / "config.json")
+    mx.save_safetensors(
+        str(reference / "model.safetensors"), {k: mx.array(v) for k, v in held.items()}
+    )
+    imported = import_gguf(work / "model.gguf", work / "imported")
+    tokenizer = Tokenizer.from_file(str(demo / "tokenizer.json"))
+    prompts = [tokenizer.encode(prompt).ids for prompt in PROMPTS]
+    reference_model = load_model(reference)[0]
+    imported_model = load_model(imported)[0]
+    reference_tokens = tuple(greedy(reference_model, ids) for ids in prompts)
+    imported_tokens = tuple(greedy(imported_model, ids) for ids in prompts)
+    sequences = [p + list(t) for p, t in zip(prompts, reference_tokens, strict=True)]
+    agreement = teacher_forced_agreement(reference_model, imported_model, sequences)
+    return RoundTrip(imported, reference_tokens, imported_tokens, agreement)
+
+
+def greedy(model, ids: list[int]) -> tuple[int, ...]:
+    steps = generate_step(mx.array(ids), model, max_tokens=MAX_TOKENS)
+    return tuple(int(token) for token, _ in steps)
+
+
+def teacher_forced_agreement(first, second, sequences: list[list[int]]) -> float:
+    """The share of positions where both models' argmax agree, fed the same tokens."""
+    same = total = 0
+    for ids in sequences:
+        batch = mx.array(ids)[None]
+        picks = [mx.argmax(model(batch)[0], axis=-1).tolist() for model in (first, second)]
+        same += sum(a == b for a, b in zip(*picks, strict=True))
+        total += len(ids)
+    return same / total
+
+
+def imported_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
