@@ -18,7 +18,16 @@ import uvicorn
 
 from engines.api import create_app
 from engines.core.runner import EngineRunner
-from tests.helpers.api import MODEL_ID, make_service, start_runner, wait_idle
+from tests.helpers.api import (  # noqa: F401
+    LONG,
+    MODEL_ID,
+    anyio_backend,
+    assert_error,
+    make_service,
+    open_client,
+    start_runner,
+    wait_idle,
+)
 
 TOKENS = 8
 WEATHER = {
@@ -307,3 +316,38 @@ def test_greedy_answer_equals_chat_completions(client: openai.OpenAI) -> None:
     response = create(client, instructions="Terse.", input="Hello there", max_output_tokens=12)
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def named_events(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) of each event of a named-event SSE body; comments skipped."""
+    events = []
+    for block in text.split("\n\n"):
+        lines = block.splitlines()
+        if lines and lines[0].startswith("event: "):
+            events.append(
+                (lines[0].removeprefix("event: "), json.loads(lines[1].removeprefix("data: ")))
+            )
+    return events
+
+
+@pytest.mark.anyio
+async def test_a_generation_that_fails_mid_stream_ends_in_response_failed(
+    runner: EngineRunner, anyio_backend: str
+) -> None:
+    wait_idle(runner)
+    async with open_client(make_service(runner, request_timeout_s=0.2)) as client:
+        whole = await client.post(
+            "/v1/responses", json={"model": MODEL_ID, "input": "Hi", "max_output_tokens": LONG}
+        )
+        assert_error(whole, 504, type="timeout_error", code="timeout")
+        body = {"model": MODEL_ID, "input": "Hi", "max_output_tokens": LONG, "stream": True}
+        streamed = await client.post("/v1/responses", json=body)
+    events = named_events(streamed.text)
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert all(name == data["type"] for name, data in events)
+    name, data = events[-1]
+    assert name == "response.failed" and data["response"]["status"] == "failed"
+    error = data["response"]["error"]
+    assert error["code"] == "server_error" and "timed out" in error["message"]
+    for item in data["response"]["output"]:  # what was written before the failure, closed
+        assert item["status"] == "incomplete"

@@ -16,6 +16,12 @@ from engines.core.request import MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 UNREADABLE_PARTS = ("input_image", "input_file", "input_audio")
 
 
+def type_of(value: Any) -> str | None:
+    """The `type` of a tagged union member: a JSON object's, or (serializing) a model's."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) else None
+
+
 class ItemModel(BaseModel):
     """Strict types; fields nobody knows yet are let through (agent CLIs add them over time,
     e.g. an assistant message's `phase`), as at the top level (see ResponsesRequest)."""
@@ -48,7 +54,7 @@ class UnreadableContent(ItemModel):
 
 
 def _part_tag(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    kind = type_of(value)
     if kind == "refusal":
         return "RefusalContent"
     return "UnreadableContent" if kind in UNREADABLE_PARTS else "TextContent"
@@ -130,8 +136,7 @@ ITEM_TAGS = {
 
 
 def _item_tag(value: Any) -> str:
-    kind = value.get("type", "message") if isinstance(value, dict) else "message"
-    return ITEM_TAGS.get(kind, "UnknownItem")
+    return ITEM_TAGS.get(type_of(value) or "message", "UnknownItem")
 
 
 InputItem = Annotated[
@@ -160,8 +165,7 @@ class HostedToolSpec(ItemModel):
 
 
 def _tool_tag(value: Any) -> str:
-    function = isinstance(value, dict) and value.get("type") == "function"
-    return "FunctionToolSpec" if function else "HostedToolSpec"
+    return "FunctionToolSpec" if type_of(value) == "function" else "HostedToolSpec"
 
 
 ToolSpec = Annotated[
@@ -185,8 +189,7 @@ class HostedChoice(ItemModel):
 def _choice_tag(value: Any) -> str:
     if isinstance(value, str):
         return "Mode"
-    function = isinstance(value, dict) and value.get("type") == "function"
-    return "FunctionChoice" if function else "HostedChoice"
+    return "FunctionChoice" if type_of(value) == "function" else "HostedChoice"
 
 
 ToolChoice = Annotated[
@@ -213,8 +216,26 @@ class JsonSchemaFormat(ItemModel):
     strict: bool | None = None
 
 
+FORMAT_TAGS = {
+    "text": "PlainTextFormat",
+    "json_object": "JsonObjectFormat",
+    "json_schema": "JsonSchemaFormat",
+}
+
+
+def _format_tag(value: Any) -> str | None:
+    return FORMAT_TAGS.get(type_of(value) or "")
+
+
 TextFormat = Annotated[
-    PlainTextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+    Annotated[PlainTextFormat, Tag("PlainTextFormat")]
+    | Annotated[JsonObjectFormat, Tag("JsonObjectFormat")]
+    | Annotated[JsonSchemaFormat, Tag("JsonSchemaFormat")],
+    Discriminator(
+        _format_tag,
+        custom_error_type="invalid_format",
+        custom_error_message="the type must be one of 'text', 'json_object', 'json_schema'",
+    ),
 ]
 
 
