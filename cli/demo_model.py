@@ -28,6 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=[4, 8],
         help="bits per weight, quantized with mlx-lm's converter (default: float)",
     )
+    parser.add_argument(
+        "--thinking",
+        action="store_true",
+        help="add <think> markers and a chat template that thinks unless enable_thinking is "
+        "false (as Qwen3's); the model never ends a thought by itself",
+    )
     parser.set_defaults(run=run)
 
 
@@ -45,10 +51,12 @@ def run(args: argparse.Namespace) -> int:
         "hidden": args.hidden,
         "seed": args.seed,
         "quantize": args.quantize,
+        "thinking": args.thinking or None,
     }
     spec = DemoSpec(**{k: v for k, v in overrides.items() if v is not None})
     with steps("demo model", DEMO_BUILD_STEPS) as advance:
         path = write_demo_model(args.path, spec, progress=advance)
     quantized = f" ({spec.quantize}-bit)" if spec.quantize else ""
-    print(f"wrote {spec.arch}{quantized} demo model to {path}")
+    thinking = " thinking" if spec.thinking else ""
+    print(f"wrote {spec.arch}{quantized}{thinking} demo model to {path}")
     return 0

@@ -28,6 +28,12 @@ def odd_heads_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def thinking_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default demo model with <think> markers and a template that thinks (as Qwen3's)."""
+    return make_demo_model(tmp_path_factory.mktemp("demo-thinking"), thinking=True)
+
+
+@pytest.fixture(scope="session")
 def demo_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """make_demo_model bound to one session directory: equal overrides share one model."""
     root = tmp_path_factory.mktemp("demo-models")

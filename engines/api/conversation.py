@@ -94,6 +94,13 @@ class ChatInput:
         """A tool call is required (of any tool on offer, or of `forced_tool`)."""
         return bool(self.tools) and self.tool_mode == "required"
 
+    def resolved_thinking(self) -> bool | None:
+        """`thinking`, except that a grammar-shaped output (JSON, a forced call) never thinks:
+        the grammar binds from the first token, so a thought could not be written."""
+        if self.output_format is not None or self.forces_call():
+            return False
+        return self.thinking
+
     def single_call(self) -> bool:
         """At most one call: parallel calls off, or a forced call (its grammar allows one)."""
         return not self.parallel_tool_calls or self.forces_call()

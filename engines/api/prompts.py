@@ -27,8 +27,9 @@ def chat_prompt_tokens(tokenizer: Any, chat: ChatInput, max_prompt_tokens: int) 
         tools = chat.template_tools()
         if tools:
             options["tools"] = tools
-        if chat.thinking is not None:  # mlx-lm renames it for templates that say `thinking`
-            options["enable_thinking"] = chat.thinking
+        thinking = chat.resolved_thinking()
+        if thinking is not None:  # mlx-lm renames it for templates that say `thinking`
+            options["enable_thinking"] = thinking
         try:
             tokens = tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, **options

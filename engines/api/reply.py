@@ -29,7 +29,7 @@ class ThinkMarkers:
     @classmethod
     def of(cls, tokenizer: Any, chat: ChatInput) -> ThinkMarkers | None:
         """None when the template does not think, or the request turned thinking off."""
-        if chat.thinking is False or not getattr(tokenizer, "has_thinking", False):
+        if chat.resolved_thinking() is False or not getattr(tokenizer, "has_thinking", False):
             return None
         return cls(tokenizer.think_start, tokenizer.think_end)
 

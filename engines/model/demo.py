@@ -23,9 +23,11 @@ from engines.model.demo_tokenizer import (
     EOS_TOKEN,
     PAD_TOKEN,
     SPECIAL_TOKENS,
+    THINKING_CHAT_TEMPLATE,
     _count_token_ids,
     _silent_ids,
     _train_tokenizer,
+    _with_think_tokens,
 )
 from engines.model.demo_weights import GAINS, _make_weights, _write_safetensors
 from planner.errors import ConfigError
@@ -113,10 +115,12 @@ def _build_staging(
     advance = progress or (lambda step: None)
     try:
         tokenizer_json = _train_tokenizer(spec.vocab)
+        if spec.thinking:
+            tokenizer_json = _with_think_tokens(tokenizer_json)
         vocab_size = _count_token_ids(tokenizer_json)
         advance("tokenizer")
         _write_text(staging / "tokenizer.json", tokenizer_json)
-        _write_text(staging / "tokenizer_config.json", _dump(_tokenizer_config()))
+        _write_text(staging / "tokenizer_config.json", _dump(_tokenizer_config(spec)))
         config = _model_config(spec, vocab_size)
         _write_text(staging / "config.json", _dump(config))
         _write_text(staging / "demo_spec.json", _dump(dataclasses.asdict(spec)))
@@ -168,7 +172,7 @@ def _quantize(staging: Path, path: Path, spec: DemoSpec) -> Path:
     return final
 
 
-def _tokenizer_config() -> dict:
+def _tokenizer_config(spec: DemoSpec) -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
@@ -177,7 +181,7 @@ def _tokenizer_config() -> dict:
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": MAX_POSITIONS,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": THINKING_CHAT_TEMPLATE if spec.thinking else CHAT_TEMPLATE,
     }
 
 

@@ -43,6 +43,7 @@ class DemoSpec:
     seed: int = 0
     dtype: str = "float32"
     quantize: int | None = None  # bits (4 or 8): quantized with mlx-lm's converter
+    thinking: bool = False  # <think> markers and a template that thinks (as Qwen3's)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -97,8 +98,11 @@ class DemoSpec:
     def digest(self) -> str:
         """A short hash of everything that determines the files: spec, generator, corpus."""
         fields = dataclasses.asdict(self)
+        # Added later: unquantized and non-thinking specs keep their digests.
         if fields["quantize"] is None:
-            del fields["quantize"]  # added later: unquantized specs keep their digests
+            del fields["quantize"]
+        if not fields["thinking"]:
+            del fields["thinking"]
         payload = (
             json.dumps(
                 {"spec": fields, "generator": GENERATOR_VERSION},

@@ -1,6 +1,7 @@
 """The demo models' tokenizer: a byte-level BPE trained on the shipped corpus (data/corpus.txt),
-its special tokens and chat template, and the ids a demo model must never emit. Training is
-deterministic, so the same vocab size always gives the same tokenizer.json text.
+its special tokens and chat template (or a thinking one), and the ids a demo model must never
+emit. Training is deterministic, so the same vocab size always gives the same tokenizer.json
+text.
 """
 
 from __future__ import annotations
@@ -16,15 +17,22 @@ EOS_TOKEN = "<|end|>"
 PAD_TOKEN = "<|pad|>"
 # Special tokens take the first ids, in this order.
 SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN, PAD_TOKEN, "<|system|>", "<|user|>", "<|assistant|>")
+# Thinking demo models (DemoSpec(thinking=True)) add these two tokens after the trained
+# vocabulary, so every other id stays the same; they are plain added tokens (decoded as text,
+# as Qwen3 ships them), which is how mlx-lm's tokenizer finds them (`has_thinking`).
+THINK_START = "<think>"
+THINK_END = "</think>"
 # "developer" (newer OpenAI clients) is treated as "system"; any other role is refused. Tools
 # are offered in a system turn and called as <tool_call>{"name": ..., "arguments": ...}</tool_call>
 # (mlx-lm's "json_tools" format); tool results come back in a user turn.
-CHAT_TEMPLATE = (
+_TOOLS = (
     "{{ bos_token }}"
     '{% if tools %}{{ \'<|system|>\\nTools (answer with <tool_call>\\n{"name": ..., '
     '"arguments": ...}\\n</tool_call>):\\n\' }}'
     "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}{{ '<|end|>\\n' }}"
     "{% endif %}"
+)
+_ROLE = (
     "{% for message in messages %}"
     "{% set role = 'system' if message['role'] == 'developer' else message['role'] %}"
     "{% if role not in ['system', 'user', 'assistant', 'tool'] %}"
@@ -33,7 +41,17 @@ CHAT_TEMPLATE = (
     "{% if role == 'tool' %}"
     "{{ '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|end|>\\n' }}"
     "{% else %}"
-    "{{ '<|' + role + '|>\\n' + (message['content'] or '') }}"
+)
+_TEXT = "{{ '<|' + role + '|>\\n' + (message['content'] or '') }}"
+# An assistant turn's earlier thought, passed back, is rendered before its text.
+_THOUGHT_AND_TEXT = (
+    "{{ '<|' + role + '|>\\n' }}"
+    "{% if role == 'assistant' and message.get('reasoning_content') %}"
+    "{{ '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}"
+    "{% endif %}"
+    "{{ message['content'] or '' }}"
+)
+_CALLS_AND_END = (
     "{% for call in message.get('tool_calls') or [] %}"
     "{% set tool_call = call['function'] %}"
     '{{ \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
@@ -42,7 +60,26 @@ CHAT_TEMPLATE = (
     "{{ '<|end|>\\n' }}"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+CHAT_TEMPLATE = (
+    _TOOLS
+    + _ROLE
+    + _TEXT
+    + _CALLS_AND_END
+    + "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+# As Qwen3's: thinking is on unless `enable_thinking` is false. On, the reply starts inside
+# a thought; off, after an empty one.
+THINKING_CHAT_TEMPLATE = (
+    _TOOLS
+    + _ROLE
+    + _THOUGHT_AND_TEXT
+    + _CALLS_AND_END
+    + "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% else %}{{ '<think>\\n' }}{% endif %}"
+    "{% endif %}"
 )
 PRINTABLE = frozenset(string.ascii_letters + string.digits + string.punctuation + " \n")
 
@@ -72,15 +109,33 @@ def _train_tokenizer(vocab_size: int) -> str:
 
 
 @functools.lru_cache(maxsize=4)
+def _with_think_tokens(tokenizer_json: str) -> str:
+    """The tokenizer with THINK_START and THINK_END added after every trained id."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer.add_tokens(
+        [AddedToken(marker, special=False, normalized=False) for marker in (THINK_START, THINK_END)]
+    )
+    return tokenizer.to_str(pretty=True)
+
+
+@functools.lru_cache(maxsize=4)
 def _silent_ids(tokenizer_json: str) -> tuple[int, ...]:
-    """Ids the model should never emit: special tokens and tokens that are not printable text."""
+    """Ids the model should never emit: added tokens (the special ones and the think markers)
+    and tokens that are not printable text.
+
+    Random weights would open or close a thought at an arbitrary step, so a thinking demo
+    model never does: with thinking on, all it writes is reasoning.
+    """
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_str(tokenizer_json)
+    added = set(tokenizer.get_added_tokens_decoder())
     silent = []
     for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
         text = tokenizer.decode([token_id], skip_special_tokens=False)
-        if token_id < len(SPECIAL_TOKENS) or not set(text) <= PRINTABLE:
+        if token_id in added or not set(text) <= PRINTABLE:
             silent.append(token_id)
     return tuple(silent)
 
