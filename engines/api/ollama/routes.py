@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -51,8 +52,12 @@ NOT_IMPLEMENTED = 501
 
 
 def render_error(error: APIError) -> Response:
-    """Ollama's error shape: `{"error": "message"}`, with the status."""
-    return JSONResponse({"error": error.message}, status_code=error.status, headers=error.headers)
+    """Ollama's error shape: `{"error": "message"}`, with the status; the message names the
+    field to fix, since the shape has no `param` of its own."""
+    message = error.message
+    if error.param and error.param not in message:
+        message = f"{error.param}: {message}"
+    return JSONResponse({"error": message}, status_code=error.status, headers=error.headers)
 
 
 def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
@@ -97,6 +102,24 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         check_features(engine_features(service), sampling, "format" if body.json_format() else None)
         return sampling, context_of(body.options, max_prompt_tokens)
 
+    async def tokenized(
+        tokenize: Callable[[Any, Any, int], tuple[int, ...]],
+        tokenizer: Any,
+        text: Any,
+        context: int,
+    ) -> tuple[int, ...]:
+        """The prompt's tokens, off the event loop; a prompt too long for a num_ctx below
+        --context-tokens says that num_ctx is what it did not fit."""
+        try:
+            return await asyncio.to_thread(tokenize, tokenizer, text, context)
+        except APIError as error:
+            if error.code != "context_length_exceeded" or context == max_prompt_tokens:
+                raise
+            error.message += (
+                f" (options.num_ctx={context}; --context-tokens is {max_prompt_tokens})"
+            )
+            raise
+
     @router.post("/api/chat")
     async def chat(body: ChatRequest, request: Request) -> Response:
         check_serving(service, served_model(service, body.model))
@@ -106,9 +129,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         sampling, context = prepare(body, conversation, "messages")
         tools = tool_format_for(conversation, service.tokenizer)
         # Templating and tokenizing a long prompt takes a while: never on the event loop.
-        prompt = await asyncio.to_thread(
-            chat_prompt_tokens, service.tokenizer, conversation, context
-        )
+        prompt = await tokenized(chat_prompt_tokens, service.tokenizer, conversation, context)
         return await run(request, body, conversation, tools, prompt, sampling, context)
 
     @router.post("/api/generate")
@@ -120,11 +141,9 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         sampling, context = prepare(body, conversation, "prompt")
         tokenizer = service.tokenizer
         if body.raw:
-            prompt = await asyncio.to_thread(
-                completion_prompt_tokens, tokenizer, body.prompt, context
-            )
+            prompt = await tokenized(completion_prompt_tokens, tokenizer, body.prompt, context)
         else:
-            prompt = await asyncio.to_thread(chat_prompt_tokens, tokenizer, conversation, context)
+            prompt = await tokenized(chat_prompt_tokens, tokenizer, conversation, context)
         return await run(request, body, conversation, None, prompt, sampling, context)
 
     @router.get("/api/tags")
