@@ -133,7 +133,8 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         unknown.note(body)
         check_serving(service, body.model)
         chat = chat_input_of(body)
-        tool_format_for(chat, service.tokenizer)  # the same 400s as a message would get
+        tools = tool_format_for(chat, service.tokenizer)
+        output_grammar(chat, service.tokenizer, tools)  # the same 400s as a message gets
         prompt = await asyncio.to_thread(
             chat_prompt_tokens, service.tokenizer, chat, max_prompt_tokens
         )

@@ -7,16 +7,15 @@ honour are refused by the mapping (mapping.py), which names them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engines.api.schemas import MAX_MESSAGES, MAX_TOOLS, Integer
-from engines.core.request import MAX_STOP_CHARS, MAX_TOP_K
+from engines.core.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TOP_K
 
 # Anthropic's own bound on temperature (OpenAI's goes to 2).
 MAX_TEMPERATURE = 1.0
-KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 class MessagesModel(BaseModel):
@@ -47,23 +46,40 @@ class OtherBlock(MessagesModel):
     type: str
 
 
+# Tags name the block models (errors.describe_validation leaves capitalized union tags out
+# of the field path it reports: "messages.0.content.1.text", not "...1.Text.text").
+BLOCK_TAGS = {
+    "text": "TextBlock",
+    "tool_use": "ToolUseBlock",
+    "tool_result": "ToolResultBlock",
+    "thinking": "ThinkingBlock",
+    "redacted_thinking": "RedactedThinkingBlock",
+}
+NOT_A_BLOCK = "each content block must be an object with a 'type'"
+
+
 def _block_tag(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
-    kind = value.get("type")
-    return kind if kind in KNOWN_BLOCKS else "other"
+    return BLOCK_TAGS.get(value.get("type"), "OtherBlock")
 
 
 def _result_part_tag(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
-    return "text" if value.get("type") == "text" else "other"
+    return "TextBlock" if value.get("type") == "text" else "OtherBlock"
 
 
-ResultPart = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
-    Discriminator(_result_part_tag),
-]
+def _blocks(*models: type[BaseModel], tag: Any) -> Any:
+    """A block of one of `models`, chosen by its type (tagged by the model's name)."""
+    members = tuple(Annotated[model, Tag(model.__name__)] for model in models)
+    return Annotated[
+        Union[members],  # noqa: UP007 (a union built at run time)
+        Discriminator(tag, custom_error_type="block", custom_error_message=NOT_A_BLOCK),
+    ]
+
+
+ResultPart = _blocks(TextBlock, OtherBlock, tag=_result_part_tag)
 
 
 class ToolResultBlock(MessagesModel):
@@ -84,15 +100,15 @@ class RedactedThinkingBlock(MessagesModel):
     data: str
 
 
-Block = Annotated[
-    Annotated[TextBlock, Tag("text")]
-    | Annotated[ToolUseBlock, Tag("tool_use")]
-    | Annotated[ToolResultBlock, Tag("tool_result")]
-    | Annotated[ThinkingBlock, Tag("thinking")]
-    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")]
-    | Annotated[OtherBlock, Tag("other")],
-    Discriminator(_block_tag),
-]
+Block = _blocks(
+    TextBlock,
+    ToolUseBlock,
+    ToolResultBlock,
+    ThinkingBlock,
+    RedactedThinkingBlock,
+    OtherBlock,
+    tag=_block_tag,
+)
 
 
 class Message(MessagesModel):
@@ -158,7 +174,7 @@ class CountTokensRequest(MessagesModel):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: Annotated[Integer, Field(ge=1)]
-    stop_sequences: list[StopSequence] | None = None
+    stop_sequences: list[StopSequence] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: Annotated[Integer, Field(ge=0, le=MAX_TOP_K)] | None = None
