@@ -3,6 +3,7 @@ generate (whole and streamed), list, show, ps, version, tools, format, options."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -16,7 +17,14 @@ import pytest
 import uvicorn
 
 from engines.api import create_app
-from engines.core.runner import EngineRunner
+from engines.api.conversation import ChatInput, FunctionTool, Turn
+from engines.api.generation import Outcome
+from engines.api.ollama.replies import OllamaReplies
+from engines.api.reply import ReplyStream
+from engines.api.tools import tool_format_for
+from engines.core.engine import Finish, TokenEvent
+from engines.core.request import GenerationRequest
+from engines.core.runner import EngineRunner, Submission
 from tests.helpers.api import WEATHER, make_service, start_runner, wait_idle
 from tests.helpers.grammar import REPLY_SCHEMA, completes_to_object
 
@@ -256,3 +264,37 @@ def test_errors_reach_the_client_as_response_errors(client: ollama.Client, base_
         with pytest.raises(ollama.ResponseError) as raised:
             keyless.list()
     assert raised.value.status_code == 401 and "API key" in raised.value.error
+
+
+def test_a_call_the_model_writes_has_object_arguments(runner: EngineRunner) -> None:
+    # Random weights do not call tools, so the reply is fed a call as the model would write it.
+    tokenizer = runner.engine.tokenizer
+    chat = ChatInput(turns=(Turn("user", "Weather?"),), tools=(FunctionTool("get_weather"),))
+    request = GenerationRequest("ollama-test", (1, 2, 3), max_tokens=32)
+    written = ["Let me look. <tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": ']
+    written.append('"Paris"}}\n</tool_call>')
+    final = TokenEvent(finish_reason=Finish.STOP, prompt_tokens=3, completion_tokens=20)
+    loop = asyncio.new_event_loop()  # a Submission's home; nothing runs on it here
+    try:
+        for stream in (True, False):
+            submission = Submission(request, loop)
+            reply = ReplyStream.of(tokenizer, chat, tool_format_for(chat, tokenizer), (1, 2, 3))
+            replies = OllamaReplies(MODEL, reply, submission, chat=True)
+            if stream:
+                lines = [line for text in written for _, line in replies.content(text, [])]
+                lines += [line for _, line in replies.finish(final)]
+            else:
+                lines = [replies.whole(Outcome("".join(written), "stop", 3, 20, []))]
+            assert "".join(line["message"]["content"] for line in lines) == "Let me look. "
+            [called] = [line for line in lines if "tool_calls" in line["message"]]
+            [call] = called["message"]["tool_calls"]
+            assert call["function"] == {
+                "index": 0,
+                "name": "get_weather",
+                "arguments": {"city": "Paris"},
+            }
+            assert lines[-1]["done"] is True and lines[-1]["done_reason"] == "stop"
+            parsed = ollama.ChatResponse(**called)  # as the client reads it
+            assert parsed.message.tool_calls[0].function.arguments == {"city": "Paris"}
+    finally:
+        loop.close()
