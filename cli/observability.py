@@ -69,7 +69,8 @@ def add_observability_flags(parser: argparse.ArgumentParser) -> None:
         "--dashboard-open",
         default="off",
         choices=ON_OFF,
-        help="on: the dashboard (/) answers without the --api-key (a trusted network)",
+        help="on: the dashboard (/) and the chat page (/chat) need no --api-key (a trusted "
+        "network)",
     )
 
 

@@ -1,5 +1,5 @@
 """create_app(service): the one OpenAI-compatible FastAPI app, plus /health, /v1/cluster,
-/metrics and the dashboard."""
+/metrics, the dashboard and the chat page."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from engines.api import anthropic, chat, completions, dashboard, ollama, responses
+from engines.api import anthropic, chat, chat_page, completions, dashboard, ollama, responses
 from engines.api.auth import PROTECTED_PREFIXES, BearerKeyMiddleware
 from engines.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from engines.api.error_handlers import install_error_handlers
@@ -28,7 +28,7 @@ from engines.api.schemas import ModelCard, ModelList
 from engines.core.service import Service
 
 METRICS_PATH = "/metrics"
-DASHBOARD_PATHS = ("/", "/dashboard")
+DASHBOARD_PATHS = ("/", "/dashboard", chat_page.PAGE_PATH)  # the browser pages
 
 
 def create_app(
@@ -78,6 +78,7 @@ def create_app(
     app.include_router(ollama.create_router(service, max_prompt_tokens))
     app.include_router(create_info_router(service))
     app.include_router(dashboard.create_router(service, dashboard_interval_s, stopping))
+    app.include_router(chat_page.create_router(service))
 
     @app.get(METRICS_PATH, include_in_schema=False)
     async def scrape() -> Response:
