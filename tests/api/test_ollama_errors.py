@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
+from engines.api import create_app
 from engines.core.runner import EngineRunner
 from tests.helpers.api import (  # noqa: F401
     MODEL_ID,
@@ -34,6 +36,19 @@ def runner(demo_model_dir: Any) -> Iterator[EngineRunner]:
     runner = start_runner(demo_model_dir, queue_size=8)
     yield runner
     runner.close()
+
+
+@pytest.fixture(scope="module")
+def app(runner: EngineRunner) -> FastAPI:
+    """One app for the tables (building one takes a while on a busy machine)."""
+    return create_app(make_service(runner), max_prompt_tokens=512)
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://tandem.test") as client:
+        yield client
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -101,15 +116,19 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize(("path", "body", "status", "word"), BAD_REQUESTS)
 async def test_bad_input_gets_ollama_error(
-    runner: EngineRunner, path: str, body: Any, status: int, word: str
+    runner: EngineRunner,
+    client: httpx.AsyncClient,
+    path: str,
+    body: Any,
+    status: int,
+    word: str,
 ) -> None:
     wait_idle(runner)
     generated = runner.generated_tokens
-    async with open_client(make_service(runner), max_prompt_tokens=512) as client:
-        if isinstance(body, str):
-            response = await client.post(path, content=body)
-        else:
-            response = await client.post(path, json=body)
+    if isinstance(body, str):
+        response = await client.post(path, content=body)
+    else:
+        response = await client.post(path, json=body)
     assert_error(response, status, word)
     assert runner.idle and runner.generated_tokens == generated  # the engine never saw it
 
@@ -131,18 +150,16 @@ ROUTES = [
 
 @pytest.mark.parametrize(("method", "path", "status", "word"), ROUTES)
 async def test_routes_tandem_does_not_serve(
-    runner: EngineRunner, method: str, path: str, status: int, word: str
+    client: httpx.AsyncClient, method: str, path: str, status: int, word: str
 ) -> None:
-    async with open_client(make_service(runner)) as client:
-        response = await client.request(method, path, json={"model": MODEL_ID})
+    response = await client.request(method, path, json={"model": MODEL_ID})
     assert_error(response, status, word)
 
 
-async def test_show_of_another_model_is_a_404(runner: EngineRunner) -> None:
-    async with open_client(make_service(runner)) as client:
-        assert_error(await client.post("/api/show", json={"model": "mistral"}), 404, "mistral")
-        shown = await client.post("/api/show", json={"name": f"{MODEL_ID}:latest"})
-        assert shown.status_code == 200  # Ollama's older field name
+async def test_show_of_another_model_is_a_404(client: httpx.AsyncClient) -> None:
+    assert_error(await client.post("/api/show", json={"model": "mistral"}), 404, "mistral")
+    shown = await client.post("/api/show", json={"name": f"{MODEL_ID}:latest"})
+    assert shown.status_code == 200  # Ollama's older field name
 
 
 async def test_middleware_errors_take_ollama_shape(runner: EngineRunner) -> None:
