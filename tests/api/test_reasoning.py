@@ -8,7 +8,6 @@ everything generated is reasoning; tests/api/test_reply.py covers a thought that
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 
 from engines.core.runner import EngineRunner
 from tests.helpers.api import (  # noqa: F401
+    CLOCK,
     WEATHER,
     anyio_backend,
     chat_body,
@@ -123,29 +123,30 @@ async def test_a_thought_passed_back_is_in_the_prompt(
 
 
 async def test_json_mode_turns_thinking_off(client: httpx.AsyncClient) -> None:
-    json_mode = {"response_format": {"type": "json_object"}, "max_tokens": 24}
-    message = (await answer(client, **json_mode))["choices"][0]["message"]
+    json_mode = {"response_format": {"type": "json_object"}, "max_tokens": 16}
+    body = await answer(client, **json_mode)
+    message = body["choices"][0]["message"]
     assert "reasoning_content" not in message and message["content"].startswith("{")
     reasoning, content, _ = await streamed(client, **json_mode)
     assert (reasoning, content) == ("", message["content"])
     # the prompt is the one thinking off gives: the grammar binds from the first token
-    assert (await answer(client, **json_mode))["usage"] == (
-        await answer(client, **json_mode, **OFF)
-    )["usage"]
+    thinking_off = await answer(client, **OFF, max_tokens=1)
+    assert body["usage"]["prompt_tokens"] == thinking_off["usage"]["prompt_tokens"]
 
 
 async def test_a_forced_tool_call_beside_thinking(client: httpx.AsyncClient) -> None:
-    forced = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 64}
+    # the call without arguments: the shortest a grammar can force
+    forced = {"tools": [CLOCK], "tool_choice": "required", "max_tokens": 48}
     choice = (await answer(client, **forced))["choices"][0]
     assert choice["finish_reason"] == "tool_calls", choice
     assert "reasoning_content" not in choice["message"]
     [call] = choice["message"]["tool_calls"]
-    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Oslo")
+    assert call["function"]["name"] == "get_time" and call["function"]["arguments"] == "{}"
     chunks = parse_sse((await client.post(CHAT, json=chat_body(**forced, stream=True))).text)
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks[:-1]]
     assert not any(delta.get("reasoning_content") for delta in deltas)
     [streamed_call] = [call for delta in deltas for call in delta.get("tool_calls") or ()]
-    assert streamed_call["function"]["arguments"] == call["function"]["arguments"]
+    assert streamed_call["function"]["name"] == "get_time"
 
 
 async def test_tools_on_offer_keep_thinking_on(client: httpx.AsyncClient) -> None:

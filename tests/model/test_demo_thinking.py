@@ -7,8 +7,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import mlx_lm
+import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from engines.model.demo_spec import DemoSpec
@@ -21,6 +23,11 @@ TURNS = [
     {"role": "assistant", "content": "Hello.", "reasoning_content": "A greeting."},
     {"role": "user", "content": "Why?"},
 ]
+
+
+@pytest.fixture(scope="module")
+def loaded(thinking_model_dir: Path) -> tuple[Any, Any]:
+    return mlx_lm.load(str(thinking_model_dir))
 
 
 def vocabulary(path: Path) -> dict[str, int]:
@@ -41,8 +48,8 @@ def test_the_markers_come_after_every_default_id(
     )
 
 
-def test_the_template_thinks_unless_told_not_to(thinking_model_dir: Path) -> None:
-    _, tokenizer = mlx_lm.load(str(thinking_model_dir))
+def test_the_template_thinks_unless_told_not_to(loaded: tuple[Any, Any]) -> None:
+    _, tokenizer = loaded
     assert tokenizer.has_thinking and tokenizer.think_end == THINK_END
 
     def prompt(**options: bool) -> str:
@@ -59,8 +66,8 @@ def test_the_template_thinks_unless_told_not_to(thinking_model_dir: Path) -> Non
     assert ids[-2] == tokenizer.think_start_id  # one token, not spelled out
 
 
-def test_the_model_never_writes_a_marker(thinking_model_dir: Path) -> None:
-    model, tokenizer = mlx_lm.load(str(thinking_model_dir))
+def test_the_model_never_writes_a_marker(loaded: tuple[Any, Any]) -> None:
+    model, tokenizer = loaded
     for options in ({}, {"enable_thinking": False}):
         prompt = tokenizer.apply_chat_template(TURNS, add_generation_prompt=True, **options)
         text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=48, sampler=GREEDY)
