@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from tests.helpers.gguf_k_quants import quantize_q4_k
+from tests.helpers.gguf_k_quants import quantize_q4_k, quantize_q6_k
 
 T = GGMLQuantizationType
 # mlx-lm model type -> GGUF architecture, as the converter registers the HF classes.
@@ -34,11 +34,22 @@ NORM_SHIFTED = frozenset({"gemma3_text"})  # Gemma3Model adds 1 to every *norm.w
 KEPT_FLOAT = ("norm", "mlp.gate.weight")  # 1-D tensors and MoE routers stay F32
 # The type a tensor falls back to when its rows do not split into the chosen type's blocks.
 FALLBACK = T.Q8_0
+ENCODERS = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}  # the K types gguf-py cannot write
 
 
-def export_gguf(model_dir: Path, out_path: Path, quantization: GGMLQuantizationType) -> dict:
+def export_gguf(
+    model_dir: Path,
+    out_path: Path,
+    quantization: GGMLQuantizationType,
+    split_max_tensors: int = 0,
+    architecture_name: str | None = None,
+) -> dict:
     """Write `model_dir` (a float demo model) as a GGUF; return the values it holds by mlx-lm
-    parameter name (float32, mlx-lm's row order and norm convention)."""
+    parameter name (float32, mlx-lm's row order and norm convention).
+
+    `split_max_tensors`: split as gguf-split does (OUT-00001-of-0000N.gguf beside `out_path`);
+    `architecture_name`: the general.architecture written (a test of refusals names another).
+    """
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
     architecture = GGUF_ARCHITECTURES[model_type]
@@ -50,7 +61,11 @@ def export_gguf(model_dir: Path, out_path: Path, quantization: GGMLQuantizationT
     names = gguf.get_tensor_name_map(architecture, config["num_hidden_layers"])
     # llama.cpp's qwen3moe routes every layer; the demo's dense layer 0 takes the dense names.
     dense_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
-    writer = gguf.GGUFWriter(str(out_path), gguf.MODEL_ARCH_NAMES[architecture])
+    writer = gguf.GGUFWriter(
+        str(out_path),
+        architecture_name or gguf.MODEL_ARCH_NAMES[architecture],
+        split_max_tensors=split_max_tensors,
+    )
     _write_hyperparameters(writer, config)
     _write_vocabulary(writer, model_dir, config)
     held = {}
@@ -72,8 +87,7 @@ def export_gguf(model_dir: Path, out_path: Path, quantization: GGMLQuantizationT
         kind = _tensor_type(name, stored, quantization)
         raw = _encode(stored, kind)
         writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=kind)
-        decoded = quants.dequantize(raw, kind) if kind != T.F32 else raw
-        held[name] = _held_value(decoded, values, kind)
+        held[name] = _held_value(values, kind)
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -89,14 +103,12 @@ def interleave_rope_rows(values: np.ndarray, heads: int) -> np.ndarray:
     return values.reshape(heads, 2, head_dim // 2, *shape[1:]).swapaxes(1, 2).reshape(shape).copy()
 
 
-def _held_value(decoded: np.ndarray, original: np.ndarray, kind: GGMLQuantizationType):
+def _held_value(original: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
     """The quantized values in mlx-lm's order: quantizing whole rows commutes with reordering
     them, so quantizing the original order gives the same numbers."""
     if kind == T.F32:
         return original
-    if kind == T.Q4_K:
-        return quants.dequantize(quantize_q4_k(original), kind)
-    return quants.dequantize(quants.quantize(original, kind), kind)
+    return quants.dequantize(_encode(original, kind), kind)
 
 
 def _tensor_type(name: str, values: np.ndarray, chosen: GGMLQuantizationType):
@@ -111,8 +123,8 @@ def _tensor_type(name: str, values: np.ndarray, chosen: GGMLQuantizationType):
 def _encode(values: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
     if kind == T.F32:
         return values.astype(np.float32)
-    if kind == T.Q4_K:
-        return quantize_q4_k(values)
+    if kind in ENCODERS:
+        return ENCODERS[kind](values)
     return quants.quantize(values.astype(np.float32), kind)
 
 

@@ -1,5 +1,6 @@
-"""A Q4_K encoder for tests: gguf-py decodes every K type but encodes none, and real GGUFs are
-mostly Q4_K. Written from the block layout gguf-py's decoder reads; a test checks the pair."""
+"""Q4_K and Q6_K encoders for tests: gguf-py decodes every K type but encodes none, and real
+GGUFs are mostly Q4_K with Q6_K heads. Written from the block layouts gguf-py's decoder reads;
+tests/gguf checks each pair."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ SUPER_BLOCK = 256  # values per Q4_K block
 SUB_BLOCK = 32  # values per (6-bit scale, 6-bit min) pair
 SIX_BITS = 63
 FOUR_BITS = 15
+Q6_SUB_BLOCK = 16  # values per int8 scale in Q6_K
+Q6_HALF = 128  # Q6_K packs each half of a block apart
 
 
 def quantize_q4_k(values: np.ndarray) -> np.ndarray:
@@ -59,3 +62,34 @@ def _pack_scales(scales: np.ndarray, minimums: np.ndarray) -> np.ndarray:
         ],
         axis=-1,
     ).astype(np.uint8)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """(..., columns) float -> (..., columns / 256 * 210) uint8 Q6_K blocks.
+
+    value = d * scale * (q - 32), q in 0..63, an int8 scale per 16 values, one fp16 d per 256.
+    """
+    shape = values.shape
+    blocks = values.astype(np.float32).reshape(-1, SUPER_BLOCK // Q6_SUB_BLOCK, Q6_SUB_BLOCK)
+    step = np.abs(blocks).max(axis=-1) / 31  # (B, 16)
+    d = (step.max(axis=-1) / 127).astype(np.float16)  # (B,)
+    safe_d = np.where(d == 0, 1, d.astype(np.float32))[:, None]
+    scales = np.clip(np.round(step / safe_d), -128, 127).astype(np.int8)
+    block_step = (d.astype(np.float32)[:, None] * scales)[..., None]
+    codes = np.round(blocks / np.where(block_step == 0, 1, block_step))
+    codes = (np.clip(codes, -32, 31) + 32).astype(np.uint8).reshape(len(blocks), 2, Q6_HALF)
+    low, high = codes & 0x0F, codes >> 4  # (B, 2 halves, 128)
+    # Per half: 64 bytes of low nibbles (values j and j + 64), 32 bytes of 2-bit pairs
+    # (values j, j + 32, j + 64, j + 96).
+    ql = low[..., :64] | (low[..., 64:] << 4)
+    qh = high[..., :32] | (high[..., 32:64] << 2) | (high[..., 64:96] << 4) | (high[..., 96:] << 6)
+    out = np.concatenate(
+        [
+            ql.reshape(len(blocks), -1),
+            qh.reshape(len(blocks), -1),
+            scales.view(np.uint8),
+            d.reshape(-1, 1).view(np.uint8),
+        ],
+        axis=-1,
+    )
+    return out.reshape(*shape[:-1], -1)

@@ -23,7 +23,7 @@ PROMPTS = (
     # Longer than the demo's 16-token sliding window, so windowed layers drop old positions.
     "In the beginning the model read a long prompt, sentence after sentence, and then it",
 )
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -35,6 +35,7 @@ class RoundTrip:
     reference_tokens: tuple[tuple[int, ...], ...]
     imported_tokens: tuple[tuple[int, ...], ...]
     agreement: float  # share of positions where both pick the same next token (same inputs)
+    logit_error: float  # rms(imported - reference logits) / rms(reference logits), same inputs
 
 
 def round_trip(root: Path, arch: str, quantization: GGMLQuantizationType, **spec: int) -> RoundTrip:
@@ -59,8 +60,8 @@ def round_trip(root: Path, arch: str, quantization: GGMLQuantizationType, **spec
     reference_tokens = tuple(greedy(reference_model, ids) for ids in prompts)
     imported_tokens = tuple(greedy(imported_model, ids) for ids in prompts)
     sequences = [p + list(t) for p, t in zip(prompts, reference_tokens, strict=True)]
-    agreement = teacher_forced_agreement(reference_model, imported_model, sequences)
-    return RoundTrip(imported, reference_tokens, imported_tokens, agreement)
+    agreement, logit_error = teacher_forced(reference_model, imported_model, sequences)
+    return RoundTrip(imported, reference_tokens, imported_tokens, agreement, logit_error)
 
 
 def greedy(model, ids: list[int]) -> tuple[int, ...]:
@@ -68,15 +69,21 @@ def greedy(model, ids: list[int]) -> tuple[int, ...]:
     return tuple(int(token) for token, _ in steps)
 
 
-def teacher_forced_agreement(first, second, sequences: list[list[int]]) -> float:
-    """The share of positions where both models' argmax agree, fed the same tokens."""
+def teacher_forced(first, second, sequences: list[list[int]]) -> tuple[float, float]:
+    """Fed the same tokens: the share of positions where both models' argmax agree, and the
+    rms of their logits' difference relative to the rms of the first's (centred) logits."""
     same = total = 0
+    squared_error = squared_scale = 0.0
     for ids in sequences:
         batch = mx.array(ids)[None]
-        picks = [mx.argmax(model(batch)[0], axis=-1).tolist() for model in (first, second)]
+        logits = [model(batch)[0].astype(mx.float32) for model in (first, second)]
+        picks = [mx.argmax(value, axis=-1).tolist() for value in logits]
         same += sum(a == b for a, b in zip(*picks, strict=True))
         total += len(ids)
-    return same / total
+        centred = logits[0] - logits[0].mean(axis=-1, keepdims=True)
+        squared_error += float(((logits[1] - logits[0]) ** 2).sum())
+        squared_scale += float((centred**2).sum())
+    return same / total, (squared_error / squared_scale) ** 0.5
 
 
 def imported_config(path: Path) -> dict:

@@ -34,17 +34,22 @@ def is_gguf_file(path: Path) -> bool:
 
 
 def ensure_imported(
-    path: Path, cache_dir: Path, name: str | None = None, progress: Progress | None = None
+    path: Path,
+    cache_dir: Path,
+    name: str | None = None,
+    progress: Progress | None = None,
+    dequantize: bool = False,
 ) -> Path:
     """The mlx-lm directory of the GGUF at `path`, imported into `cache_dir` the first time.
 
     The directory is cache_dir/gguf/<digest and device>/<name>, `name` defaulting to the
     file's stem, so a served model is named after its file. A failed import leaves nothing.
+    `dequantize`: float weights (see import_gguf), imported beside the quantized ones.
     """
     path = Path(path).expanduser()
     paths = split_paths(path)
     key = f"{content_digest(paths, cache_dir)[:16]}-{'cpu' if on_cpu() else 'gpu'}"
-    key += f"-v{IMPORT_VERSION}"
+    key += f"{'-float' if dequantize else ''}-v{IMPORT_VERSION}"
     folder = cache_dir / CACHE_FOLDER / key
     found = imported_directory(folder)
     if found is not None:
@@ -52,7 +57,7 @@ def ensure_imported(
     target = folder / (name or _stem(paths[0]))
     log.info("importing %s into %s", path, target)
     try:
-        return import_gguf(path, target, progress)
+        return import_gguf(path, target, progress, dequantize)
     except BaseException:
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from engines.model.gguf.architectures import CONFIG_TENSORS, find_architecture
 from engines.model.gguf.configs import build_config
+from engines.model.gguf.quantization import FLOAT_TYPES, Treatment
 from engines.model.gguf.source import GGUFSource, open_source
 from engines.model.gguf.tensors import TensorPlan, convert, plan_tensor
 from engines.model.gguf.writer import ShardWriter, write_json
@@ -26,10 +28,17 @@ DISK_MARGIN_BYTES = 512 * 1024**2
 GGUF_SOURCE_FILE = "gguf_source.json"  # which file the directory was imported from
 
 Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
+FLOAT = Treatment("float")
+FLOAT_NAMES = frozenset(kind.name for kind in FLOAT_TYPES)
 
 
-def import_gguf(path: Path, out_dir: Path, progress: Progress | None = None) -> Path:
+def import_gguf(
+    path: Path, out_dir: Path, progress: Progress | None = None, dequantize: bool = False
+) -> Path:
     """Import the GGUF at `path` into `out_dir` (absent or empty) atomically; returns out_dir.
+
+    `dequantize` writes every tensor as float (float32 on the CPU, where mlx multiplies
+    quantized weights by more than one row ~40x slower than float ones, float16 elsewhere).
 
     Everything is written into a hidden directory beside `out_dir` and renamed at the end, so
     a failure (bad input, full disk, interruption) leaves nothing that looks like a model.
@@ -38,7 +47,7 @@ def import_gguf(path: Path, out_dir: Path, progress: Progress | None = None) -> 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ModelError(f"{out_dir} already exists and is not an empty directory")
     source = open_source(Path(path))
-    plans, config = plan_import(source)
+    plans, config = plan_import(source, dequantize)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     check_disk_room(out_dir.parent, estimate_bytes(plans, config["torch_dtype"]))
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
@@ -53,7 +62,7 @@ def import_gguf(path: Path, out_dir: Path, progress: Progress | None = None) -> 
     return out_dir
 
 
-def plan_import(source: GGUFSource) -> tuple[list[TensorPlan], dict]:
+def plan_import(source: GGUFSource, dequantize: bool = False) -> tuple[list[TensorPlan], dict]:
     """Every tensor's plan and the config.json, checked before a byte is written."""
     architecture = find_architecture(source.architecture)
     config = build_config(source, architecture)
@@ -63,6 +72,8 @@ def plan_import(source: GGUFSource) -> tuple[list[TensorPlan], dict]:
         for name, tensor in source.tensors.items()
         if name not in CONFIG_TENSORS
     ]
+    if dequantize:
+        plans = [dataclasses.replace(plan, treatment=FLOAT) for plan in plans]
     config["torch_dtype"] = float_dtype(source, plans)
     quantization = quantization_entries(plans)
     if quantization:
@@ -74,11 +85,11 @@ def plan_import(source: GGUFSource) -> tuple[list[TensorPlan], dict]:
 def float_dtype(source: GGUFSource, plans: list[TensorPlan]) -> str:
     """The float type of the imported model (its scales, biases and float tensors).
 
-    On the CPU a quantized model computes in float32: mlx's CPU kernels take float16 scales
+    On the CPU a quantized GGUF computes in float32: mlx's CPU kernels take float16 scales
     ~40x slower (fp16 -> fp32 is exact, so the GGUF's values are kept). Elsewhere: the
     embedding's type when it is float, else float16, the type of the GGUF's own block scales.
     """
-    if on_cpu() and any(plan.treatment.kind != "float" for plan in plans):
+    if on_cpu() and any(plan.tensor.tensor_type.name not in FLOAT_NAMES for plan in plans):
         return "float32"
     embedding = source.tensors["token_embd.weight"].tensor_type.name
     return {"F32": "float32", "BF16": "bfloat16"}.get(embedding, "float16")

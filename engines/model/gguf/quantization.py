@@ -16,20 +16,18 @@ FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
 # dequantized by gguf-py and re-quantized by mlx (group size 32) to the width here. The error
 # each leaves against the GGUF's own values is measured in docs/gguf.md.
 REQUANTIZED_BITS = {
-    T.Q6_K: 8,
-    T.Q2_K: 3,
+    T.Q6_K: 8,  # 6 bits would double a Q6_K's own error; output heads are often Q6_K
     T.Q3_K: 4,
-    T.IQ4_NL: 4,
-    T.IQ4_XS: 4,
-    T.IQ3_XXS: 4,
+    T.Q2_K: 3,
+    T.IQ4_NL: 5,
+    T.IQ4_XS: 5,
     T.IQ3_S: 4,
-    T.IQ2_XXS: 3,
-    T.IQ2_XS: 3,
+    T.IQ3_XXS: 4,
     T.IQ2_S: 3,
-    T.IQ1_S: 2,
-    T.IQ1_M: 2,
-    T.TQ1_0: 2,
-    T.TQ2_0: 2,
+    T.IQ2_XS: 3,
+    T.IQ2_XXS: 3,
+    T.IQ1_S: 3,
+    T.IQ1_M: 3,
 }
 REQUANTIZED_GROUP_SIZE = 32
 FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -1,0 +1,79 @@
+"""Every architecture through GGUF and back: a tiny demo model exported as llama.cpp's converter
+would (its names, q/k interleave, Gemma's norm + 1), imported by tandem, decodes the same greedy
+tokens as a reference model holding the GGUF's own values (what llama.cpp computes with).
+
+Native (Q8_0, Q4_0, MXFP4), exactly moved (Q4_K, Q5_1) and float (F16) types must give the same
+tokens and logits equal to float rounding (F16: to float16's, the type it computes in); a
+re-quantized type (Q6_K -> mlx 8-bit) must stay
+within the error it is measured to leave (docs/gguf.md): logits within 10% (rms, relative) and
+the same next token at >= 85% of positions fed the same text (random demo weights have
+near-ties, so its free-running tokens may part ways).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType
+
+from tests.helpers.gguf_round_trip import imported_config, round_trip
+
+T = GGMLQuantizationType
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "phi3")
+TINY = {"layers": 2, "heads": 4, "kv_heads": 2, "hidden": 64}
+K_SIZED = {**TINY, "hidden": 256}  # K types quantize rows in blocks of 256
+EXACT_LOGIT_ERROR = 1e-4
+REQUANTIZED_LOGIT_ERROR = 0.10
+REQUANTIZED_AGREEMENT = 0.85
+HALF_LOGIT_ERROR = 1e-2  # an F16 file imports as float16 and computes in it
+CASES = [
+    *((arch, T.Q8_0, TINY) for arch in ARCHITECTURES),
+    *((arch, T.Q4_0, TINY) for arch in ("llama", "qwen3_moe", "gemma3_text", "phi3")),
+    ("llama", T.Q4_K, K_SIZED),
+    ("gemma3_text", T.Q4_K, K_SIZED),
+    ("phi3", T.Q5_1, TINY),
+    ("qwen3", T.MXFP4, TINY),
+    ("qwen2", T.F16, TINY),
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "quantization", "spec"),
+    CASES,
+    ids=[f"{arch}-{quantization.name}" for arch, quantization, _ in CASES],
+)
+def test_round_trip_decodes_the_same_tokens(
+    gguf_root: Path, arch: str, quantization: GGMLQuantizationType, spec: dict
+) -> None:
+    result = round_trip(gguf_root, arch, quantization, **spec)
+    assert result.imported_tokens == result.reference_tokens
+    assert result.agreement == 1.0
+    assert result.logit_error < (HALF_LOGIT_ERROR if quantization == T.F16 else EXACT_LOGIT_ERROR)
+    config = imported_config(result.imported)
+    assert config["model_type"] == ("llama" if arch == "mistral" else arch)
+    assert config["num_key_value_heads"] == spec["kv_heads"]
+
+
+def test_requantized_type_stays_within_its_measured_error(gguf_root: Path) -> None:
+    result = round_trip(gguf_root, "llama", T.Q6_K, **K_SIZED)
+    assert result.logit_error < REQUANTIZED_LOGIT_ERROR
+    assert result.agreement >= REQUANTIZED_AGREEMENT
+    quantization = imported_config(result.imported)["quantization"]
+    assert (quantization["bits"], quantization["group_size"]) == (8, 32)
+
+
+def test_round_trip_needs_the_rope_rows_undone(gguf_root: Path) -> None:
+    """The check can fail: llama read without un-interleaving q/k rows decodes other tokens."""
+    import dataclasses
+
+    from engines.model.gguf import architectures
+
+    llama = architectures.ARCHITECTURES["llama"]
+    architectures.ARCHITECTURES["llama"] = dataclasses.replace(llama, permuted_rope=False)
+    try:
+        result = round_trip(gguf_root, "llama", T.Q8_0, **TINY)
+    finally:
+        architectures.ARCHITECTURES["llama"] = llama
+    assert result.imported_tokens != result.reference_tokens
+    assert result.logit_error > REQUANTIZED_LOGIT_ERROR
