@@ -244,3 +244,15 @@ def test_a_thought_is_shown_folded(fresh: Browser, base_url: str, tmp_path: Path
         fresh.screenshot(Path(os.environ[SCREENSHOT_ENV]))
     assert shot.read_bytes().startswith(b"\x89PNG")
     assert fresh.console_errors == []
+
+
+def test_a_refused_request_is_shown_and_not_sent_again(fresh: Browser) -> None:
+    settle(fresh, thinking=False, max_tokens=10**9)  # over the server's cap: a 400
+    type_and_send(fresh, "Hello there")
+    fresh.wait_until(f"!!{LAST_REPLY}.querySelector('.note.error')", timeout_s=10)
+    note = fresh.evaluate(f"{LAST_REPLY}.querySelector('.note').textContent")
+    assert note.startswith("error: ") and "max_tokens" in note
+    assert fresh.evaluate("document.body.dataset.state") == "ready"
+    assert fresh.evaluate("tandemChat.conversation") == []
+    # the browser logs the 400 itself; the page threw nothing
+    assert all("status of 400" in error for error in fresh.console_errors), fresh.console_errors
