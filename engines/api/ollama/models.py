@@ -57,7 +57,7 @@ class ModelCard:
     quantization_level: str = ""
     size: int = 0  # bytes of the weight files
     digest: str = ""  # sha256 of config.json: it changes when the model does
-    modified_at: str = ""
+    modified_at: str | None = None  # None (null) before an engine has loaded the model
     info: dict[str, Any] = field(default_factory=dict)  # Ollama's model_info keys
 
     def details(self) -> dict[str, Any]:

@@ -153,6 +153,8 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
 
     @router.post("/api/show")
     async def show(body: ShowRequest) -> dict[str, Any]:
+        if not body.requested():
+            raise APIError(400, "'model' is required", param="model", code="invalid_value")
         served_model(service, body.requested())
         card = model_card(service)
         tokenizer = service.tokenizer
