@@ -84,6 +84,9 @@ BAD_REQUESTS = [
         "call_2",
     ),
     (body(input=[{**CALL, "arguments": {}}]), 400, "input.0.arguments", "invalid_value", "string"),
+    (body(input=[{"type": {}}]), 400, "input.0.type", "invalid_value", "message"),
+    (body(tools=[{"type": {}}]), 400, "tools.0.type", "invalid_value", "string"),
+    (body(tool_choice={"type": []}), 400, "tool_choice.type", "invalid_value", "string"),
     (body(max_output_tokens="8"), 400, "max_output_tokens", "invalid_value", "integer"),
     (body(max_output_tokens=0), 400, "max_output_tokens", "invalid_value", "between"),
     (body(temperature="hot"), 400, "temperature", "invalid_value", "number"),
@@ -179,6 +182,9 @@ async def test_unknown_stored_response_is_404(client: httpx.AsyncClient) -> None
         response = await client.request(method, f"{RESPONSES}/resp_nothing")
         error = assert_error(response, 404, param="response_id", code="not_found")
         assert "resp_nothing" in error["message"]
+    other = await client.request("PUT", f"{RESPONSES}/resp_nothing")
+    assert_error(other, 405, code="method_not_allowed")
+    assert other.headers["allow"] == "GET, DELETE"
 
 
 async def test_a_valid_request_would_reach_the_engine(client: httpx.AsyncClient) -> None:

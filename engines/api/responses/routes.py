@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.responses import Response as HTTPResponse
+from starlette.types import Receive, Scope, Send
 
 from engines.api.chat import grammar_param
 from engines.api.constraints import output_grammar
@@ -42,6 +44,18 @@ from engines.api.tools import tool_format_for
 from engines.core.service import Service
 
 STORED = {**UNAUTHORIZED, 404: documented("no stored response has this id")}
+STORED_PATH = "/v1/responses/{response_id}"
+STORED_METHODS = ("GET", "DELETE")
+
+
+class StoredResponseRoute(APIRoute):
+    """GET and DELETE share a path: a 405 there allows both (Starlette names only the methods
+    of the first route that matched the path)."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] not in STORED_METHODS:
+            raise HTTPException(405, headers={"Allow": ", ".join(STORED_METHODS)})
+        await super().handle(scope, receive, send)
 
 
 def not_stored(response_id: str, param: str | None = None) -> APIError:
@@ -123,17 +137,20 @@ def create_router(
         keep(response)
         return JSONResponse(response.body())
 
-    @router.get("/v1/responses/{response_id}", responses=STORED)
+    stored_router = APIRouter(route_class=StoredResponseRoute)
+
+    @stored_router.get(STORED_PATH, responses=STORED)
     async def retrieve_response(response_id: str) -> JSONResponse:
         stored = store.get(response_id)
         if stored is None:
             raise not_stored(response_id)
         return JSONResponse(stored.response.body())
 
-    @router.delete("/v1/responses/{response_id}", responses=STORED)
+    @stored_router.delete(STORED_PATH, responses=STORED)
     async def delete_response(response_id: str) -> JSONResponse:
         if not store.delete(response_id):
             raise not_stored(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
+    router.include_router(stored_router)
     return router
