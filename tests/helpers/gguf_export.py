@@ -43,12 +43,14 @@ def export_gguf(
     quantization: GGMLQuantizationType,
     split_max_tensors: int = 0,
     architecture_name: str | None = None,
+    pre_tokenizer: str = "gpt-2",
 ) -> dict:
     """Write `model_dir` (a float demo model) as a GGUF; return the values it holds by mlx-lm
     parameter name (float32, mlx-lm's row order and norm convention).
 
     `split_max_tensors`: split as gguf-split does (OUT-00001-of-0000N.gguf beside `out_path`);
-    `architecture_name`: the general.architecture written (a test of refusals names another).
+    `architecture_name`: the general.architecture written (a test of refusals names another);
+    `pre_tokenizer`: tokenizer.ggml.pre (one tandem does not know fails the import last).
     """
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
@@ -67,7 +69,7 @@ def export_gguf(
         split_max_tensors=split_max_tensors,
     )
     _write_hyperparameters(writer, config)
-    _write_vocabulary(writer, model_dir, config)
+    _write_vocabulary(writer, model_dir, config, pre_tokenizer)
     held = {}
     for name in sorted(weights):
         values = weights[name]
@@ -151,7 +153,9 @@ def _write_hyperparameters(writer: gguf.GGUFWriter, config: dict) -> None:
         writer.add_sliding_window_pattern([i % 2 == 0 for i in range(config["num_hidden_layers"])])
 
 
-def _write_vocabulary(writer: gguf.GGUFWriter, model_dir: Path, config: dict) -> None:
+def _write_vocabulary(
+    writer: gguf.GGUFWriter, model_dir: Path, config: dict, pre_tokenizer: str
+) -> None:
     """The demo's byte-level BPE as a gpt2-style GGUF vocabulary."""
     document = json.loads((model_dir / "tokenizer.json").read_text())
     vocabulary = dict(document["model"]["vocab"])
@@ -159,7 +163,7 @@ def _write_vocabulary(writer: gguf.GGUFWriter, model_dir: Path, config: dict) ->
     vocabulary.update(special)
     tokens = sorted(vocabulary, key=vocabulary.__getitem__)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre_tokenizer)
     writer.add_token_list(tokens)
     writer.add_token_types(
         [gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token in tokens]

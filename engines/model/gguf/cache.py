@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from engines.model.gguf.importer import Progress, import_gguf
-from engines.model.gguf.source import GGUF_MAGIC, SPLIT_PATTERN, split_paths
+from engines.model.gguf.source import GGUF_MAGIC, SPLIT_PATTERN, check_magic, split_paths
 from engines.model.precision import on_cpu
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ def ensure_imported(
     """
     path = Path(path).expanduser()
     paths = split_paths(path)
+    for part in paths:
+        check_magic(part)  # before hashing what is not a GGUF at all
     key = f"{content_digest(paths, cache_dir)[:16]}-{'cpu' if on_cpu() else 'gpu'}"
     key += f"{'-float' if dequantize else ''}-v{IMPORT_VERSION}"
     folder = cache_dir / CACHE_FOLDER / key

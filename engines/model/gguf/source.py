@@ -112,18 +112,23 @@ def open_source(path: Path) -> GGUFSource:
     return GGUFSource(paths=paths, readers=readers, tensors=tensors)
 
 
-def _open_reader(path: Path) -> GGUFReader:
+def check_magic(path: Path) -> None:
+    """A ModelError unless `path` is a file that starts with GGUF's magic."""
     if not path.is_file():
         raise ModelError(f"{path}: no such GGUF file")
-    size = path.stat().st_size
     with open(path, "rb") as handle:
         magic = handle.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
         raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, not {GGUF_MAGIC!r})")
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    check_magic(path)
+    size = path.stat().st_size
     try:
         reader = MappedReader(path)
     except (ValueError, IndexError, KeyError, OverflowError) as error:
-        raise ModelError(f"{path}: unreadable GGUF ({error}); is the file complete?") from None
+        raise ModelError(f"{path}: truncated or corrupt GGUF ({error})") from None
     for tensor in reader.tensors:
         if tensor.data_offset + tensor.n_bytes > size:
             raise ModelError(
