@@ -351,3 +351,19 @@ async def test_a_generation_that_fails_mid_stream_ends_in_response_failed(
     assert error["code"] == "server_error" and "timed out" in error["message"]
     for item in data["response"]["output"]:  # what was written before the failure, closed
         assert item["status"] == "incomplete"
+
+
+@pytest.mark.anyio
+async def test_without_max_output_tokens_as_much_as_fits(
+    runner: EngineRunner, anyio_backend: str
+) -> None:
+    wait_idle(runner)
+    body = {"model": MODEL_ID, "input": "Hi", "temperature": 0}
+    async with open_client(make_service(runner, max_tokens_cap=20)) as client:
+        capped = (await client.post("/v1/responses", json=body)).json()
+    assert capped["usage"]["output_tokens"] == 20  # --max-tokens-cap, not the default 256
+    assert capped["max_output_tokens"] is None and capped["status"] == "incomplete"
+    async with open_client(make_service(runner), max_prompt_tokens=60) as client:
+        roomy = (await client.post("/v1/responses", json=body)).json()
+    usage = roomy["usage"]
+    assert usage["input_tokens"] + usage["output_tokens"] == 60  # the room the prompt leaves

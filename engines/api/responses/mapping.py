@@ -32,6 +32,7 @@ from engines.api.responses.schemas import (
     ResponsesRequest,
     joined,
 )
+from engines.core.service import ServiceLimits
 
 log = logging.getLogger(__name__)
 
@@ -193,10 +194,15 @@ def logprobs_of(body: ResponsesRequest) -> int | None:
     return body.top_logprobs or 0
 
 
-def sampling_of(body: ResponsesRequest) -> Sampling:
+def sampling_of(body: ResponsesRequest, limits: ServiceLimits) -> Sampling:
+    """Without max_output_tokens, as much as fits: the room the prompt leaves, up to
+    --max-tokens-cap (OpenAI's default is the model's limit; Codex never sends the field,
+    and the server's short default would cut an agent's turn off as incomplete)."""
     values: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p}
+    absent = body.max_output_tokens is None
     return Sampling(
-        max_tokens=body.max_output_tokens,
+        max_tokens=limits.max_tokens_cap if absent else body.max_output_tokens,
+        clamp_max_tokens=absent,
         **{name: value for name, value in values.items() if value is not None},
         logprobs=logprobs_of(body),
         names={

@@ -93,7 +93,7 @@ def create_router(
         note_ignored(body)
         conversation = conversation_of(body, earlier_turns(body))
         chat = chat_input_of(body, conversation)
-        sampling = sampling_of(body)
+        sampling = sampling_of(body, service.limits)
         check_features(engine_features(service), sampling, grammar_param(chat))
         tokenizer = service.tokenizer
         tools = tool_format_for(chat, tokenizer)
