@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "import", help="import a GGUF file (llama.cpp, Ollama) as an mlx-lm model directory"
     )
     parser.add_argument(
-        "file", type=Path, help="GGUF file, or the first part NAME-00001-of-0000N.gguf of a split"
+        "file", type=Path, help="GGUF file, or any part of a split one (NAME-00001-of-0000N.gguf)"
     )
     parser.add_argument(
         "out",
@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--dequantize",
         action="store_true",
         help="write float weights instead of quantized ones (on the CPU, mlx prefills quantized "
-        "weights ~40x slower than float32)",
+        "weights ~10x slower than float32 ones)",
     )
     add_flag(
         parser,

@@ -17,6 +17,11 @@ GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 GEMMA3_27B_LAYERS = 62  # llama.cpp scales the 27B's queries by hidden / heads, not head_dim
 ROPE_SCALING_TYPES = ("linear", "yarn")
+SPECIAL_TOKEN_KEYS = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
 
 
 def build_config(source: GGUFSource, architecture: Architecture) -> dict[str, Any]:
@@ -44,6 +49,7 @@ def build_config(source: GGUFSource, architecture: Architecture) -> dict[str, An
         "rope_theta": float(source.value(key("rope.freq_base"), DEFAULT_ROPE_THETA)),
         "tie_word_embeddings": "output.weight" not in source.tensors,
     }
+    config.update(_special_token_ids(source, config["vocab_size"]))
     if "blk.0.attn_q.bias" in source.tensors:
         config["attention_bias"] = True
     if scaling := _rope_scaling(source, key):
@@ -57,6 +63,16 @@ def build_config(source: GGUFSource, architecture: Architecture) -> dict[str, An
     if extra is not None:
         config.update(extra(source, key, config))
     return config
+
+
+def _special_token_ids(source: GGUFSource, vocab_size: int) -> dict[str, int]:
+    """bos/eos/pad ids (transformers otherwise assumes its own defaults for some families)."""
+    ids = {}
+    for name, key in SPECIAL_TOKEN_KEYS.items():
+        value = source.value(key, -1)
+        if 0 <= int(value) < vocab_size:
+            ids[name] = int(value)
+    return ids
 
 
 def _keys(architecture: str):
