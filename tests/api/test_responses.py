@@ -367,3 +367,22 @@ async def test_without_max_output_tokens_as_much_as_fits(
         roomy = (await client.post("/v1/responses", json=body)).json()
     usage = roomy["usage"]
     assert usage["input_tokens"] + usage["output_tokens"] == 60  # the room the prompt leaves
+
+
+def test_logprobs_come_with_the_text(client: openai.OpenAI) -> None:
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = create(client, input="Hi", **asked)
+    [part] = response.output[0].content
+    assert len(part.logprobs) == TOKENS
+    # each token decoded alone (a first token's leading space stays; the text drops it)
+    assert "".join(token.token for token in part.logprobs).strip() == part.text.strip()
+    assert all(len(token.top_logprobs) == 2 for token in part.logprobs)
+    events = list(create(client, input="Hi", stream=True, **asked))
+    streamed = [
+        token.logprob
+        for event in events
+        if event.type == "response.output_text.delta"
+        for token in event.logprobs
+    ]
+    assert streamed == [token.logprob for token in part.logprobs]  # greedy: the same tokens
+    assert not create(client, input="Hi").output[0].content[0].logprobs  # off unless asked

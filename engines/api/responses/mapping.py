@@ -68,8 +68,8 @@ def check_fields(body: ResponsesRequest) -> None:
     functions = [tool.name for tool in function_tools(body)]
     if choice is not None and not isinstance(choice, str | FunctionChoice):
         message = (
-            f"tool_choice names a '{choice.type}' tool, which this server cannot run; it runs "
-            "no hosted tools, only the caller's function tools"
+            f"tool_choice of type '{choice.type}' is not supported: this server runs no hosted "
+            "tools; choose auto, none, required or a function"
         )
         raise invalid(message, "tool_choice", "unsupported_parameter")
     if choice == "required" and not functions:
