@@ -191,6 +191,13 @@ def test_function_tool_round_trip(client: openai.OpenAI) -> None:
     assert [item.type for item in answer.output] == ["message"] and answer.output_text
     plain = create(client, input="Weather in Paris?", tools=[WEATHER], tool_choice="none")
     assert answer.usage.input_tokens > plain.usage.input_tokens  # the call and its output
+    # the SDK's own way: the call's output alone, continuing the stored response
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    follow = create(
+        client, input=[output], previous_response_id=asked.id, tools=[WEATHER], tool_choice="none"
+    )
+    assert follow.output_text == answer.output_text  # greedy, and the same prompt
+    assert follow.usage.input_tokens == answer.usage.input_tokens
 
 
 def test_streamed_tool_call_with_the_sdk_stream_helper(client: openai.OpenAI) -> None:

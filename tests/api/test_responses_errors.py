@@ -39,6 +39,7 @@ BAD_REQUESTS = [
     (body(model="gpt-5-codex"), 404, "model", "model_not_found", "gpt-5-codex"),
     ({"model": MODEL_ID}, 400, "input", "invalid_value", "required"),
     (body(input=5), 400, "input", "invalid_value", "input"),
+    (body(input=[]), 400, "input", "invalid_value", "empty"),
     (body(input=[{"role": "robot", "content": "x"}]), 400, "input.0.role", "invalid_value", "role"),
     (body(input=[{"role": "user"}]), 400, "input.0.content", "invalid_value", "required"),
     (

@@ -62,8 +62,8 @@ def check_fields(body: ResponsesRequest) -> None:
         value = getattr(body, name)
         if value is not None and value is not False:
             raise invalid(reason, name, "unsupported_parameter")
-    if body.input is None and body.previous_response_id is None:
-        raise invalid("'input' is required (or previous_response_id to continue)", "input")
+    if not body.input and not isinstance(body.input, str) and body.previous_response_id is None:
+        raise invalid("'input' is required and not empty (or previous_response_id)", "input")
     choice = body.tool_choice
     functions = [tool.name for tool in function_tools(body)]
     if choice is not None and not isinstance(choice, str | FunctionChoice):
