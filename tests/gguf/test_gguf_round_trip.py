@@ -77,3 +77,18 @@ def test_round_trip_needs_the_rope_rows_undone(gguf_root: Path) -> None:
         architectures.ARCHITECTURES["llama"] = llama
     assert result.imported_tokens != result.reference_tokens
     assert result.logit_error > REQUANTIZED_LOGIT_ERROR
+
+
+def test_llama3_rope_factors_become_mlx_lm_rope_scaling(gguf_root: Path) -> None:
+    """Llama 3.1's RoPE scaling, which the converter writes as a rope_freqs tensor."""
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 2048,  # two of the demo's 8 frequencies blend
+    }
+    result = round_trip(gguf_root, "llama", T.Q8_0, config={"rope_scaling": scaling}, **TINY)
+    assert result.imported_tokens == result.reference_tokens
+    assert result.logit_error < EXACT_LOGIT_ERROR
+    assert imported_config(result.imported)["rope_scaling"] == scaling

@@ -90,6 +90,8 @@ def export_gguf(
         raw = _encode(stored, kind)
         writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=kind)
         held[name] = _held_value(values, kind)
+    if (config.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -103,6 +105,27 @@ def interleave_rope_rows(values: np.ndarray, heads: int) -> np.ndarray:
     shape = values.shape
     head_dim = shape[0] // heads
     return values.reshape(heads, 2, head_dim // 2, *shape[1:]).swapaxes(1, 2).reshape(shape).copy()
+
+
+def llama3_rope_factors(config: dict) -> np.ndarray:
+    """The converter's rope_freqs: 1 for short wavelengths, the factor for long ones, a
+    harmonic blend between."""
+    scaling = config["rope_scaling"]
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    head_dim = config["head_dim"]
+    frequencies = 1.0 / config["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    factors = []
+    for frequency in frequencies:
+        wavelength = 2 * np.pi / frequency
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _held_value(original: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:

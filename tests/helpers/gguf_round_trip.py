@@ -38,13 +38,25 @@ class RoundTrip:
     logit_error: float  # rms(imported - reference logits) / rms(reference logits), same inputs
 
 
-def round_trip(root: Path, arch: str, quantization: GGMLQuantizationType, **spec: int) -> RoundTrip:
-    """Export the demo model `arch` (tiny, float) as GGUF with `quantization`, import it."""
+def round_trip(
+    root: Path,
+    arch: str,
+    quantization: GGMLQuantizationType,
+    config: dict | None = None,
+    **spec: int,
+) -> RoundTrip:
+    """Export the demo model `arch` (tiny, float; `config` entries changed) as GGUF with
+    `quantization`, import it."""
     name = f"{arch}-{quantization.name}-" + "-".join(f"{k}{v}" for k, v in sorted(spec.items()))
+    name += "-changed" if config else ""
     work = root / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     demo = make_demo_model(root / "demo", arch=arch, **spec)
+    if config:
+        demo = shutil.copytree(demo, work / "original")
+        document = imported_config(demo)
+        (demo / "config.json").write_text(json.dumps({**document, **config}))
     held = export_gguf(demo, work / "model.gguf", quantization)
     reference = work / "reference"
     reference.mkdir()

@@ -42,8 +42,11 @@ GEMMA3_LAYER_NAMES = {
 }
 # Phi-3 keeps HF's fused projections: q, k, v in attn_qkv and gate, up in ffn_up.
 PHI3_LAYER_NAMES = {**LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
-# Tensors that are facts for config.json, not weights (phi3's LongRoPE factors).
-CONFIG_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
+# Tensors that are facts for config.json, not weights: RoPE factors (phi3's LongRoPE, Llama
+# 3.1's frequency scaling).
+CONFIG_TENSORS = frozenset(
+    {"rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight"}
+)
 LAYER_PATTERN = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<name>[a-z_0-9]+)\.(?P<leaf>weight|bias)$")
 GLOBAL_PATTERN = re.compile(r"^(?P<name>[a-z_0-9]+)\.(?P<leaf>weight|bias)$")
 

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from engines.model.gguf.architectures import Architecture
+from engines.model.gguf.rope import llama3_rope_scaling
 from engines.model.gguf.source import GGUFSource
 from planner.errors import ModelError
 
@@ -55,10 +56,7 @@ def build_config(source: GGUFSource, architecture: Architecture) -> dict[str, An
     if scaling := _rope_scaling(source, key):
         config["rope_scaling"] = scaling
     if "rope_freqs.weight" in source.tensors:
-        raise ModelError(
-            f"{source.paths[0]}: rope_freqs (Llama 3.1-style RoPE scaling written as a tensor) "
-            "is not supported yet"
-        )
+        config["rope_scaling"] = llama3_rope_scaling(source, key, config)
     extra = EXTRAS.get(architecture.gguf_name)
     if extra is not None:
         config.update(extra(source, key, config))
