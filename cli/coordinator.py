@@ -151,7 +151,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     from engines.cluster.supervisor import PlanSettings, plan_nodes
     from engines.weights.source import WeightSource
 
-    from .options import kv_bits_from, prefix_cache_bytes_from
+    from .options import kv_bits_from, prefix_cache_bytes_from, quantized_kv_start_from
 
     key, _ = resolve_cluster_key(
         args.cluster_key, args.cluster_key_file, args.state_dir, create=False
@@ -199,6 +199,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
         prefix_cache_bytes=prefix_cache_bytes_from(args.prefix_cache_bytes),
         measure=args.measure_speeds,
         kv_bits=kv_bits_from(args.kv_bits),
+        quantized_kv_start=quantized_kv_start_from(args.quantized_kv_start),
     )
     for member in members:
         status = "verified" if member.verified else f"unverified: {member.reason}"
@@ -287,6 +288,7 @@ def serve(config: ServeConfig) -> int:
             config.prefix_cache_bytes,
             measure=config.measure_speeds,
             kv_bits=config.kv_bits,
+            quantized_kv_start=config.quantized_kv_start,
         ),
         launch_settings=None,  # set below, once the members (and so our address) are known
         coordinator=lambda: coordinator,
@@ -319,6 +321,7 @@ def serve(config: ServeConfig) -> int:
         coordinator_address=address,
         max_batch=config.max_batch,
         kv_bits=config.kv_bits,
+        quantized_kv_start=config.quantized_kv_start,
         prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
         prefix_cache_dir=config.cache_dir / "prefix-cache",
         rdma_rows=rdma_rows(config.hostfile),

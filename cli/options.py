@@ -85,6 +85,8 @@ def apply_blas_flags(args: argparse.Namespace) -> None:
 
 def add_planning_flags(parser: argparse.ArgumentParser) -> None:
     """Planning choices `serve` acts on and `tandem plan` must plan alike."""
+    from planner.memory import DEFAULT_QUANTIZED_KV_START
+
     add_flag(
         parser,
         "--prefix-cache-bytes",
@@ -97,9 +99,19 @@ def add_planning_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-bits",
         default="off",
         metavar="{8,4,off}",
-        help="quantize every engine's KV cache (prefix cache included) to 8 or 4 bits from "
-        "the first token: with bfloat16 heads of 128, 1.9x / 3.6x the tokens of KV in the "
-        "same memory, which the plan counts; off keeps it in the compute precision",
+        help="quantize every engine's KV cache (prefix cache included) to 8 or 4 bits, as "
+        "mlx-lm does, once a sequence holds --quantized-kv-start tokens: with bfloat16 heads "
+        "of 128, 1.9x / 3.6x the tokens of KV in the same memory, which the plan counts; off "
+        "keeps it in the compute precision",
+    )
+    add_flag(
+        parser,
+        "--quantized-kv-start",
+        default=str(DEFAULT_QUANTIZED_KV_START),
+        metavar="TOKENS",
+        help="with --kv-bits, a sequence's KV stays in full precision until a prefill chunk "
+        "or decode step leaves it holding this many tokens, then all of it is quantized "
+        "(mlx_lm.server's default; 0: after the first chunk)",
     )
     add_flag(
         parser,
@@ -130,6 +142,19 @@ def kv_bits_from(value: str) -> int:
     if value not in {str(bits) for bits in KV_BITS}:
         raise ConfigError(f"--kv-bits must be 8, 4 or off, got {value!r}")
     return int(value)
+
+
+def quantized_kv_start_from(value: str) -> int:
+    """--quantized-kv-start: a token count, 0 or more."""
+    from planner.errors import ConfigError
+
+    try:
+        tokens = int(str(value).strip())
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ConfigError(f"--quantized-kv-start must be 0 or more tokens, got {value!r}")
+    return tokens
 
 
 def prefix_cache_bytes_from(value: str) -> int | None:

@@ -9,7 +9,14 @@ from discovery.directories import default_cache_dir, default_state_dir
 from planner import DecisionInputs, Parallelism, capability_checks, decide
 
 from .model_source import MODEL_HELP
-from .options import add_flag, add_interface_flag, add_key_flags, add_planning_flags, kv_bits_from
+from .options import (
+    add_flag,
+    add_interface_flag,
+    add_key_flags,
+    add_planning_flags,
+    kv_bits_from,
+    quantized_kv_start_from,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from .model_source import resolve_model
 
     kv_bits_from(args.kv_bits)  # a bad value is refused before anything is looked up
+    quantized_kv_start_from(args.quantized_kv_start)
     facts = resolve_model(args.model, args.cache_dir)
     if args.world_size is not None:
         return print_dry_run(args, facts)

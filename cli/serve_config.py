@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner import Parallelism
+from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 from .http_limits import HttpLimits
 from .observability import ObservabilityConfig
@@ -51,5 +52,6 @@ class ServeConfig:
     prefix_cache_disk_bytes: int = 0  # the prefix cache's disk tier; 0: none
     measure_speeds: str = "auto"  # auto | on | off (engines/cluster/speed_survey.py)
     kv_bits: int = 0  # the KV cache's quantization in every engine; 0: none
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once a sequence holds this many
     # --model-alias: (name or pattern, the served id it names; None: the served model)
     model_aliases: tuple[tuple[str, str | None], ...] = ()

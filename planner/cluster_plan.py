@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -346,7 +347,7 @@ def _plan_memory(
         prefix_cache_bytes = _spare_prefix_cache_bytes(plan, shape) if plan.refusal is None else 0
     if prefix_cache_bytes < 0:
         raise PlanError(f"prefix_cache_bytes={prefix_cache_bytes} must not be negative")
-    cached_tokens = prefix_cache_bytes // _kv_bytes_per_token(shape)
+    cached_tokens = prefix_cache_bytes // shape.prefix_kv_bytes_per_token
     _validate(nodes, collective)
     if max_batch < 1:
         raise PlanError(f"max_batch={max_batch} must be at least 1")
@@ -369,8 +370,9 @@ def _plan_memory(
         if check.name == GROUP_RULE:
             checks.append(backend_check)  # right after the rule it explains
     sizing = _Sizing(
-        shape, tuple(nodes), context_tokens * max_batch + cached_tokens, headroom, max_batch, speeds
-    )
+        shape, tuple(nodes), _kv_tokens(shape, context_tokens, max_batch, cached_tokens),
+        headroom, max_batch, speeds,
+    )  # fmt: skip
     if decision.chosen is Parallelism.TP:
         plan = _plan_tp(choice, decision, tuple(checks), sizing, backend)
     elif decision.chosen is Parallelism.PP:
@@ -381,10 +383,21 @@ def _plan_memory(
         plan,
         batch_capacity=max_batch,
         context_tokens=context_tokens,
-        prefix_cache_bytes=cached_tokens * _kv_bytes_per_token(shape),
+        prefix_cache_bytes=cached_tokens * shape.prefix_kv_bytes_per_token,
         kv_bits=shape.kv_bits,
         kv_bytes_per_token=_kv_bytes_per_token(shape),
+        quantized_kv_start=shape.quantized_kv_start if shape.kv_bits else 0,
+        full_kv_bytes_per_token=shape.full_kv_bytes_per_token_per_layer * shape.num_layers,
     )
+
+
+def _kv_tokens(shape: ModelShape, context_tokens: int, batch: int, cached_tokens: int) -> int:
+    """The KV every node's need counts, in tokens of the cache's size per token: `batch`
+    sequences of `context_tokens`, full precision under quantized_kv_start, and the prefix
+    cache's tokens (all of it plain tokens when nothing is quantized)."""
+    per_layer = batch * shape.sequence_kv_bytes_per_layer(context_tokens)
+    per_layer += cached_tokens * shape.prefix_kv_bytes_per_token // shape.num_layers
+    return math.ceil(per_layer / shape.kv_bytes_per_token_per_layer)
 
 
 def _kv_bytes_per_token(shape: ModelShape) -> int:

@@ -13,7 +13,16 @@ BYTE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
 # RAM is sold and reported in powers of two ("16 GB" = 16 * 2**30), so scale by 1024.
 UNIT_STEP = 1024
 KV_BITS = (4, 8)  # the KV cache quantizations engines offer (--kv-bits); 0 means none
+# A sequence's KV is quantized once it holds this many tokens (--quantized-kv-start), as
+# mlx_lm.server's default: shorter ones stay in full precision.
+DEFAULT_QUANTIZED_KV_START = 5000
 PACKED_BITS = 32  # mx.quantize packs the quantized values into uint32 words
+
+
+def quantizes_at(length: int, start: int) -> bool:
+    """Whether a forward pass leaving a sequence's KV cache at `length` tokens quantizes it,
+    as mlx-lm's maybe_quantize_kv_cache after every pass (`offset >= quantized_kv_start`)."""
+    return length > 0 and length >= start
 
 
 def kv_group_size(head_dim: int) -> int:
@@ -44,6 +53,9 @@ class ModelShape:
     intermediate_size: int = 0  # MLP width (0 when unknown): tp splits it too
     pipeline_problem: str = ""  # why the pipeline engine cannot split it; "" when it can
     kv_bits: int = 0  # the KV cache's quantization (one of KV_BITS); 0: the compute dtype
+    # with kv_bits: a sequence's KV is quantized once it holds this many tokens, full precision
+    # until then (--quantized-kv-start)
+    quantized_kv_start: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "attention_heads", "kv_heads", "head_dim", "dtype_bytes"):
@@ -56,6 +68,8 @@ class ModelShape:
             raise PlanError(f"KV cache bits must be one of {KV_BITS} or 0, got {self.kv_bits}")
         if self.kv_bits:
             kv_group_size(self.head_dim)  # a head size quantization cannot group is refused
+        if self.quantized_kv_start < 0:
+            raise PlanError(f"quantized_kv_start={self.quantized_kv_start} must not be negative")
         if self.weight_bytes < self.non_layer_bytes:
             raise PlanError(
                 f"model shape weight_bytes={self.weight_bytes} is smaller than its embedding "
@@ -73,14 +87,40 @@ class ModelShape:
         return (self.weight_bytes - self.non_layer_bytes) // self.num_layers
 
     @property
+    def full_kv_bytes_per_token_per_layer(self) -> int:
+        """One K and one V vector per KV head, per token, per layer, in the compute dtype."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
     def kv_bytes_per_token_per_layer(self) -> int:
         """One K and one V vector per KV head, per token, per layer; quantized, each vector
         is its packed values plus a scale and a bias (compute dtype) per group."""
         if not self.kv_bits:
-            return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+            return self.full_kv_bytes_per_token_per_layer
         groups = self.head_dim // kv_group_size(self.head_dim)
         packed = self.head_dim * self.kv_bits // PACKED_BITS * (PACKED_BITS // 8)
         return 2 * self.kv_heads * (packed + 2 * groups * self.dtype_bytes)
+
+    def sequence_kv_bytes_per_layer(self, tokens: int) -> int:
+        """The most KV one layer holds for a sequence of up to `tokens` tokens. Quantized from
+        quantized_kv_start on, counted as its first `start` tokens in full precision and the
+        rest quantized: a sequence under the threshold is all full precision, one past it all
+        quantized (mlx-lm quantizes every token it holds then), and this covers both."""
+        below = min(tokens, self.quantized_kv_start) if self.kv_bits else tokens
+        full, quantized = self.full_kv_bytes_per_token_per_layer, self.kv_bytes_per_token_per_layer
+        return below * full + (tokens - below) * quantized
+
+    @property
+    def prefix_kv_bytes_per_token(self) -> int:
+        """KV bytes of one prefix-cache token over every layer. An entry holds what its
+        sequence's cache held: with a quantized_kv_start, priced as one under it (the usual
+        prompt), full precision."""
+        per_layer = (
+            self.full_kv_bytes_per_token_per_layer
+            if self.quantized_kv_start
+            else self.kv_bytes_per_token_per_layer
+        )
+        return per_layer * self.num_layers
 
     @property
     def output_bytes(self) -> int:

@@ -66,6 +66,8 @@ class ClusterPlan:
     prefix_cache_bytes: int = 0  # KV kept for reuse, whole model; each node holds its share
     kv_bits: int = 0  # the KV cache's quantization (--kv-bits); 0: the compute dtype
     kv_bytes_per_token: int = 0  # KV of one token over every layer, as the plan counts it
+    quantized_kv_start: int = 0  # with kv_bits: a sequence's KV is quantized from this length
+    full_kv_bytes_per_token: int = 0  # ... and until then, full precision, this per token
     # From measured speeds (planner/speed.py): this plan's prediction first, then every other
     # candidate auto weighed; () when the members' speeds were not measured.
     predictions: tuple[Prediction, ...] = ()
@@ -89,6 +91,8 @@ class ClusterPlan:
             "prefix_cache_bytes": self.prefix_cache_bytes,
             "kv_bits": self.kv_bits,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "quantized_kv_start": self.quantized_kv_start,
+            "full_kv_bytes_per_token": self.full_kv_bytes_per_token,
             "stages": [
                 {
                     "node_id": stage.node_id,
@@ -127,10 +131,18 @@ class ClusterPlan:
         lines.append(f"compute precision on every node: {self.compute_dtype}")
         if self.kv_bytes_per_token:
             bits = f"{self.kv_bits}-bit" if self.kv_bits else "unquantized"
-            lines.append(f"KV cache: {bits}, {format_bytes(self.kv_bytes_per_token)} per token")
+            kv = f"KV cache: {bits}, {format_bytes(self.kv_bytes_per_token)} per token"
+            if self.kv_bits and self.quantized_kv_start:
+                kv += (
+                    f" once a sequence holds {self.quantized_kv_start} tokens; under that "
+                    f"unquantized, {format_bytes(self.full_kv_bytes_per_token)} per token"
+                )
+            lines.append(kv)
         cache = format_bytes(self.prefix_cache_bytes) if self.prefix_cache_bytes else "off"
-        if self.prefix_cache_bytes and self.kv_bytes_per_token:
-            cache += f" (~{self.prefix_cache_bytes // self.kv_bytes_per_token} tokens)"
+        per_cached = self.full_kv_bytes_per_token if self.quantized_kv_start else 0
+        per_cached = per_cached or self.kv_bytes_per_token
+        if self.prefix_cache_bytes and per_cached:
+            cache += f" (~{self.prefix_cache_bytes // per_cached} tokens)"
         lines.append(f"prefix cache: {cache} of KV (each node its share, counted in its need)")
         if self.stages:
             for index, stage in enumerate(self.stages):

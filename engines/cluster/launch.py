@@ -18,6 +18,7 @@ from engines.tensor_parallel.jaccl import RdmaRow
 from planner import ClusterPlan, Parallelism
 from planner.cluster_plan import JACCL, RING
 from planner.errors import EngineError, PeerError
+from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class LaunchSettings:
     ring_port_base: int = DEFAULT_RING_PORT_BASE
     max_batch: int = 16  # sequences decoded together
     kv_bits: int = 0  # every engine's KV cache quantized to this many bits; 0: not
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once it holds this many tokens
     # What other machines resolve to the same files (repo@commit through their own Hugging
     # Face cache, or a path that must exist there); None: model_path.
     model_reference: str | None = None
@@ -103,6 +105,7 @@ def build_engine(
             prefix_cache_disk_bytes=settings.prefix_cache_disk_bytes if disk_root else 0,
             prefix_cache_disk_root=disk_root,
             kv_bits=settings.kv_bits,
+            quantized_kv_start=settings.quantized_kv_start,
         )
     if membership is None or settings.cluster_key is None:
         raise EngineError(f"a {chosen.value} plan needs cluster membership and a cluster key")
@@ -126,6 +129,7 @@ def _build_tensor_parallel(
         "upcast_float32": _upcast(plan),
         "prefix_cache_bytes": plan.prefix_cache_bytes,
         "kv_bits": settings.kv_bits,
+        "quantized_kv_start": settings.quantized_kv_start,
     }
     if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
         options["prefix_cache_disk_bytes"] = settings.prefix_cache_disk_bytes
@@ -223,6 +227,7 @@ def _build_pipeline(
         prefix_cache_disk_bytes=disk,
         prefix_cache_dir=settings.prefix_cache_dir,  # stage 0's; an agent names its own
         kv_bits=settings.kv_bits,
+        quantized_kv_start=settings.quantized_kv_start,
     )
 
 
@@ -264,6 +269,7 @@ def _assign_stages(
             "blas_threads": _threads_at(address, share, settings),
             "upcast_float32": _upcast(plan),
             "kv_bits": settings.kv_bits,
+            "quantized_kv_start": settings.quantized_kv_start,
         }
         if settings.weights is not None:
             spec["weights"] = settings.weights.offer(stage.layers, spec["is_last"])

@@ -26,6 +26,7 @@ from engines.observability.served_speed import ServedSpeed, one_stream_segments_
 from planner import ClusterPlan, NodeResources, Parallelism, TransferSizes, plan_cluster
 from planner.errors import PlanError, TandemError
 from planner.measured import plan_measured
+from planner.memory import DEFAULT_QUANTIZED_KV_START
 from planner.speed import ClusterSpeeds
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class PlanSettings:
     # "auto" when a member is another machine, "on", or "off" (the decision rules alone).
     measure: str = "off"
     kv_bits: int = 0  # the KV cache's quantization (--kv-bits); 0: none
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... from this many tokens on
 
 
 def plan_nodes(
@@ -79,7 +81,7 @@ def plan_nodes(
         transfer = TransferSizes(facts.to_shape(), weights.model_bytes())
 
     def plan(float32: bool) -> ClusterPlan:
-        shape = facts.to_shape(float32=float32, kv_bits=settings.kv_bits)
+        shape = facts.to_shape(float32, settings.kv_bits, settings.quantized_kv_start)
         if speeds is not None:
             return plan_measured(
                 settings.choice, shape, nodes, speeds, settings.collective,

@@ -21,8 +21,9 @@ from mlx_lm.generate import BatchGenerator
 
 from engines.core.engine import StepOutput
 from engines.decoding.sampling import Processor, Sampler, token_logprobs
-from engines.model.quantized_kv import make_quantized_caches
+from engines.model.kv_quantization import kv_quantization, quantizes_inside
 from engines.prefix_cache.cached_prefill import first_token_from_cache
+from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 Keep = Callable[[int, list[Any], list[int]], None]  # (uid, caches, the tokens they hold)
 
@@ -31,7 +32,8 @@ NEVER_ENDS = 1 << 62  # the generator's max_tokens: the runner ends every sequen
 
 class DecodeBatch:
     """The sequences of one batch; `keep=None` keeps no caches of finished sequences;
-    `kv_bits` (8 or 4) quantizes every sequence's KV cache, 0 keeps it as computed."""
+    `kv_bits` (8 or 4) quantizes every sequence's KV cache once it holds
+    `quantized_kv_start` tokens (as mlx-lm's generate_step), 0 keeps it as computed."""
 
     def __init__(
         self,
@@ -40,13 +42,14 @@ class DecodeBatch:
         prefill_chunk: int,
         keep: Keep | None = None,
         kv_bits: int = 0,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     ) -> None:
         self.model = model
         self.prefill_chunk = prefill_chunk
         self._keep = keep
         self.kv_bits = kv_bits
-        if kv_bits:
-            make_quantized_caches(model, kv_bits)  # refuses a model it cannot quantize, now
+        # refuses a model it cannot quantize, now
+        self.kv = kv_quantization(model, kv_bits, quantized_kv_start) if kv_bits else None
         self.generator = BatchGenerator(
             model,
             completion_batch_size=max_batch,
@@ -77,15 +80,22 @@ class DecodeBatch:
         without caches). Returns its first token when it was computed here, in one pass."""
         first = None
         rest, prefix = list(rest), list(prefix)
-        if caches is not None and len(rest) <= self.prefill_chunk:
+        if caches is not None and self.kv is not None:  # an entry: this engine's kind of cache
+            caches = [self.kv.adopt(cache) for cache in caches]
+        if (
+            caches is not None
+            and len(rest) <= self.prefill_chunk
+            # mlx-lm quantizes after the rest but its last token: the generator does the same
+            and not quantizes_inside(caches, len(rest))
+        ):
             with mx.stream(self.generator.stream):
                 token, logprobs = first_token_from_cache(
                     self.model, caches, rest, prefix + rest, sampler, processors
                 )
             first = sampled(uid, token, logprobs, top_logprobs)
             rest, prefix = [token], prefix + rest  # the generator goes on from the first token
-        if caches is None and self.kv_bits:  # else the generator makes unquantized ones
-            caches = make_quantized_caches(self.model, self.kv_bits)
+        if caches is None and self.kv is not None:  # else the generator makes unquantized ones
+            caches = self.kv.make_caches()
         (generator_uid,) = self.generator.insert(
             [rest],
             max_tokens=[NEVER_ENDS],

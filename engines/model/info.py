@@ -75,9 +75,12 @@ class ModelFacts:
         """Half-precision, not quantized: worth computing in float32 on the CPU."""
         return self.dtype_bytes == 2 and not self.quantized
 
-    def to_shape(self, float32: bool = False, kv_bits: int = 0) -> ModelShape:
+    def to_shape(
+        self, float32: bool = False, kv_bits: int = 0, quantized_kv_start: int = 0
+    ) -> ModelShape:
         """The planner's view of this model; `float32`: as computed upcast (twice the bytes);
-        `kv_bits`: with its KV cache quantized to that many bits."""
+        `kv_bits`: with its KV cache quantized to that many bits once a sequence holds
+        `quantized_kv_start` tokens."""
         from planner import ModelShape
 
         scale = 4 // self.dtype_bytes if float32 and self.can_upcast else 1
@@ -97,6 +100,7 @@ class ModelFacts:
             intermediate_size=self.intermediate_size,
             pipeline_problem=self.pipeline_problem,
             kv_bits=kv_bits,
+            quantized_kv_start=quantized_kv_start if kv_bits else 0,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -69,6 +69,7 @@ class StageBatches:
                 caches, _ = self.prefix.take_prefix(entry, position)
             except (EngineError, DiskUnreadable) as error:  # a length it does not hold, a bad file
                 raise WireError(f"sequence {uid}: {error}") from None
+            caches = self.stage.adopt_cache(caches)
         self._alone[uid] = [type(cache).merge([cache]) for cache in caches]
         self._positions[uid] = position
 

@@ -40,6 +40,7 @@ from engines.prefix_cache.disk_tier import DiskTier
 from engines.prefix_cache.index import PrefixHit, PrefixIndex
 from engines.prefix_cache.store import NOT_REUSABLE
 from planner.errors import ChannelError, EngineError
+from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         prefix_cache_disk_bytes: int = 0,
         prefix_cache_dir: Path | None = None,
         kv_bits: int = 0,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     ) -> None:
         """`return_listener`: an already listening socket for the last stage's connection (its
         port must be known before the last stage starts); else one is opened on
@@ -117,12 +119,15 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         self._channel_class = channel_class
         self.upcast = upcast  # half-precision weights to float32 on the CPU
         self.kv_bits = kv_bits  # stage 0's KV caches quantized (each stage's spec says its own)
+        self.quantized_kv_start = quantized_kv_start  # ... once they hold this many tokens
         self.tokenizer = None
         self.stage: StageModel | None = None
         self._weight_bytes = 0  # stage 0's, in this process
         self._listener: socket.socket | None = return_listener
         self._chain: Chain | None = None
-        self._schedule = MicroBatchSchedule(groups, prefill_chunk, 1 + len(stages))
+        self._schedule = MicroBatchSchedule(
+            groups, prefill_chunk, 1 + len(stages), quantized_kv_start if kv_bits else None
+        )
         self._local: StageBatches | None = None  # stage 0's caches
         self._sampling: dict[int, GenerationRequest] = {}  # as BEGIN carries it
         self._grammars: GrammarCompiler | None = None  # checks grammars before the chain does
@@ -171,7 +176,10 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             )
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer of {self.model_path}: {error}") from error
-        self.stage = StageModel.load(self.model_path, self.layers, False, self.upcast, self.kv_bits)
+        self.stage = StageModel.load(
+            self.model_path, self.layers, False, self.upcast, self.kv_bits,
+            self.quantized_kv_start,
+        )  # fmt: skip
         stage = self.stage
         parts = (*stage.blocks, stage.embed_tokens, stage.norm, stage.head)
         self._weight_bytes = parameter_bytes(*parts)
@@ -259,6 +267,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             "stages": stages,
             "prefill_chunk": self.prefill_chunk,
             "kv_bits": self.kv_bits,
+            "quantized_kv_start": self.quantized_kv_start,
             "micro_batches": self._schedule.groups,
             "healthy": self._healthy,
             "prefix_cache": self.prefix_index.snapshot(),

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engines.pipeline.wire import PREFILL_GROUP, Row
+from planner.memory import quantizes_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +65,19 @@ class MicroBatchSchedule:
     rest of a prompt and samples in one pass); the newcomer then joins the smallest
     micro-batch, that token as its input. A sequence starting from a prefix-cache entry of
     `cached` tokens is prefilled from there (positions start at `cached`).
+
+    With `quantized_kv_start` (KV quantized as mlx-lm does: after the pass that leaves a cache
+    at that many tokens), a prompt whose all-but-last tokens reach it sends its last token
+    alone, as mlx-lm's generate_step: that token attends over the quantized cache.
     """
 
-    def __init__(self, groups: int, prefill_chunk: int, prefill_in_flight: int) -> None:
+    def __init__(
+        self,
+        groups: int,
+        prefill_chunk: int,
+        prefill_in_flight: int,
+        quantized_kv_start: int | None = None,
+    ) -> None:
         if groups < 1 or groups >= PREFILL_GROUP or prefill_chunk < 1 or prefill_in_flight < 1:
             raise ValueError(
                 f"invalid schedule: groups={groups}, prefill_chunk={prefill_chunk}, "
@@ -74,6 +85,7 @@ class MicroBatchSchedule:
             )
         self.prefill_chunk = prefill_chunk
         self.prefill_in_flight = prefill_in_flight
+        self.quantized_kv_start = quantized_kv_start
         self._groups = [_Group() for _ in range(groups)]
         self._sequences: dict[int, _Sequence] = {}
         self._prefilling: deque[int] = deque()  # uids in arrival order
@@ -236,14 +248,16 @@ class MicroBatchSchedule:
         count, tokens = len(out), sum(len(frame.tokens) for frame in out)
         while self._prefilling:
             sequence = self._sequences[self._prefilling[0]]
-            body = len(sequence.prompt)
+            body = self._body(sequence)
+            if sequence.prefilled == body:  # the body is down: the last token alone
+                body = len(sequence.prompt)
             start, stop = sequence.prefilled, min(sequence.prefilled + self.prefill_chunk, body)
             if not self._prefill_fits(decoding, count, tokens + stop - start):
                 break
             self._prefill_steps += 1
             row = Row(sequence.uid, start)
             begins = self._take_begins([sequence.uid])
-            chunk, last = sequence.prompt[start:stop], stop == body
+            chunk, last = sequence.prompt[start:stop], stop == len(sequence.prompt)
             step = self._prefill_steps
             frames.append(Planned(PREFILL_GROUP, step, (row,), chunk, begins, last_chunk=last))
             count, tokens = count + 1, tokens + len(chunk)
@@ -252,6 +266,14 @@ class MicroBatchSchedule:
             if not last:  # round robin: a short prompt behind a long one waits one chunk, not all
                 self._prefilling.append(sequence.uid)
         return frames
+
+    def _body(self, sequence: _Sequence) -> int:
+        """The prompt tokens its chunks cover before the chunk that samples the first token:
+        all but the last when the KV cache is quantized after them (as mlx-lm's), else all."""
+        length, start = len(sequence.prompt), self.quantized_kv_start
+        if start is None or not quantizes_at(length - 1, start) or sequence.prefilled == length:
+            return length
+        return length - 1
 
     def _prefill_fits(self, decoding: bool, frames: int, tokens: int) -> bool:
         """Whether `frames` prefill frames of `tokens` in all may be out at once: while others

@@ -13,12 +13,13 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_config, load_model
 
+from engines.model.kv_quantization import KVQuantization, kv_quantization
 from engines.model.layers import StageLayout, apply_softcap, describe, pipeline_problem
 from engines.model.precision import upcast_on_cpu
-from engines.model.quantized_kv import make_quantized_caches
 from engines.model.reference import local_model_path
 from engines.weights.manifest import is_partial_copy
 from planner.errors import EngineError, ModelError
+from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class StageModel:
         cache_template: list[Any],
         peak_memory_bytes: int,
         vocab_size: int = 0,
+        kv: KVQuantization | None = None,
     ) -> None:
         self.layers = layers
         self.total_layers = total_layers
@@ -60,6 +62,7 @@ class StageModel:
         self.peak_memory_bytes = peak_memory_bytes
         self.vocab_size = vocab_size  # the config's (0 when it names none): the logits' width
         self._cache_template = cache_template
+        self.kv = kv  # how its KV caches are quantized; None: they are not
 
     @property
     def is_first(self) -> bool:
@@ -77,9 +80,10 @@ class StageModel:
         is_last: bool,
         upcast: bool = False,
         kv_bits: int = 0,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     ) -> StageModel:
         """Load the weights of `layers` (and the embeddings / head when this stage needs them);
-        `kv_bits` (8 or 4) quantizes its KV caches.
+        `kv_bits` (8 or 4) quantizes its KV caches once they hold `quantized_kv_start` tokens.
 
         `model_path` is a directory, or repo@commit resolved through this machine's Hugging
         Face cache (what an agent is sent).
@@ -123,8 +127,9 @@ class StageModel:
         embed = embedding if (is_first or (is_last and layout.tied_head)) else None
         norm = getattr(inner, layout.norm) if is_last else None
         head = model.lm_head if (is_last and not layout.tied_head) else None
-        if kv_bits:
-            cache_template = make_quantized_caches(model, kv_bits)[layers.start : layers.stop]
+        kv = kv_quantization(model, kv_bits, quantized_kv_start) if kv_bits else None
+        if kv is not None:
+            cache_template = kv.make_caches()[layers.start : layers.stop]
         else:
             cache_template = make_prompt_cache(model)[layers.start : layers.stop]
         kept = [module for module in (*blocks, embed, norm, head) if module is not None]
@@ -147,6 +152,7 @@ class StageModel:
             cache_template=cache_template,
             peak_memory_bytes=int(mx.get_peak_memory()),
             vocab_size=vocab_size,
+            kv=kv,
         )
         log.info(
             "loaded layers [%d, %d) of %d from %s (%s), peak memory %.1f MB",
@@ -162,6 +168,10 @@ class StageModel:
     def make_cache(self) -> list[Any]:
         """A fresh KV cache for this stage's layers (one sequence; batches.py batches them)."""
         return copy.deepcopy(self._cache_template)
+
+    def adopt_cache(self, caches: list[Any]) -> list[Any]:
+        """Caches handed in (a prefix-cache entry, from memory or disk) as this stage's kind."""
+        return caches if self.kv is None else [self.kv.adopt(cache) for cache in caches]
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Token ids (B, L) -> hidden states (B, L, D) as the model feeds its first layer."""

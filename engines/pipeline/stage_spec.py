@@ -9,7 +9,7 @@ from typing import Any
 
 from discovery.cluster_key import KEY_BYTES, KEY_PREFIX, parse_key
 from planner.errors import ConfigError
-from planner.memory import KV_BITS
+from planner.memory import DEFAULT_QUANTIZED_KV_START, KV_BITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class StageSpec:
     blas_threads: int = 0  # this process's share of the cores; 0 keeps the default
     upcast_float32: bool = False  # half-precision weights to float32 on the CPU
     kv_bits: int = 0  # this stage's KV caches quantized to 8 or 4 bits; 0: as computed
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once they hold this many tokens
     # Where to fetch the model when this machine lacks it (engines/weights/fetch.py).
     weights: dict[str, Any] | None = None
     # The prefix cache's disk tier: on when the coordinator gives it a budget (which its
@@ -59,6 +60,7 @@ class StageSpec:
                 blas_threads=int(raw.get("blas_threads", 0)),
                 upcast_float32=bool(raw.get("upcast_float32", False)),
                 kv_bits=int(raw.get("kv_bits", 0)),
+                quantized_kv_start=int(raw.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START)),
                 weights=dict(raw["weights"]) if raw.get("weights") else None,
                 prefix_cache_disk_bytes=int(raw.get("prefix_cache_disk_bytes", 0)),
                 prefix_cache_dir=_optional_path(raw.get("prefix_cache_dir")),
@@ -73,6 +75,10 @@ class StageSpec:
             raise ConfigError(f"invalid ports: listen {spec.listen_port}, next {spec.next_port}")
         if spec.kv_bits not in (0, *KV_BITS):
             raise ConfigError(f"kv_bits must be 0 or one of {KV_BITS}, got {spec.kv_bits}")
+        if spec.quantized_kv_start < 0:
+            raise ConfigError(
+                f"quantized_kv_start must be 0 or more tokens, got {spec.quantized_kv_start}"
+            )
         if spec.read_timeout_s <= 0:
             raise ConfigError(f"read_timeout_s must be positive, got {spec.read_timeout_s}")
         return spec

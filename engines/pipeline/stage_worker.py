@@ -107,8 +107,9 @@ def run(channel_class: Any = SecureChannel) -> int:
             spec.model_path, spec.weights, spec.cluster_key, progress_events(output)
         )
         stage = StageModel.load(
-            model_path, spec.layers, spec.is_last, spec.upcast_float32, spec.kv_bits
-        )
+            model_path, spec.layers, spec.is_last, spec.upcast_float32, spec.kv_bits,
+            spec.quantized_kv_start,
+        )  # fmt: skip
         grammars = grammar_compiler(model_path, stage) if spec.is_last else None
         disk = stage_disk_tier(spec, model_path)
         server = EncryptedPipelineServer(spec, stage, channel_class, grammars, disk)

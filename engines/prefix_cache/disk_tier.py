@@ -32,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from engines.model.quantized_kv import as_mlx_cache, as_sequence_cache
+from engines.model.kv_quantization import as_mlx_cache, as_sequence_cache
 from engines.prefix_cache.kv_prefix import kv_prefix
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ def kv_prefix(cache: Any, length: int, own: bool = False) -> Any:
     (mlx arrays are values, so the fresh cache's writes never reach them), or with `own`, in
     contiguous arrays of its own. Keys and values are arrays, or a quantized cache's triples."""
     if type(cache) is QuantizedSequenceCache:
-        fresh = QuantizedSequenceCache(cache.group_size, cache.bits)
+        fresh = cache.copy_empty()  # quantized or not, as the entry is
     else:
         fresh = KVCache()
     if cache.keys is not None:

@@ -31,6 +31,7 @@ from engines.prefix_cache.index import PrefixIndex
 from engines.prefix_cache.shared_prefill import PrefillSharing
 from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
 from planner.errors import EngineError
+from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +58,18 @@ class SingleEngine(Engine):
         prefix_cache_disk_bytes: int = 0,
         prefix_cache_disk_root: Path | None = None,
         kv_bits: int = 0,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     ) -> None:
         self.model_path = Path(model_path)
         self.kv_bits = kv_bits  # 8 or 4: every sequence's KV cache quantized; 0: as computed
+        self.quantized_kv_start = quantized_kv_start  # ... once it holds this many tokens
         # the prefix cache: which token prefixes are kept (index) and their KV (store), in
         # memory and, with a disk budget and a directory, on disk
         disk = None
         if prefix_cache_disk_root is not None:
             # entries of another KV quantization are another cache's: never read as this one's
-            identity = str(prefix_cache_disk_root) + (f"|kv{kv_bits}" if kv_bits else "")
+            quantized = f"|kv{kv_bits}from{quantized_kv_start}" if kv_bits else ""
+            identity = str(prefix_cache_disk_root) + quantized
             disk = DiskTier(prefix_cache_disk_root, identity=identity)
         disk_bytes = prefix_cache_disk_bytes if disk is not None else 0
         self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
@@ -102,8 +106,9 @@ class SingleEngine(Engine):
         self._grammars = GrammarCompiler(self.tokenizer, max(vocab_size, len(self.tokenizer)))
         keep = self._keep_prefix if self.prefix_index.enabled else None
         self._batch = DecodeBatch(
-            self.model, self.max_batch, self.prefill_chunk, keep, kv_bits=self.kv_bits
-        )
+            self.model, self.max_batch, self.prefill_chunk, keep, self.kv_bits,
+            self.quantized_kv_start,
+        )  # fmt: skip
         log.info("single engine loaded %s (batch of up to %d)", self.model_path, self.max_batch)
 
     def insert(self, uid: int, request: GenerationRequest) -> int:
@@ -232,6 +237,7 @@ class SingleEngine(Engine):
             "prefill_chunk": self.prefill_chunk,
             "compute_dtype": self.compute_dtype,
             "kv_bits": self.kv_bits,
+            "quantized_kv_start": self.quantized_kv_start,
             "prefix_cache": {
                 **self.prefix_index.snapshot(),
                 "shared_prefills": self._sharing.shared,

@@ -314,6 +314,7 @@ class TensorParallelEngine(Engine):
             "model_path": str(self.model_path),
             "sync_every": self.spec.sync_every,
             "kv_bits": self.spec.kv_bits,
+            "quantized_kv_start": self.spec.quantized_kv_start,
             "ranks": ranks,
             "prefix_cache": self.prefix_index.snapshot(),
             "step_timing": self.step_timing.snapshot(),

@@ -9,7 +9,7 @@ from typing import Any
 
 from discovery.framing import free_port
 from engines.core.engine import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
-from planner.memory import KV_BITS
+from planner.memory import DEFAULT_QUANTIZED_KV_START, KV_BITS
 
 BACKENDS = ("ring", "jaccl")
 # The longest idle gap between the group's header broadcasts: the idle latency a new request
@@ -43,6 +43,7 @@ class WorkerSpec:
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     kv_bits: int = 0  # every rank's KV cache quantized to 8 or 4 bits; 0: as computed
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once it holds this many tokens
     blas_threads: int = 0  # this rank's share of its machine's cores; 0 keeps the default
     upcast_float32: bool = False  # half-precision weights to float32 when on the CPU
     prefix_cache_bytes: int = 0  # the whole group's prefix-cache budget; 0 keeps no entries
@@ -81,6 +82,8 @@ class WorkerSpec:
             )
         if self.kv_bits not in (0, *KV_BITS):
             raise ValueError(f"kv_bits must be 0 or one of {KV_BITS}, got {self.kv_bits}")
+        if self.quantized_kv_start < 0:
+            raise ValueError(f"quantized_kv_start must be >= 0, got {self.quantized_kv_start}")
         if self.heartbeat_s < 0 or self.stall_timeout_s <= 0:
             raise ValueError(
                 f"heartbeat_s must be >= 0 and stall_timeout_s > 0, got "

@@ -14,6 +14,7 @@ from engines.prefix_cache.store import PrefixStore, reusable
 from engines.tensor_parallel.lockstep import Command, update_checksum
 from engines.tensor_parallel.rank_grammar import RankGrammars
 from planner.errors import EngineError
+from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 
 class ShardBatch:
@@ -42,6 +43,7 @@ class ShardBatch:
         grammars: RankGrammars | None = None,
         disk: DiskTier | None = None,
         kv_bits: int = 0,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     ):
         self._grammars = grammars
         self.checksum = 0
@@ -50,7 +52,9 @@ class ShardBatch:
         self.prefixes = PrefixStore(disk if self.keep_prefixes else None)
         self._kept: list[list[int]] = []  # [uid, tokens held, bytes] since the last drain
         keep = self._keep if self.keep_prefixes else None
-        self._batch = DecodeBatch(model, max_batch, prefill_chunk, keep, kv_bits=kv_bits)
+        self._batch = DecodeBatch(
+            model, max_batch, prefill_chunk, keep, kv_bits, quantized_kv_start
+        )
 
     def __len__(self) -> int:
         return len(self._batch)

@@ -271,6 +271,7 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
             grammars=grammars,
             disk=rank_disk_tier(spec),
             kv_bits=spec.kv_bits,
+            quantized_kv_start=spec.quantized_kv_start,
         )
         rank = Rank(spec, lockstep, batch, vocab_size, output, watchdog, grammars)
         if spec.rank == 0:

@@ -98,3 +98,22 @@ def test_schedule_restarts_only_without_known_sequences() -> None:
     schedule.clear()
     schedule.add(1, [1, 2])
     assert describe(schedule.plan())[0] == (PREFILL_GROUP, 1, (Row(1, 0),), (1, 2), (1,))
+
+
+def test_with_quantized_kv_a_prompt_sends_its_last_token_alone_once_the_rest_reaches_start():
+    """As mlx-lm's generate_step: a prompt but its last token, the cache quantized when that
+    reaches quantized_kv_start, then the last token over the quantized cache."""
+    schedule = MicroBatchSchedule(
+        groups=1, prefill_chunk=4, prefill_in_flight=8, quantized_kv_start=3
+    )
+    schedule.add(1, [10, 11, 12, 13, 14, 15])  # 5 tokens reach 3: [10..13], [14], then [15]
+    schedule.add(2, [20, 21, 22])  # 2 tokens do not: one chunk, as without quantization
+    schedule.add(3, [30])  # nothing before its last token
+    frames = schedule.plan()  # nobody decodes: every chunk goes down at once, in order
+    assert [(frame.rows[0], frame.tokens, frame.last_chunk) for frame in frames] == [
+        (Row(1, 0), (10, 11, 12, 13), False),
+        (Row(2, 0), (20, 21, 22), True),
+        (Row(3, 0), (30,), True),
+        (Row(1, 4), (14,), False),
+        (Row(1, 5), (15,), True),
+    ]

@@ -13,7 +13,7 @@ import pytest
 
 from cli.main import build_parser
 from cli.serve import config_from_args
-from planner import ModelShape, NodeResources, Parallelism, plan_cluster
+from planner import ModelShape, NodeResources, Parallelism, plan_cluster, single_need
 from planner.errors import ConfigError, PlanError
 from tests.helpers.planning import MB, SHAPE
 
@@ -96,3 +96,56 @@ def test_tandem_plan_with_bad_kv_bits_says_so_in_one_line_and_fails(tmp_path: Pa
     )  # fmt: skip
     assert result.returncode != 0
     assert result.stderr.strip() == "tandem: error: --kv-bits must be 8, 4 or off, got '2'"
+
+
+@pytest.mark.parametrize(
+    ("start", "expected_tokens"),
+    [
+        # a sequence of 1000 tokens; full: 1024 bytes per token per layer (demo float32),
+        # 8-bit: 320; the plan counts tokens of 320 bytes
+        pytest.param(0, 1000, id="quantized-from-the-first-pass"),
+        pytest.param(5000, 1000 * 1024 // 320, id="all-under-the-threshold"),
+        pytest.param(400, (400 * 1024 + 600 * 320) // 320, id="the-first-400-in-full"),
+    ],
+)
+def test_kv_under_the_threshold_is_counted_in_full_precision(start: int, expected_tokens: int):
+    """A sequence's first quantized_kv_start tokens cost full precision, the rest quantized."""
+    shape = dataclasses.replace(DEMO, kv_bits=8, quantized_kv_start=start)
+    assert shape.sequence_kv_bytes_per_layer(1000) == expected_tokens * 320
+    node = [NodeResources("a", "10.0.0.1", 1 << 40, ())]
+    plan = plan_cluster(Parallelism.SINGLE, shape, node, context_tokens=1000, max_batch=2)
+    assert plan.fits[0].need_bytes == single_need(shape, 2 * expected_tokens)
+    assert plan.to_dict()["quantized_kv_start"] == start
+    if start:
+        assert f"once a sequence holds {start} tokens" in "\n".join(plan.describe())
+
+
+def test_prefix_cache_tokens_are_priced_in_full_precision_under_a_threshold() -> None:
+    nodes = [NodeResources("a", "10.0.0.1", 2 << 30, ())]
+    plans = {
+        start: plan_cluster(
+            Parallelism.SINGLE,
+            dataclasses.replace(SHAPE, kv_bits=4, quantized_kv_start=start),
+            nodes,
+            prefix_cache_bytes=64 * MB,
+        )
+        for start in (0, 5000)
+    }
+    assert plans[0].prefix_cache_bytes == 64 * MB // (576 * 32) * 576 * 32
+    full = 2 * 8 * 64 * 2 * 32  # bf16 heads of 64, 32 layers
+    assert plans[5000].prefix_cache_bytes == 64 * MB // full * full
+    assert f"(~{64 * MB // full} tokens)" in "\n".join(plans[5000].describe())
+
+
+def test_serve_takes_a_quantized_kv_start_and_refuses_a_bad_one() -> None:
+    def config(*flags: str):
+        key = ["--cluster-key", "tandem-" + "A" * 43]
+        return config_from_args(build_parser().parse_args(["serve", *key, *flags]))
+
+    assert config().quantized_kv_start == 5000  # mlx_lm.server's default
+    assert config("--quantized-kv-start", "0").quantized_kv_start == 0
+    for bad in ("-1", "many"):
+        with pytest.raises(
+            ConfigError, match=f"--quantized-kv-start must be 0 or more tokens, got '{bad}'"
+        ):
+            config("--quantized-kv-start", bad)

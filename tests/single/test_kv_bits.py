@@ -1,44 +1,41 @@
-"""--kv-bits in the single engine: mlx-lm's own tokens with the same quantized KV cache, alone
-or in a batch, and a model it cannot quantize refused at load."""
+"""--kv-bits in the single engine: mlx-lm's own greedy tokens with the same kv_bits, group size
+and quantized_kv_start (quantizing from the first pass, mid-prompt, mid-decode, just before a
+prompt's last token), alone or in a batch, and a model it cannot quantize refused at load."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
-from mlx_lm import load
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import QuantizedKVCache
 
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
 from planner.errors import EngineError
 from tests.helpers.engine import run_all, run_one
+from tests.helpers.kv_reference import KV_PROMPTS
+from tests.helpers.kv_reference import mlx_lm_tokens as reference_tokens
 
 LOAD_TIMEOUT_S = 120
 MAX_TOKENS = 24
-# different lengths, one longer than the engine's prefill chunk of 16
-PROMPTS = ([5, 60, 61, 62, 63], [7, 100, 200, 300, 41, 42, 43, 44] * 5, [9, 500, 17])
+CHUNK = 16  # the engine's prefill chunk, mlx-lm's prefill_step_size
+PROMPTS = KV_PROMPTS
+# 0: after the first pass; 20: mid-prompt (after the 40-token prompt's chunk ending at 32) and
+# mid-decode (the short prompts); 4: after the 5-token prompt's first 4, before its last
+STARTS = (0, 20, 4)
 
 
-def mlx_lm_tokens(model_dir: Path, bits: int) -> list[list[int]]:
-    """mlx-lm's greedy tokens with its QuantizedKVCache in every layer from the first token
-    (group size 32: the demo model's head size is 32)."""
-    model, _ = load(str(model_dir))
-    answers = []
-    for prompt in PROMPTS:
-        caches = [QuantizedKVCache(group_size=32, bits=bits) for _ in model.layers]
-        steps = generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=MAX_TOKENS)
-        answers.append([int(token) for token, _ in steps])
-    return answers
+def mlx_lm_tokens(model_dir: Path, bits: int | None, start: int) -> list[list[int]]:
+    return reference_tokens(model_dir, bits, start, MAX_TOKENS, CHUNK, PROMPTS)
 
 
-@pytest.fixture(scope="module", params=[8, 4])
+@pytest.fixture(scope="module", params=[(8, 0), (4, 0), (8, 20), (4, 20), (4, 4)])
 def quantized(request: pytest.FixtureRequest, demo_model_dir: Path) -> Iterator[EngineRunner]:
-    engine = SingleEngine(demo_model_dir, prefill_chunk=16, kv_bits=request.param)
+    bits, start = request.param
+    engine = SingleEngine(
+        demo_model_dir, prefill_chunk=CHUNK, kv_bits=bits, quantized_kv_start=start
+    )
     runner = EngineRunner(engine, max_batch=4)
     runner.start(LOAD_TIMEOUT_S)
     yield runner
@@ -49,24 +46,27 @@ def requests() -> list[GenerationRequest]:
     return [GenerationRequest(f"r{i}", tuple(p), MAX_TOKENS) for i, p in enumerate(PROMPTS)]
 
 
-def test_greedy_tokens_equal_mlx_lms_with_the_same_quantized_cache(quantized, demo_model_dir):
-    bits = quantized.engine.kv_bits
+def test_greedy_tokens_equal_mlx_lms_with_the_same_quantization(quantized, demo_model_dir):
+    engine = quantized.engine
     alone = [run_one(quantized, request).tokens for request in requests()]
-    assert alone == mlx_lm_tokens(demo_model_dir, bits)
+    assert alone == mlx_lm_tokens(demo_model_dir, engine.kv_bits, engine.quantized_kv_start)
     together = run_all(quantized, requests())
     assert [outcome.tokens for outcome in together] == alone
-    assert quantized.engine.info().detail["kv_bits"] == bits
+    detail = quantized.engine.info().detail
+    assert (detail["kv_bits"], detail["quantized_kv_start"]) == (
+        engine.kv_bits,
+        engine.quantized_kv_start,
+    )
 
 
-def test_unquantized_tokens_differ_so_the_comparison_means_something(quantized, demo_model_dir):
-    plain = EngineRunner(SingleEngine(demo_model_dir), max_batch=4)
-    plain.start(LOAD_TIMEOUT_S)
-    try:
-        unquantized = [run_one(plain, request).tokens for request in requests()]
-    finally:
-        plain.close()
-    if quantized.engine.kv_bits == 4:  # 8 bits may well give the same greedy tokens
-        assert [run_one(quantized, r).tokens for r in requests()] != unquantized
+def test_the_threshold_matters_so_the_comparison_means_something(demo_model_dir):
+    """4-bit KV from the first pass, from mid-prompt, and never (past the answers) all differ
+    from mlx-lm's unquantized answers: quantizing when mlx-lm does is what makes them equal."""
+    unquantized = mlx_lm_tokens(demo_model_dir, None, 0)
+    answers = {start: mlx_lm_tokens(demo_model_dir, 4, start) for start in (0, 20, 1000)}
+    assert answers[1000] == unquantized
+    assert answers[0] != unquantized and answers[20] != unquantized
+    assert answers[0] != answers[20]
 
 
 @pytest.mark.parametrize(
