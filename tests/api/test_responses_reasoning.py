@@ -120,3 +120,24 @@ async def test_a_stored_response_continues_with_its_thought(client: openai.Async
     by_hand = await create(client, input=replayed)
     assert follow.usage.input_tokens == by_hand.usage.input_tokens
     assert follow.output[0].content[0].text == by_hand.output[0].content[0].text
+
+
+async def test_a_sealed_thought_comes_back_as_codex_sends_it(client: openai.AsyncOpenAI) -> None:
+    # Codex asks for encrypted_content and passes a reasoning item back without its content
+    first = await create(client, include=["reasoning.encrypted_content"])
+    reasoning, message = first.output
+    assert reasoning.encrypted_content.endswith(reasoning.content[0].text)
+    assert (await create(client)).output[0].encrypted_content is None  # only when included
+    turns = [
+        {"role": "user", "content": "Hello there"},
+        {"type": "reasoning", "summary": [], "encrypted_content": reasoning.encrypted_content},
+        {"role": "assistant", "content": message.content[0].text},
+        {"role": "user", "content": "And again"},
+    ]
+    sealed = await create(client, input=turns)
+    turns[1] = reasoning.model_dump(exclude_none=True, exclude={"encrypted_content"})
+    plain = await create(client, input=turns)
+    assert sealed.usage.input_tokens == plain.usage.input_tokens
+    turns[1] = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB-openai-blob"}
+    foreign = await create(client, input=turns)  # another server's: not a thought of ours
+    assert foreign.usage.input_tokens < plain.usage.input_tokens

@@ -11,6 +11,7 @@ from engines.api.logprobs import TokenScore
 from engines.api.reply import Piece, ReplyStream
 from engines.api.responses.objects import FunctionCallOutput, OutputItem, Response, new_id
 from engines.api.responses.replies import (
+    OutputOptions,
     kept_calls,
     message_item,
     reasoning_item,
@@ -32,8 +33,9 @@ KINDS = {
 class OpenItem:
     """The output item being written: a reasoning item or a message, one part of text."""
 
-    def __init__(self, kind: str, index: int) -> None:
+    def __init__(self, kind: str, index: int, options: OutputOptions) -> None:
         self.kind = kind
+        self.options = options
         self.index = index
         self.id = new_id(KINDS[kind][0])
         self.text = ""
@@ -41,7 +43,7 @@ class OpenItem:
 
     def item(self, status: str) -> OutputItem:
         if self.kind == "reasoning":
-            return reasoning_item(self.id, self.text, status)
+            return reasoning_item(self.id, self.text, self.options, status)
         return message_item(self.id, self.text, self.logprobs, status)
 
     def part(self, text: str) -> dict[str, Any]:
@@ -59,13 +61,13 @@ class ResponseEvents:
         response: Response,
         tokenizer: Any,
         reply: ReplyStream,
-        max_calls: int | None,
+        options: OutputOptions,
         on_finished: Callable[[Response], None],
     ) -> None:
         self._response = response
         self._tokenizer = tokenizer
         self._reply = reply
-        self._max_calls = max_calls
+        self._options = options
         self._on_finished = on_finished
         self._sequence = 0
         self._done: list[OutputItem] = []
@@ -99,7 +101,7 @@ class ResponseEvents:
         if not said and not calls:  # as a whole response: an empty message, never no output
             frames += self._write(Piece("content", ""), [])
         frames += self._close(status)
-        for call in kept_calls(calls, self._max_calls):
+        for call in kept_calls(calls, self._options.max_calls):
             frames += self._call(call)
         usage = usage_of(self._tokenizer, final, self._reasoning)
         response = self._response.finished(self._done, usage, str(final.finish_reason))
@@ -139,7 +141,7 @@ class ResponseEvents:
         return frames
 
     def _start(self, kind: str) -> list[Frame]:
-        item = self._open = OpenItem(kind, len(self._done))
+        item = self._open = OpenItem(kind, len(self._done), self._options)
         return [
             self._event(
                 "response.output_item.added",

@@ -19,6 +19,7 @@ from engines.api.conversation import (
 )
 from engines.api.errors import APIError
 from engines.api.generation import Sampling
+from engines.api.responses.objects import unsealed
 from engines.api.responses.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -124,7 +125,8 @@ def _add_item(
     last = turns[-1] if turns else None
     open_assistant = last is not None and last.role == "assistant"
     if isinstance(item, ReasoningItem):
-        return turns, "\n".join(filter(None, (thought, item.text())))
+        text = item.text() or unsealed(item.encrypted_content)
+        return turns, "\n".join(filter(None, (thought, text)))
     if isinstance(item, MessageItem) and item.role == "assistant":
         text = joined(item.content)
         if open_assistant and not last.tool_calls:  # one turn: text and calls alike

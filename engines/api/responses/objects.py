@@ -15,8 +15,23 @@ Status = Literal["in_progress", "completed", "incomplete", "failed"]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
+# The thought in a reasoning item's `encrypted_content`, for clients that pass back only that
+# (Codex CLI drops reasoning_text): plain text behind a marker, as nothing is secret from the
+# caller; the marker keeps another server's sealed blob from being read as a thought.
+SEALED_PREFIX = "tandem-thought-v1:"
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def sealed(thought: str) -> str:
+    return SEALED_PREFIX + thought
+
+
+def unsealed(value: str | None) -> str:
+    """The thought a reasoning item's encrypted_content holds ("" for anyone else's)."""
+    return value.removeprefix(SEALED_PREFIX) if value and value.startswith(SEALED_PREFIX) else ""
 
 
 class OutputText(BaseModel):
@@ -38,6 +53,7 @@ class ReasoningOutput(BaseModel):
     id: str
     summary: list[Any] = []
     content: list[ReasoningText] = []
+    encrypted_content: str | None = None  # sealed(thought), when the request included it
     status: ItemStatus = "completed"
 
 

@@ -3,6 +3,7 @@ its usage — the same for a streamed response and a whole one."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from engines.api.conversation import ToolCall
@@ -17,6 +18,7 @@ from engines.api.responses.objects import (
     ReasoningText,
     ResponseUsage,
     new_id,
+    sealed,
 )
 from engines.core.engine import TokenEvent
 
@@ -28,9 +30,21 @@ def token_logprobs(tokenizer: Any, scores: list[TokenScore]) -> list[dict[str, A
     return [token.model_dump() for token in chat_logprobs(tokenizer, scores).content]
 
 
-def reasoning_item(item_id: str, text: str, status: str = "completed") -> ReasoningOutput:
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    """How a request wants its output: calls cut to `max_calls`; the thought also sealed
+    into encrypted_content (`include: ["reasoning.encrypted_content"]`)."""
+
+    max_calls: int | None = None
+    seal_thoughts: bool = False
+
+
+def reasoning_item(
+    item_id: str, text: str, options: OutputOptions, status: str = "completed"
+) -> ReasoningOutput:
     content = [ReasoningText(text=text)] if text else []
-    return ReasoningOutput(id=item_id, content=content, status=status)
+    secret = sealed(text) if options.seal_thoughts and text else None
+    return ReasoningOutput(id=item_id, content=content, encrypted_content=secret, status=status)
 
 
 def message_item(
@@ -46,7 +60,7 @@ def kept_calls(calls: list[ToolCall], max_calls: int | None) -> list[ToolCall]:
 
 
 def output_of(
-    whole: Reply, logprobs: list[dict[str, Any]], finish_reason: str, max_calls: int | None
+    whole: Reply, logprobs: list[dict[str, Any]], finish_reason: str, options: OutputOptions
 ) -> list[OutputItem]:
     """The output items of a whole reply: its thought, its text (an empty message when it
     said and called nothing), its calls."""
@@ -54,10 +68,11 @@ def output_of(
     items: list[OutputItem] = []
     said = bool(whole.content) or not whole.calls
     if whole.reasoning:  # cut short only when nothing came after it (as streamed)
-        items.append(reasoning_item(new_id("rs"), whole.reasoning, "completed" if said else status))
+        thought_status = "completed" if said else status
+        items.append(reasoning_item(new_id("rs"), whole.reasoning, options, thought_status))
     if said:
         items.append(message_item(new_id("msg"), whole.content, logprobs, status))
-    items += [FunctionCallOutput.of(call) for call in kept_calls(whole.calls, max_calls)]
+    items += [FunctionCallOutput.of(call) for call in kept_calls(whole.calls, options.max_calls)]
     return items
 
 

@@ -36,7 +36,7 @@ from engines.api.responses.mapping import (
     settings_of,
 )
 from engines.api.responses.objects import Response, new_id
-from engines.api.responses.replies import output_of, token_logprobs, usage_of
+from engines.api.responses.replies import OutputOptions, output_of, token_logprobs, usage_of
 from engines.api.responses.schemas import ResponsesRequest
 from engines.api.responses.store import ResponseStore
 from engines.api.streaming import stream_response
@@ -44,6 +44,7 @@ from engines.api.tools import tool_format_for
 from engines.core.service import Service
 
 STORED = {**UNAUTHORIZED, 404: documented("no stored response has this id")}
+SEALED_INCLUDE = "reasoning.encrypted_content"
 STORED_PATH = "/v1/responses/{response_id}"
 STORED_METHODS = ("GET", "DELETE")
 
@@ -121,17 +122,19 @@ def create_router(
             settings=settings_of(body),
         )
 
+        options = OutputOptions(body.max_tool_calls, SEALED_INCLUDE in (body.include or ()))
+
         def keep(response: Response) -> None:
             if body.store is not False:
                 store.put(response, conversation)
 
         if body.stream:
-            writer = ResponseEvents(started, tokenizer, reply, body.max_tool_calls, keep)
+            writer = ResponseEvents(started, tokenizer, reply, options, keep)
             return stream_response(submission, wait_budget_s(service), writer, RESPONSES_SSE)
         outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
         whole = reply.read_whole(outcome.text)
         logprobs = token_logprobs(tokenizer, outcome.scores)
-        output = output_of(whole, logprobs, outcome.finish_reason, body.max_tool_calls)
+        output = output_of(whole, logprobs, outcome.finish_reason, options)
         usage = usage_of(tokenizer, outcome, whole.reasoning)
         response = started.finished(output, usage, outcome.finish_reason)
         keep(response)

@@ -98,14 +98,16 @@ class FunctionCallOutputItem(ItemModel):
 
 
 class ReasoningItem(ItemModel):
-    """The model's earlier thinking, passed back: its text (content, else summary) becomes the
-    assistant turn's reasoning."""
+    """The model's earlier thinking, passed back: its text becomes the assistant turn's
+    reasoning."""
 
     type: Literal["reasoning"]
     summary: list[TextContent] = []
     content: list[TextContent] | None = None
+    encrypted_content: str | None = None
 
     def text(self) -> str:
+        """Its content's text, else its summary's (encrypted_content: see mapping)."""
         parts = self.content if self.content else self.summary
         return "\n".join(part.text for part in parts)
 
