@@ -32,6 +32,8 @@ GGUF_ARCHITECTURES = {
 PERMUTED = frozenset({"llama", "mistral"})  # the converter's LlamaModel interleaves q/k rows
 NORM_SHIFTED = frozenset({"gemma3_text"})  # Gemma3Model adds 1 to every *norm.weight
 KEPT_FLOAT = ("norm", "mlp.gate.weight")  # 1-D tensors and MoE routers stay F32
+# llama.cpp's Q4_K_M: Q4_K, with Q6_K where precision pays (a simplification of its rules).
+Q4_K_M = {"embed_tokens": T.Q6_K, "lm_head": T.Q6_K, "v_proj": T.Q6_K, "down_proj": T.Q6_K}
 # The type a tensor falls back to when its rows do not split into the chosen type's blocks.
 FALLBACK = T.Q8_0
 ENCODERS = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}  # the K types gguf-py cannot write
@@ -44,13 +46,16 @@ def export_gguf(
     split_max_tensors: int = 0,
     architecture_name: str | None = None,
     pre_tokenizer: str = "gpt-2",
+    mixture: dict[str, GGMLQuantizationType] | None = None,
 ) -> dict:
     """Write `model_dir` (a float demo model) as a GGUF; return the values it holds by mlx-lm
     parameter name (float32, mlx-lm's row order and norm convention).
 
     `split_max_tensors`: split as gguf-split does (OUT-00001-of-0000N.gguf beside `out_path`);
     `architecture_name`: the general.architecture written (a test of refusals names another);
-    `pre_tokenizer`: tokenizer.ggml.pre (one tandem does not know fails the import last).
+    `pre_tokenizer`: tokenizer.ggml.pre (one tandem does not know fails the import last);
+    `mixture`: other types for tensors whose mlx-lm name contains a key, as llama.cpp's
+    Q4_K_M gives embeddings, v and down projections Q6_K.
     """
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
@@ -86,7 +91,8 @@ def export_gguf(
         if model_type in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             stored = interleave_rope_rows(stored, heads)
-        kind = _tensor_type(name, stored, quantization)
+        chosen = next((kind for part, kind in (mixture or {}).items() if part in name), None)
+        kind = _tensor_type(name, stored, chosen or quantization)
         raw = _encode(stored, kind)
         writer.add_tensor(gguf_name, raw, raw_shape=raw.shape, raw_dtype=kind)
         held[name] = _held_value(values, kind)

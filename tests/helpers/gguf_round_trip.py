@@ -43,12 +43,13 @@ def round_trip(
     arch: str,
     quantization: GGMLQuantizationType,
     config: dict | None = None,
+    mixture: dict[str, GGMLQuantizationType] | None = None,
     **spec: int,
 ) -> RoundTrip:
     """Export the demo model `arch` (tiny, float; `config` entries changed) as GGUF with
-    `quantization`, import it."""
+    `quantization` (`mixture`: per-tensor exceptions, see export_gguf), import it."""
     name = f"{arch}-{quantization.name}-" + "-".join(f"{k}{v}" for k, v in sorted(spec.items()))
-    name += "-changed" if config else ""
+    name += ("-changed" if config else "") + ("-mixed" if mixture else "")
     work = root / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -57,7 +58,7 @@ def round_trip(
         demo = shutil.copytree(demo, work / "original")
         document = imported_config(demo)
         (demo / "config.json").write_text(json.dumps({**document, **config}))
-    held = export_gguf(demo, work / "model.gguf", quantization)
+    held = export_gguf(demo, work / "model.gguf", quantization, mixture=mixture)
     reference = work / "reference"
     reference.mkdir()
     shutil.copy(demo / "config.json", reference / "config.json")
