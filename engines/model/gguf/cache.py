@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 CACHE_FOLDER = "gguf"
 DIGESTS_FILE = "digests.json"  # path -> (size, mtime, sha256): a file is hashed once
 # Bump when the files an import writes change, so older imports are not served.
-IMPORT_VERSION = 1
+IMPORT_VERSION = 2
 # Ollama stores each blob under its own digest: sha256-<64 hex>.
 OLLAMA_BLOB_PATTERN = re.compile(r"^sha256[-:](?P<digest>[0-9a-f]{64})$")
 HASH_CHUNK_BYTES = 16 * 1024**2

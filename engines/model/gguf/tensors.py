@@ -1,4 +1,5 @@
-"""One GGUF tensor -> its mlx-lm arrays: repacked, re-quantized or float, converter undone."""
+"""One GGUF tensor -> its mlx-lm arrays (repacked, moved exactly, re-quantized or float), with
+what the converter did to it undone."""
 
 from __future__ import annotations
 
