@@ -14,6 +14,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 GROUP_SIZE = 32
+CHUNK_VALUES = 16 * 1024**2  # values decoded at once
 T = GGMLQuantizationType
 
 
@@ -47,16 +48,35 @@ class AffineWeight:
 
 def decode_affine(raw: np.ndarray, quantization: GGMLQuantizationType) -> AffineWeight:
     """`raw`: the tensor's bytes (..., rows, row bytes) -> its exact mlx affine form."""
+    rows = raw.reshape(-1, raw.shape[-1])
+    block_values, block_bytes = GGML_QUANT_SIZES[quantization]
+    # Some rows at a time: a 150k-token embedding is 3 GB of float32 per decode.
+    step = max(1, CHUNK_VALUES // (rows.shape[-1] // block_bytes * block_values))
+    parts = [
+        _decode_rows(rows[start : start + step], quantization)
+        for start in range(0, len(rows), step)
+    ]
+    bits = LAYOUTS[quantization].bits
+    lead = raw.shape[:-1]
+    return AffineWeight(
+        np.concatenate([part.weight for part in parts]).reshape(*lead, -1),
+        np.concatenate([part.scales for part in parts]).reshape(*lead, -1),
+        np.concatenate([part.biases for part in parts]).reshape(*lead, -1),
+        bits,
+    )
+
+
+def _decode_rows(raw: np.ndarray, quantization: GGMLQuantizationType) -> AffineWeight:
     layout = LAYOUTS[quantization]
     block_bytes = GGML_QUANT_SIZES[quantization][1]
-    values = quants.dequantize(raw, quantization)  # (..., rows, columns)
+    values = quants.dequantize(raw, quantization)  # (rows, columns)
     bias = _first_of_groups(
         quants.dequantize(_with_codes(raw, layout, block_bytes, 0), quantization)
     )
     step = _first_of_groups(
         quants.dequantize(_with_codes(raw, layout, block_bytes, 1), quantization)
     )
-    scale = step - bias  # (..., rows, columns / 32)
+    scale = step - bias  # (rows, columns / 32)
     grouped = values.reshape(*scale.shape, GROUP_SIZE)
     safe = np.where(scale == 0, 1, scale)[..., None]
     codes = np.rint((grouped - bias[..., None]) / safe)

@@ -98,6 +98,7 @@ def _file_digest(path: Path, cache_dir: Path) -> str:
     seen = memo.get(identity)
     if seen and seen["size"] == stat.st_size and seen["mtime_ns"] == stat.st_mtime_ns:
         return seen["sha256"]
+    log.info("hashing %s (%.1f GB) once, to key its import", path, stat.st_size / 1e9)
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(HASH_CHUNK_BYTES):
