@@ -11,6 +11,9 @@ from tests.helpers.cluster import AgentPool
 from tests.helpers.demo_models import make_demo_model
 from tests.helpers.serve import ServeProcess
 
+# Under xdist (`make test`): a loopback per worker, process-heavy modules first, solo tests alone.
+pytest_plugins = ["tests.helpers.workers"]
+
 # Three heads: a model that tensor parallelism over two ranks cannot split.
 ODD_HEADS = {"heads": 3, "kv_heads": 3}
 
