@@ -34,7 +34,7 @@ REQUANTIZED_BOUNDS = {
     T.IQ1_M: 0.18,
     T.IQ1_S: 0.13,
 }
-EXACT = 1e-6  # Q5_K's scale * code + bias in float32 rounds in the last bit
+EXACT = 1e-6
 
 
 def test_native_blocks_repack_as_mx_load_reads_them(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
 
-from engines.model.gguf.affine import AFFINE_TYPES, LAYOUTS
+from engines.model.gguf.affine import AFFINE_TYPES, BITS
 from engines.model.gguf.native import GROUP_SIZE, NATIVE_TYPES
 
 T = GGMLQuantizationType
@@ -67,7 +67,7 @@ def treatment(quantization: GGMLQuantizationType, columns: int, dimensions: int)
         bits = 8 if quantization == T.Q8_0 else 4
         return Treatment("native", bits, GROUP_SIZE, mode)
     if quantization in AFFINE_TYPES:
-        return Treatment("affine", LAYOUTS[quantization].bits, GROUP_SIZE)
+        return Treatment("affine", BITS[quantization], GROUP_SIZE)
     bits = REQUANTIZED_BITS.get(quantization)
     if bits is None:
         raise ValueError(f"no mlx counterpart for GGML type {quantization.name}")
