@@ -17,9 +17,8 @@ from tests.helpers.gguf_export import Q4_K_M, export_gguf
 SPEC = {"arch": "llama", "layers": 2, "heads": 4, "kv_heads": 2, "hidden": 256}
 
 
-def test_single_pp_and_tp_engines_serve_an_import_alike(gguf_root: Path) -> None:
-    folder = gguf_root / "engines"
-    folder.mkdir()
+def test_single_pp_and_tp_engines_serve_an_import_alike(gguf_root: Path, tmp_path: Path) -> None:
+    folder = tmp_path
     demo = make_demo_model(gguf_root / "demo", **SPEC)
     export_gguf(demo, folder / "mixed.gguf", GGMLQuantizationType.Q4_K, mixture=Q4_K_M)
     path = import_gguf(folder / "mixed.gguf", folder / "imported")
