@@ -133,6 +133,7 @@ BAD_BODIES = [
     ),
     ("text block without text", body(messages=[user({"type": "text"})]), "text' is required"),
     ("block not an object", body(messages=[user("hi")]), "messages.0.content"),
+    ("block type an object", body(messages=[user({"type": {}})]), "messages.0.content.0.type"),
     ("content a number", body(messages=[{"role": "user", "content": 3}]), "messages.0.content"),
     ("unknown role", body(messages=[{"role": "tool", "content": "x"}]), "messages.0.role"),
     ("no messages", body(messages=[]), "messages"),

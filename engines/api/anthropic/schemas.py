@@ -61,7 +61,8 @@ NOT_A_BLOCK = "each content block must be an object with a 'type'"
 def _block_tag(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
-    return BLOCK_TAGS.get(value.get("type"), "OtherBlock")
+    kind = value.get("type")
+    return BLOCK_TAGS.get(kind, "OtherBlock") if isinstance(kind, str) else "OtherBlock"
 
 
 def _result_part_tag(value: Any) -> str | None:
