@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cache-dir",
         default=default_cache_dir(),
         cast=Path,
-        help="demo model cache",
+        help="models fetched, imported (GGUF, Ollama) or generated (demo)",
     )
     add_flag(
         parser,

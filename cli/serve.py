@@ -41,7 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=MODEL_HELP,
     )
     add_flag(
-        parser, "--model-id", help="model name clients use (default: the repo id or directory name)"
+        parser,
+        "--model-id",
+        help="model name clients use (default: the repo id, the Ollama NAME[:TAG], the "
+        "directory name, smollm2-135m-instruct or tandem-demo)",
     )
     parser.add_argument(
         "--model-alias",
@@ -152,7 +155,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cache-dir",
         default=default_cache_dir(),
         cast=Path,
-        help="demo model cache, and manifests of models sent to agents",
+        help="models fetched, imported (GGUF, Ollama) or generated (demo), and manifests of "
+        "models sent to agents",
     )
     add_flag(
         parser,
