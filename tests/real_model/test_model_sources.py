@@ -99,6 +99,23 @@ def test_an_entry_is_its_gguf_blob_named_by_its_digest(store: Path) -> None:
     assert find_model("ollama:registry.ollama.ai/library/smollm2:135m", store) == entry
 
 
+def test_the_next_layout_a_manifest_linked_to_its_blob_under_ollama_com_is_read_too(
+    tmp_path: Path,
+) -> None:
+    # Ollama's manifests-v2: the manifest is a blob itself, its name a relative symlink to it.
+    store = tmp_path / "models"
+    manifest = write_gguf_entry(store, NAME, smollm2_gguf())
+    blob = store / "blobs" / add_blob(store, manifest.read_bytes())["digest"].replace(":", "-")
+    manifest.unlink()
+    linked = store / "manifests-v2" / "ollama.com" / "library" / "smollm2" / "next"
+    linked.parent.mkdir(parents=True)
+    linked.symlink_to(os.path.relpath(blob, linked.parent))
+    entry = find_model("ollama:smollm2:next", store)
+    assert entry.manifest == linked and entry.gguf.name == f"sha256-{entry.digest}"
+    assert entry.size == smollm2_gguf().stat().st_size
+    assert list_names(store) == ["smollm2:next"]
+
+
 def test_an_entry_serves_the_import_of_its_blob_keyed_by_the_blob_digest(
     store: Path, smollm2_cache: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
