@@ -97,14 +97,14 @@ def thinking_of(thinking: Thinking | None) -> bool | None:
 
 
 def system_turns(system: str | Sequence[object] | None) -> list[Turn]:
-    if system is None:
-        return []
-    if isinstance(system, str):
-        return [Turn("system", system)] if system else []
-    text = SYSTEM_SEPARATOR.join(
-        text_of_block(block, f"system.{index}") for index, block in enumerate(system)
-    )
-    return [Turn("system", text)]
+    """The system prompt as one system turn (none when it is empty)."""
+    if system is None or isinstance(system, str):
+        text = system or ""
+    else:
+        text = SYSTEM_SEPARATOR.join(
+            text_of_block(block, f"system.{index}") for index, block in enumerate(system)
+        )
+    return [Turn("system", text)] if text else []
 
 
 def conversation_turns(messages: Sequence[Message]) -> list[Turn]:
