@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from engines.core.runner import EngineRunner
-from tests.helpers.api import MODEL_ID, assert_error, make_service, open_client, start_runner
+from engines.single.engine import SingleEngine
+from tests.helpers.api import MODEL_ID, assert_error, make_service, open_client
 from tests.helpers.engine import run_one
 from tests.helpers.real_model import QUESTIONS, Greedy, engine_request
 
@@ -25,13 +26,17 @@ CAPITAL = {
     "required": ["country", "capital"],
     "additionalProperties": False,
 }
-FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+FRANCE = QUESTIONS[0].messages
 JSON_TOKENS = 24  # each answer below closes its object well within this
+PREFIX_CACHE_BYTES = 64 * 1024**2
 
 
 @pytest.fixture(scope="module")
 def runner(smollm2_dir: Path) -> Iterator[EngineRunner]:
-    runner = start_runner(smollm2_dir, queue_size=8)
+    """One engine for the module, with a prefix cache: after the first test each question's
+    prompt is cached, so the later ones pay for their answers only."""
+    runner = EngineRunner(SingleEngine(smollm2_dir, prefix_cache_bytes=PREFIX_CACHE_BYTES))
+    runner.start(load_timeout_s=120)
     yield runner
     runner.close()
 
