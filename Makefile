@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/tandem serve --parallelism auto
 
-# Two xdist workers, each test module on one of them (its module fixtures start once), each worker
+# Two xdist workers; a module (or a package with its own conftest) runs whole on one, each worker
 # on its own loopback; see tests/helpers/workers.py.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
 # Benchmarks are separate from the tests; each rewrites its own section of docs/benchmarks.md.
 bench: $(STAMP)

@@ -1,6 +1,7 @@
-"""The suite on several pytest-xdist workers (`make test`): each worker on a loopback of its own,
-the modules that start real processes handed out first, and tests that time the machine run
-with nothing else beside them. Without xdist (`pytest FILE`) none of this does anything."""
+"""The suite on several pytest-xdist workers (`make test`): a module, or a package with a
+conftest of its own, runs whole on one worker (its fixtures start once), the costliest first;
+each worker on a loopback of its own; tests that time the machine run with nothing beside them.
+Without xdist (`pytest FILE`) only the solo marks are added."""
 
 from __future__ import annotations
 
@@ -12,20 +13,26 @@ import struct
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
-# Real processes: started first, so the long ones do not end the run alone on one worker.
+# Tests that start real processes; a guess of each kind's seconds orders the units.
 PROCESS_MARKERS = ("lab", "cluster")
+PROCESS_TEST_S, UNIT_TEST_S = 8.0, 0.2
 # Tests that measure wall-clock speed or tight deadlines against the machine: they run alone
 # (every other worker waits). Lab tests are among them by their marker.
 SOLO_MARKER = "solo"
 SOLO_TESTS = (
-    # speed probes compare a held machine's layer time with a free one's
+    # speed probes: layer times and all_sums measured, a probe's child ready within 3 s
     "tests/cluster/test_measured_planning.py::",
     "tests/cluster/test_all_sum_probe.py::",
+    # latency with strangers at every port within 1.5x of the latency without them
+    "tests/cluster/test_strangers.py::",
+    # four re-plan attempts, 0.15 s apart and doubling, within 2 s
+    "tests/cluster/test_supervisor.py::test_failed_replans_back_off",
     # a 0.5 s ready timeout the fake worker's first progress must beat
     "tests/planner/test_transfer_planning.py::test_progress_extends_the_ready_wait",
 )
@@ -59,22 +66,44 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[ISOLATED] = isolate_loopback()
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("lab") or item.nodeid.startswith(SOLO_TESTS):
             item.add_marker(SOLO_MARKER)
     if worker_id(config) is None:
         return
-    # Every worker sorts alike (xdist checks): modules with real processes first, in file order.
-    first = {
-        module_of(item) for item in items if any(map(item.get_closest_marker, PROCESS_MARKERS))
-    }
-    items.sort(key=lambda item: module_of(item) not in first)
+    # Every worker sorts alike (xdist checks), and the scheduler hands the units out in this
+    # order: the costliest first, so that no long one ends the run alone on one worker.
+    cost: dict[str, float] = {}
+    for item in items:
+        unit = unit_of(item.nodeid, config.rootpath)
+        heavy = any(map(item.get_closest_marker, PROCESS_MARKERS))
+        cost[unit] = cost.get(unit, 0.0) + (PROCESS_TEST_S if heavy else UNIT_TEST_S)
+    items.sort(key=lambda item: -cost[unit_of(item.nodeid, config.rootpath)])
 
 
-def module_of(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadscope` with our units (xdist's loadgroup marks are lost on pytest 9.2)."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid, config.rootpath)
+
+    return UnitScheduling(config, log)
+
+
+def unit_of(nodeid: str, root: Path) -> str:
+    """What one worker runs whole: a package with a conftest.py of its own (its package and
+    session fixtures start once; named "dir/"), else a module (its module fixtures start once)."""
+    module = Path(nodeid.split("::", 1)[0])
+    package = module.parent
+    if package.parent != Path() and (root / package / "conftest.py").is_file():
+        return f"{package}/"
+    return str(module)
 
 
 @pytest.hookimpl(wrapper=True)
