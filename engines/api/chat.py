@@ -111,13 +111,6 @@ def sampling_of(body: ChatCompletionRequest, service: Service) -> Sampling:
     )
 
 
-def grammar_param(chat: ChatInput) -> str | None:
-    """The field that asks for an output grammar, if any."""
-    if chat.forces_call():
-        return chat.names.tool_choice
-    return chat.names.output_format if chat.output_format is not None else None
-
-
 def api_tool_calls(calls: list[ToolCall]) -> list[AssistantToolCall]:
     return [
         AssistantToolCall(
@@ -222,7 +215,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         check_chat_fields(body)
         chat = chat_input_of(body)
         sampling = sampling_of(body, service)
-        check_features(engine_features(service), sampling, grammar_param(chat))
+        check_features(engine_features(service), sampling, chat.grammar_param())
         tokenizer = service.tokenizer
         tools = tool_format_for(chat, tokenizer)
         grammar = output_grammar(chat, tokenizer, tools)
@@ -237,7 +230,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
             prompt,
             max_prompt_tokens,
             grammar,
-            grammar_param(chat),
+            chat.grammar_param(),
         )
         submission = service.submit(generation, received_at=received_at(request.scope))
         mark_submitted(request.scope)

@@ -94,6 +94,12 @@ class ChatInput:
         """A tool call is required (of any tool on offer, or of `forced_tool`)."""
         return bool(self.tools) and self.tool_mode == "required"
 
+    def grammar_param(self) -> str | None:
+        """The body's field that asks for an output grammar (a forced call, JSON), if any."""
+        if self.forces_call():
+            return self.names.tool_choice
+        return self.names.output_format if self.output_format is not None else None
+
     def resolved_thinking(self) -> bool | None:
         """`thinking`, except that a grammar-shaped output (JSON, a forced call) never thinks:
         the grammar binds from the first token, so a thought could not be written."""

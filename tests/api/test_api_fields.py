@@ -12,7 +12,7 @@ import httpx
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engines.api.chat import chat_input_of, grammar_param, sampling_of
+from engines.api.chat import chat_input_of, sampling_of
 from engines.api.completions import sampling_of as completion_sampling_of
 from engines.api.errors import APIError
 from engines.api.fields import check_chat_fields
@@ -328,7 +328,7 @@ def test_an_engine_without_a_feature_refuses_the_field(fields: dict, param: str)
     # An engine that declares none of the features (every engine declares all three today).
     body = ChatCompletionRequest.model_validate(chat_body(**fields))
     check_chat_fields(body)
-    sampling, constrained = sampling_of(body, SERVICE), grammar_param(chat_input_of(body))
+    sampling, constrained = sampling_of(body, SERVICE), chat_input_of(body).grammar_param()
     with pytest.raises(APIError) as refused:
         check_features(frozenset(), sampling, constrained)
     assert refused.value.status == 400 and refused.value.param == param

@@ -22,7 +22,6 @@ from engines.api.anthropic.schemas import (
     TokenCount,
     Usage,
 )
-from engines.api.chat import grammar_param
 from engines.api.constraints import output_grammar
 from engines.api.errors import STREAMED
 from engines.api.generation import (
@@ -87,7 +86,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         check_serving(service, body.model)
         chat = chat_input_of(body)
         sampling = sampling_of(body, service.limits)
-        check_features(engine_features(service), sampling, grammar_param(chat))
+        check_features(engine_features(service), sampling, chat.grammar_param())
         tokenizer = service.tokenizer
         tools = tool_format_for(chat, tokenizer)
         grammar = output_grammar(chat, tokenizer, tools)
@@ -101,7 +100,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
             prompt,
             max_prompt_tokens,
             grammar,
-            grammar_param(chat),
+            chat.grammar_param(),
         )
         submission = service.submit(generation, received_at=received_at(request.scope))
         mark_submitted(request.scope)

@@ -11,7 +11,6 @@ from fastapi.routing import APIRoute
 from starlette.responses import Response as HTTPResponse
 from starlette.types import Receive, Scope, Send
 
-from engines.api.chat import grammar_param
 from engines.api.constraints import output_grammar
 from engines.api.conversation import Turn
 from engines.api.errors import ERROR_RESPONSES, STREAMED, UNAUTHORIZED, APIError, documented
@@ -95,7 +94,7 @@ def create_router(
         conversation = conversation_of(body, earlier_turns(body))
         chat = chat_input_of(body, conversation)
         sampling = sampling_of(body, service.limits)
-        check_features(engine_features(service), sampling, grammar_param(chat))
+        check_features(engine_features(service), sampling, chat.grammar_param())
         tokenizer = service.tokenizer
         tools = tool_format_for(chat, tokenizer)
         grammar = output_grammar(chat, tokenizer, tools)
@@ -109,7 +108,7 @@ def create_router(
             prompt,
             max_prompt_tokens,
             grammar,
-            grammar_param(chat),
+            chat.grammar_param(),
         )
         submission = service.submit(generation, received_at=received_at(request.scope))
         mark_submitted(request.scope)
