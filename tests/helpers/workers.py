@@ -33,6 +33,8 @@ SOLO_TESTS = (
     "tests/cluster/test_strangers.py::",
     # four re-plan attempts, 0.15 s apart and doubling, within 2 s
     "tests/cluster/test_supervisor.py::test_failed_replans_back_off",
+    # a request with a 2 s timeout must get its first token amid a burst of eight
+    "tests/pipeline/test_pipeline_batching.py::test_burst_of_eight",
     # a 0.5 s ready timeout the fake worker's first progress must beat
     "tests/planner/test_transfer_planning.py::test_progress_extends_the_ready_wait",
 )
