@@ -34,8 +34,10 @@ SOLO_TESTS = (
     # latency with strangers at every port within 1.5x of the latency without them, and
     # answers within 0.5 s
     "tests/cluster/test_strangers.py::",
-    # four re-plan attempts, 0.15 s apart and doubling, within 2 s
+    # four re-plan attempts, 0.15 s apart and doubling
     "tests/cluster/test_supervisor.py::test_failed_replans_back_off",
+    # a weight fetch beside 72 strangers within 1 s + twice its time alone
+    "tests/weights/test_weight_transfer.py::test_strangers_holding_the_weight_port",
     # a request with a 2 s timeout must get its first token amid a burst of eight
     "tests/pipeline/test_pipeline_batching.py::test_burst_of_eight",
     # a 0.5 s ready timeout the fake worker's first progress must beat
