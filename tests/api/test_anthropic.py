@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,12 +9,11 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-import uvicorn
 
 from engines.api import create_app
 from engines.core.runner import EngineRunner
 from engines.core.service import Service, ServiceLimits
-from tests.helpers.api import LONG, MODEL_ID, WEATHER, start_runner, wait_idle
+from tests.helpers.api import LONG, MODEL_ID, WEATHER, serve_on_loopback, start_runner, wait_idle
 
 API_KEY = "test-key"
 SYSTEM = "You are terse."
@@ -50,24 +47,8 @@ def base_url(runner: EngineRunner) -> Iterator[str]:
         state="ok",
         cluster_status=lambda: {"strategy": "single"},
     )
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket
-    config = uvicorn.Config(create_app(service), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        listener.close()
-        assert not thread.is_alive(), "uvicorn did not stop"
+    with serve_on_loopback(create_app(service)) as url:
+        yield url
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -12,12 +11,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engines.api import create_app
 from engines.core.runner import EngineRunner
 from engines.core.service import Service, ServiceLimits
 from engines.single.engine import SingleEngine
+from tests.helpers.api import serve_on_loopback
 
 MODEL_ID = "tandem-demo"
 API_KEY = "test-key"
@@ -46,24 +45,8 @@ def base_url(runner: EngineRunner) -> Iterator[str]:
         state="ok",
         cluster_status=lambda: {"strategy": "single"},
     )
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket
-    config = uvicorn.Config(create_app(service), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        listener.close()
-        assert not thread.is_alive(), "uvicorn did not stop"
+    with serve_on_loopback(create_app(service)) as url:
+        yield url
 
 
 @pytest.fixture

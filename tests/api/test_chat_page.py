@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from engines.api import create_app
 from engines.core.runner import EngineRunner
 from engines.observability.request_timing import RequestRecord
-from tests.helpers.api import MODEL_ID, make_service, start_runner, wait_idle
+from tests.helpers.api import MODEL_ID, make_service, serve_on_loopback, start_runner, wait_idle
 from tests.helpers.browser import Browser, find_browser
 
 KEY = "chat-page-key"
@@ -61,24 +58,8 @@ def records(runner: EngineRunner) -> list[RequestRecord]:
 def base_url(runner: EngineRunner, records: list[RequestRecord]) -> Iterator[str]:
     service = make_service(runner, api_key=KEY)
     service.request_listeners.append(records.append)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket
-    config = uvicorn.Config(create_app(service), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        listener.close()
-        assert not thread.is_alive(), "uvicorn did not stop"
+    with serve_on_loopback(create_app(service)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

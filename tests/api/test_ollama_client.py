@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import ollama
 import pytest
-import uvicorn
 
 from engines.api import create_app
 from engines.api.conversation import ChatInput, FunctionTool, Turn
@@ -25,7 +21,7 @@ from engines.api.tools import tool_format_for
 from engines.core.engine import Finish, TokenEvent
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner, Submission
-from tests.helpers.api import WEATHER, make_service, start_runner, wait_idle
+from tests.helpers.api import WEATHER, make_service, serve_on_loopback, start_runner, wait_idle
 from tests.helpers.grammar import REPLY_SCHEMA, completes_to_object
 
 MODEL = "tandem-demo"
@@ -48,23 +44,8 @@ def runner(demo_model_dir: Any) -> Iterator[EngineRunner]:
 @pytest.fixture(scope="module")
 def base_url(runner: EngineRunner) -> Iterator[str]:
     app = create_app(make_service(runner, api_key=API_KEY), max_prompt_tokens=CONTEXT)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        listener.close()
-        assert not thread.is_alive(), "uvicorn did not stop"
+    with serve_on_loopback(app) as url:
+        yield url
 
 
 @pytest.fixture

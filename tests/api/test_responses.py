@@ -5,26 +5,22 @@ store and previous_response_id, hosted tools; greedy equals chat completions."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engines.api import create_app
 from engines.core.runner import EngineRunner
-from tests.helpers.api import (  # noqa: F401
+from tests.helpers.api import (
     LONG,
     MODEL_ID,
-    anyio_backend,
     assert_error,
     make_service,
     open_client,
+    serve_on_loopback,  # noqa: F401
     start_runner,
     wait_idle,
 )
@@ -65,23 +61,8 @@ def runner(demo_model_dir: Any) -> Iterator[EngineRunner]:
 
 @pytest.fixture(scope="module")
 def base_url(runner: EngineRunner) -> Iterator[str]:
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket
-    config = uvicorn.Config(create_app(make_service(runner)), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        listener.close()
-        assert not thread.is_alive(), "uvicorn did not stop"
+    with serve_on_loopback(create_app(make_service(runner))) as url:
+        yield url
 
 
 @pytest.fixture
