@@ -217,6 +217,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefix_cache_disk_bytes=prefix_cache_disk_bytes,
         kv_bits=kv_bits_from(args.kv_bits),
         quantized_kv_start=quantized_kv_start_from(args.quantized_kv_start),
+        engine_core=args.engine_core,
         cpu_float32=args.cpu_float32 == "auto",
         measure_speeds=args.measure_speeds,
         max_tokens_cap=args.max_tokens_cap,

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -69,8 +69,10 @@ class JsonChild:
         on_message: Callable[[Message], None] | None = None,
         on_stderr: Callable[[str], None] | None = None,
         on_exit: Callable[[int], None] | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         self.command = list(command)
+        self._pass_fds = tuple(pass_fds)  # descriptors the child inherits (a listening socket)
         self.name = name
         self.process: subprocess.Popen[bytes] | None = None
         self._env = dict(env) if env is not None else None
@@ -111,6 +113,7 @@ class JsonChild:
             env=self._env,
             cwd=self._cwd,
             start_new_session=self._own_group,
+            pass_fds=self._pass_fds,
         )
         log.info("started %s (pid %d)", self.name, self.process.pid)
         stderr_reader = None
@@ -135,7 +138,7 @@ class JsonChild:
         """Write one JSON line to the child's stdin; OSError or ValueError once it is gone."""
         if self.process is None or self.process.stdin is None:
             raise ValueError(f"{self.name} is not started")
-        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+        data = self._encode(message)
         with self._write_lock:
             self.process.stdin.write(data)
             self.process.stdin.flush()
@@ -269,14 +272,22 @@ class JsonChild:
             if self._on_stderr is not None:
                 self._call(self._on_stderr, line)
 
-    def _read_stdout(self, stderr_reader: threading.Thread | None) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        for raw in self.process.stdout:
+    # -- the encoding: JSON lines here; engines/core/core_process.py's child uses msgpack ------
+
+    def _encode(self, message: Message) -> bytes:
+        return (json.dumps(message, separators=(",", ":")) + "\n").encode()
+
+    def _decode(self, stream: IO[bytes]) -> Iterator[Any]:
+        """Every message the child writes, until its stdout closes."""
+        for raw in stream:
             try:
-                message = json.loads(raw)
+                yield json.loads(raw)
             except ValueError:
                 log.warning("%s wrote a line that is not JSON: %r", self.name, raw[:200])
-                continue
+
+    def _read_stdout(self, stderr_reader: threading.Thread | None) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for message in self._decode(self.process.stdout):
             if not isinstance(message, dict):
                 continue
             if self._on_message is not None:

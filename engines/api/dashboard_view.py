@@ -104,15 +104,19 @@ def _prefix_cache(cache: dict[str, Any]) -> str:
     return text
 
 
-def _accounting(memory: dict[str, Any]) -> str:
-    """RSS and what it is made of, in MB: the weights, the prefix cache, the rest of mlx's
-    arrays (KV, scratch), mlx's cache, and what nothing accounts for."""
-    mb = {kind: int(value) >> 20 for kind, value in memory.items()}
-    return (
-        f"RSS {mb.get('rss', 0)} MB = weights {mb.get('weights', 0)} + prefix cache "
-        f"{mb.get('prefix_cache', 0)} + KV/scratch {mb.get('other_mlx', 0)} + mlx cache "
-        f"{mb.get('mlx_cache', 0)} + unaccounted {mb.get('unaccounted', 0)}"
-    )
+def _accounting(processes: dict[str, dict[str, Any]]) -> str:
+    """Per serving process (serve; or api and engine_core), RSS and what it is made of, in
+    MB: the weights, the prefix cache, the rest of mlx's arrays (KV, scratch), mlx's cache,
+    and what nothing accounts for."""
+    lines = []
+    for process, memory in processes.items():
+        mb = {kind: int(value) >> 20 for kind, value in memory.items()}
+        lines.append(
+            f"{process}: RSS {mb.get('rss', 0)} MB = weights {mb.get('weights', 0)} + prefix "
+            f"cache {mb.get('prefix_cache', 0)} + KV/scratch {mb.get('other_mlx', 0)} + mlx "
+            f"cache {mb.get('mlx_cache', 0)} + unaccounted {mb.get('unaccounted', 0)}"
+        )
+    return "; ".join(lines)
 
 
 def render_charts(samples: Sequence[Sample]) -> str:

@@ -180,12 +180,15 @@ class ClusterCollector:
                 yield from _step_timing(timing)
         accounting = GaugeMetricFamily(
             "tandem_process_memory_bytes",
-            "This process's memory by kind: rss; mlx_active (= weights + prefix_cache + "
+            "Each serving process's memory by kind (process: serve, or api and engine_core "
+            "when the engine core runs apart): rss; mlx_active (= weights + prefix_cache + "
             "other_mlx: KV and scratch); mlx_cache; unaccounted (rss - mlx, its growth is a leak)",
-            labels=["kind"],
+            labels=["process", "kind"],
         )
-        for kind, value in process_memory(runner.engine if runner else None).items():
-            accounting.add_metric([kind], value)
+        processes = runner.memory_accounting() if runner else {"serve": process_memory(None)}
+        for process, memory in processes.items():
+            for kind, value in memory.items():
+                accounting.add_metric([process, kind], value)
         yield accounting
         status = _cluster_status(service)
         yield from _members(status.get("members") or [])

@@ -7,13 +7,12 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from discovery.framing import free_port
-from engines.core import blas
-from engines.core.engine import Engine
+from engines.core.engine_spec import EngineSpec
 from engines.tensor_parallel.jaccl import RdmaRow
 from planner import ClusterPlan, Parallelism
 from planner.cluster_plan import JACCL, RING
@@ -27,6 +26,8 @@ PP_ROLE = "pp_stage"
 WEIGHTS_ROLE = "weights"  # engines/weights/fetch_worker.py
 RELEASE_WAIT_S = 10.0
 DEFAULT_RING_PORT_BASE = 52400  # ranks on other machines listen on base + rank
+PROCESS_CORE = "process"
+THREAD_CORE = "thread"
 
 
 class MembershipLike(Protocol):
@@ -68,6 +69,10 @@ class LaunchSettings:
     prefix_cache_dir: Path | None = None
     rdma_rows: tuple[RdmaRow, ...] = ()
     rdma_devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Where the coordinator's part runs: PROCESS_CORE (an engine-core process beside the
+    # API's, engines/core/core_process.py) or THREAD_CORE (a thread of serve itself).
+    engine_core: str = "process"
+    core_lost_after_s: float = 5.0  # a core silent this long is frozen: killed, re-planned
 
     @property
     def remote_model(self) -> str:
@@ -79,34 +84,33 @@ def build_engine(
     settings: LaunchSettings,
     membership: MembershipLike | None,
     addresses: dict[str, str],
-) -> Engine:
-    """Create the engine the plan chose; remote workers are assigned before returning.
+) -> EngineSpec:
+    """Describe the coordinator's part of the plan; remote workers are assigned before
+    returning.
 
     `addresses` maps node id -> address; the coordinator's entry is where others reach it.
-    The returned engine is not loaded yet: EngineRunner.start() calls load() on its thread,
-    which for tp/pp also waits for the remote workers to meet it.
+    The spec is built and loaded by the engine core (engines/core/core_process.py, or a
+    thread here): load() for tp/pp also waits for the remote workers to meet it.
     """
     chosen = plan.decision.chosen
-    share = _share_cores(plan, addresses, settings.coordinator_address)
-    blas.set_threads(share)
     if chosen == Parallelism.SINGLE:
         from engines.prefix_cache.disk_tier import tier_root
-        from engines.single.engine import SingleEngine
 
         disk_root = None
         if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
             share = f"single-kv{settings.kv_bits}" if settings.kv_bits else "single"
             disk_root = tier_root(settings.prefix_cache_dir, settings.model_path, share)
-        return SingleEngine(
-            settings.model_path,
-            max_batch=settings.max_batch,
-            upcast=_upcast(plan),
-            prefix_cache_bytes=plan.prefix_cache_bytes,
-            prefix_cache_disk_bytes=settings.prefix_cache_disk_bytes if disk_root else 0,
-            prefix_cache_disk_root=disk_root,
-            kv_bits=settings.kv_bits,
-            quantized_kv_start=settings.quantized_kv_start,
-        )
+        options = {
+            "model_path": str(settings.model_path),
+            "max_batch": settings.max_batch,
+            "upcast": _upcast(plan),
+            "prefix_cache_bytes": plan.prefix_cache_bytes,
+            "prefix_cache_disk_bytes": settings.prefix_cache_disk_bytes if disk_root else 0,
+            "prefix_cache_disk_root": str(disk_root) if disk_root else None,
+            "kv_bits": settings.kv_bits,
+            "quantized_kv_start": settings.quantized_kv_start,
+        }
+        return _spec("single", options, plan, settings, addresses)
     if membership is None or settings.cluster_key is None:
         raise EngineError(f"a {chosen.value} plan needs cluster membership and a cluster key")
     if chosen == Parallelism.TP:
@@ -119,9 +123,7 @@ def _build_tensor_parallel(
     settings: LaunchSettings,
     membership: MembershipLike,
     addresses: dict[str, str],
-) -> Engine:
-    from engines.tensor_parallel.engine import TensorParallelEngine
-
+) -> EngineSpec:
     rank_addresses = [addresses[node_id] for node_id in plan.ranks]
     ports = [_ring_port(address, rank, settings) for rank, address in enumerate(rank_addresses)]
     options = {
@@ -162,12 +164,13 @@ def _build_tensor_parallel(
                 raise EngineError(f"tensor-parallel rank on {node_id}: {error}") from error
     endpoints = ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports, strict=True))
     log.info("tp: %d ranks over %s on %s", len(specs), plan.backend or RING, endpoints)
-    return TensorParallelEngine(
-        settings.model_path,
-        specs[0],
-        token_timeout_s=settings.token_timeout_s,
-        rank_nodes=plan.ranks,
-    )
+    options = {
+        "model_path": str(settings.model_path),
+        "rank0_spec": specs[0],
+        "token_timeout_s": settings.token_timeout_s,
+        "rank_nodes": list(plan.ranks),
+    }
+    return _spec("tensor_parallel", options, plan, settings, addresses)
 
 
 def _group_specs(
@@ -195,9 +198,7 @@ def _build_pipeline(
     settings: LaunchSettings,
     membership: MembershipLike,
     addresses: dict[str, str],
-) -> Engine:
-    from engines.pipeline.engine import EncryptedPipelineEngine
-
+) -> EngineSpec:
     share = _share_cores(plan, addresses, settings.coordinator_address)
     # Bound now and handed to the engine: no other process can take the port meanwhile.
     try:
@@ -213,22 +214,23 @@ def _build_pipeline(
     ranges = [[s.layers.start, s.layers.stop] for s in plan.stages]
     log.info("pp: %d stages %s", len(plan.stages), ranges)
     disk = settings.prefix_cache_disk_bytes if settings.prefix_cache_dir is not None else 0
-    return EncryptedPipelineEngine(
-        settings.model_path,
-        first.layers,
-        remote,
-        return_listen_host=settings.coordinator_address,
-        cluster_key=settings.cluster_key,
-        token_timeout_s=settings.token_timeout_s,
-        return_listener=listener,
-        upcast=_upcast(plan),
-        # the plan's field lands with the lead's planner budget; until then the cache is off
-        prefix_cache_bytes=plan.prefix_cache_bytes,
-        prefix_cache_disk_bytes=disk,
-        prefix_cache_dir=settings.prefix_cache_dir,  # stage 0's; an agent names its own
-        kv_bits=settings.kv_bits,
-        quantized_kv_start=settings.quantized_kv_start,
-    )
+    options = {
+        "model_path": str(settings.model_path),
+        "layers": [first.layers.start, first.layers.stop],
+        "stages": remote,
+        "return_listen_host": settings.coordinator_address,
+        "cluster_key": settings.cluster_key,
+        "token_timeout_s": settings.token_timeout_s,
+        "upcast": _upcast(plan),
+        "prefix_cache_bytes": plan.prefix_cache_bytes,
+        "prefix_cache_disk_bytes": disk,
+        # stage 0's; an agent names its own
+        "prefix_cache_dir": str(settings.prefix_cache_dir) if settings.prefix_cache_dir else None,
+        "kv_bits": settings.kv_bits,
+        "quantized_kv_start": settings.quantized_kv_start,
+    }
+    spec = _spec("pipeline", options, plan, settings, addresses)
+    return replace(spec, listener=listener)
 
 
 def _assign_stages(
@@ -328,6 +330,18 @@ def _finish_fetch(
             f"pipeline stage {index} on {node_id}: its weights worker did not stop within "
             f"{RELEASE_WAIT_S:g} s"
         )
+
+
+def _spec(
+    factory: str,
+    options: dict[str, Any],
+    plan: ClusterPlan,
+    settings: LaunchSettings,
+    addresses: dict[str, str],
+) -> EngineSpec:
+    """An engine_factories function, with the BLAS threads of this machine's share."""
+    share = _share_cores(plan, addresses, settings.coordinator_address)
+    return EngineSpec(f"engines.cluster.engine_factories:{factory}", options, blas_threads=share)
 
 
 def _upcast(plan: ClusterPlan) -> bool:

@@ -12,12 +12,14 @@ from typing import Any
 from discovery.capabilities import PORT_ACTIVE
 from engines.cluster.cluster_status import engine_status, members_status, resources_status
 from engines.cluster.exclusions import MemberExclusions
-from engines.cluster.launch import LaunchSettings, build_engine
+from engines.cluster.launch import THREAD_CORE, LaunchSettings, build_engine
 from engines.cluster.replan_history import ReplanHistory
 from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
+from engines.core.core_process import CoreProcess
 from engines.core.engine import Engine
+from engines.core.engine_spec import EngineSpec
 from engines.core.memory_release import release_freed_memory
-from engines.core.runner import EngineRunner
+from engines.core.runner import EngineCore, EngineRunner
 from engines.core.service import Service
 from engines.model.info import ModelFacts
 from engines.model.precision import on_cpu
@@ -124,7 +126,7 @@ class ClusterSupervisor:
         launch_settings: LaunchSettings,
         coordinator: Callable[[], NodeResources],
         membership: Any | None = None,
-        engine_factory: Callable[[ClusterPlan], Engine] | None = None,
+        engine_factory: Callable[[ClusterPlan], Engine | EngineSpec] | None = None,
     ) -> None:
         self.service = service
         self.facts = facts
@@ -184,7 +186,7 @@ class ClusterSupervisor:
         self._watcher.start()
         return plan
 
-    def _build_engine(self, plan: ClusterPlan) -> Engine:
+    def _build_engine(self, plan: ClusterPlan) -> EngineSpec:
         settings = self.launch_settings
         addresses = {self.coordinator().node_id: settings.coordinator_address}
         if self.membership is not None:
@@ -205,9 +207,10 @@ class ClusterSupervisor:
             log.info("  %s", line)
         runner: EngineRunner | None = None
         try:
-            engine = self._engine_factory(plan)
             runner = EngineRunner(
-                engine, self.plan_settings.queue_size, self.plan_settings.max_batch
+                self._core_for(self._engine_factory(plan)),
+                self.plan_settings.queue_size,
+                self.plan_settings.max_batch,
             )
             runner.start(load_timeout_s=self.launch_settings.ready_timeout_s)
         except TandemError:
@@ -217,13 +220,24 @@ class ClusterSupervisor:
             raise
         with self._lock:
             if not self._closed.is_set():
-                self.service.tokenizer = engine.tokenizer
+                self.service.tokenizer = runner.core.tokenizer
                 self.served_speed.reset()
                 self.service.swap_runner(runner, "ok", decision.reason)
                 runner = None
         if runner is not None:  # closed while launching: nobody may serve from it
             runner.close()
             self._release_workers("coordinator shutting down")
+
+    def _core_for(self, made: Engine | EngineSpec) -> Engine | EngineCore:
+        """The engine core for what the factory made: a spec runs in a process of its own
+        (`--engine-core process`, the default) or on a thread here; an engine object (a
+        test's) runs on a thread here."""
+        if not isinstance(made, EngineSpec):
+            return made
+        settings = self.launch_settings
+        if settings.engine_core == THREAD_CORE:
+            return made.build()
+        return CoreProcess(made, self.plan_settings.max_batch, settings.core_lost_after_s)
 
     # -- failure handling --------------------------------------------------------------------
 
@@ -367,7 +381,7 @@ class ClusterSupervisor:
             "served": self.served_speed.describe()
             | {"segments_ms": one_stream_segments_ms((engine or {}).get("step_timing"))},
             "coordinator": resources_status(self.coordinator())
-            | {"memory_accounting": process_memory(runner.engine if runner else None)},
+            | {"memory_accounting": _memory_accounting(runner)},
             "members": members_status(self.membership),
             "model": self.facts.to_dict(),
         }
@@ -422,3 +436,11 @@ def _assignment(plan: ClusterPlan | None) -> tuple[Any, ...]:
         return ()
     stages = tuple((s.node_id, s.layers.start, s.layers.stop) for s in plan.stages)
     return (plan.decision.chosen, tuple(plan.ranks), stages)
+
+
+def _memory_accounting(runner: EngineRunner | None) -> dict[str, Any]:
+    """This machine's serving processes by kind of memory: the API's and the engine core's
+    when the core runs apart ("api", "engine_core"), else serve's own ("serve")."""
+    if runner is None:
+        return {"serve": process_memory(None)}
+    return runner.memory_accounting()

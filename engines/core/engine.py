@@ -101,6 +101,9 @@ class Engine(abc.ABC):
     #: what the engine honours beyond temperature/top_p/seed: "penalties", "logprobs",
     #: "grammar" (GenerationRequest.grammar); the API refuses a request that needs more
     features: frozenset[str] = frozenset({"penalties", "logprobs"})
+    #: "module:function" of a pure `refusal(request)` for engines with one: an API process
+    #: that runs the engine in another process asks it there (engines/core/core_process.py)
+    refusal_function: str | None = None
 
     @abc.abstractmethod
     def load(self) -> None:

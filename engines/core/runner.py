@@ -1,9 +1,10 @@
-"""EngineRunner: the continuous-batching scheduler between the asyncio API and an Engine.
+"""EngineRunner: the API side of an engine core — submissions in, text events out.
 
-One thread owns the engine. Between steps it admits waiting requests into the batch (up to
-`max_batch`), steps the engine once, hands each sequence its token, and removes every
-sequence that finished, was cancelled or timed out — so a request joins and leaves the
-running batch between two decode steps.
+The core (engines/core/scheduler.py) batches and steps the engine, in this process
+(`LocalCore`) or in one of its own (engines/core/core_process.py). It reports every step's
+tokens; the runner turns them into each request's text events (detokenizing, stop strings,
+usage) and ends a request when its text, its client or its deadline says so, asking the core
+to drop it. Requests join and leave the running batch between two steps.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, Protocol
 
 from engines.core.engine import (
     DEFAULT_MAX_BATCH,
@@ -24,13 +25,13 @@ from engines.core.engine import (
     TokenEvent,
 )
 from engines.core.request import GenerationRequest
+from engines.core.scheduler import SHUTTING_DOWN, BatchScheduler, Ended, Release, StepReport
 from engines.core.sequence import ActiveSequence, Ending
 from planner.errors import EngineError, QueueFullError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_SIZE = 8
-SHUTTING_DOWN = "server is shutting down"
 
 
 class EventPost:
@@ -90,6 +91,7 @@ class Submission:
         received_at: float | None = None,
         on_finish: Callable[[Submission, TokenEvent], None] | None = None,
         post: EventPost | None = None,
+        on_cancel: Callable[[Submission], None] | None = None,
     ) -> None:
         self.request = request
         self._loop = loop
@@ -103,26 +105,36 @@ class Submission:
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
-        self.uid: int | None = None  # the engine's uid once admitted (its step times)
+        self.uid: int | None = None  # the core's uid for it
+        self.step_times: dict[str, float] = {}  # the engine's step seconds, once it let go
+        self.final_event: TokenEvent | None = None
         self._on_finish = on_finish
+        self._on_cancel = on_cancel
 
     def cancel(self) -> None:
-        """Ask the scheduler to drop the sequence at the next step (or skip it if queued)."""
-        self.cancelled.set()
+        """Ask the core to drop the sequence at the next step (or skip it if queued)."""
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            if self._on_cancel is not None and not self.done:
+                self._on_cancel(self)
 
     def push(self, event: TokenEvent) -> None:
-        """Called from the scheduler thread: hand the event to the event loop."""
+        """Called from the runner's thread: hand the event to the event loop."""
         if event.finish_reason is not None and self.finished_at is None:
-            self._report_finish(event)
+            self.finished_at = time.monotonic()
+            self.final_event = event
         self._post.post(self._loop, self._events, event)
 
-    def _report_finish(self, event: TokenEvent) -> None:
-        self.finished_at = time.monotonic()
-        if self._on_finish is not None:
-            try:
-                self._on_finish(self, event)
-            except Exception:  # metrics or logging must never break the scheduler
-                log.exception("recording request %s failed", self.request.request_id)
+    def settle(self, step_times: dict[str, float]) -> None:
+        """The core let it go: record it (metrics, request log) with its step times."""
+        self.step_times = step_times
+        if self._on_finish is None or self.final_event is None:
+            return
+        on_finish, self._on_finish = self._on_finish, None
+        try:
+            on_finish(self, self.final_event)
+        except Exception:  # metrics or logging must never break the runner
+            log.exception("recording request %s failed", self.request.request_id)
 
     def fail(self, error: str) -> None:
         self.push(
@@ -156,12 +168,75 @@ class Submission:
                 return
 
 
+class CoreListener(Protocol):
+    """Where a core delivers what happened: its step reports, and its loss."""
+
+    def on_report(self, report: StepReport) -> None: ...
+    def on_lost(self, reason: str) -> None: ...
+
+
+class EngineCore(Protocol):
+    """What the runner drives: an engine's batch, here or in a process of its own."""
+
+    engine: Any  # the Engine, or a view of it (info, health, features, abort, ...)
+    tokenizer: Any
+
+    def start(self, listener: CoreListener, load_timeout_s: float | None) -> None: ...
+    def add(self, uid: int, request: GenerationRequest) -> None: ...
+    def abort(self, uids: list[int]) -> None: ...
+    def evict(self, keep_fraction: float) -> None: ...
+    def memory_accounting(self) -> dict[str, dict[str, int]]: ...
+    def close(self) -> None: ...
+
+
+class LocalCore:
+    """The core on a thread of this process: the engine's steps share this interpreter."""
+
+    def __init__(self, engine: Engine, max_batch: int) -> None:
+        self.engine = engine
+        self._max_batch = max_batch
+        self._scheduler: BatchScheduler | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def start(self, listener: CoreListener, load_timeout_s: float | None) -> None:
+        self._scheduler = BatchScheduler(self.engine, self._max_batch, listener.on_report)
+        self._scheduler.start(load_timeout_s)
+
+    def add(self, uid: int, request: GenerationRequest) -> None:
+        self._running().add(uid, request)
+
+    def abort(self, uids: list[int]) -> None:
+        self._running().abort(uids)
+
+    def evict(self, keep_fraction: float) -> None:
+        self._running().evict(keep_fraction)
+
+    def memory_accounting(self) -> dict[str, dict[str, int]]:
+        from engines.observability.process_memory import process_memory
+
+        return {"serve": process_memory(self.engine)}
+
+    def close(self) -> None:
+        if self._scheduler is None:
+            self.engine.close()
+        else:
+            self._scheduler.close()
+
+    def _running(self) -> BatchScheduler:
+        if self._scheduler is None:
+            raise EngineError("the engine core is not started")
+        return self._scheduler
+
+
 class EngineRunner:
-    """Schedules submissions onto one engine's batch, on a thread of its own."""
+    """The API's side of one engine core: queue bound, submissions, their text events."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | EngineCore,
         queue_size: int = DEFAULT_QUEUE_SIZE,
         max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
@@ -169,63 +244,48 @@ class EngineRunner:
             raise ValueError(
                 f"queue size and max batch must be at least 1, got {queue_size}, {max_batch}"
             )
-        self.engine = engine
+        self.core: EngineCore = (
+            LocalCore(engine, max_batch) if isinstance(engine, Engine) else engine
+        )
         self.queue_size = queue_size
         self.max_batch = max_batch
-        self._pending: deque[Submission] = deque()
-        self._active: dict[int, ActiveSequence] = {}
-        self._wakeup = threading.Condition()
-        self._loaded = threading.Event()
-        self._load_error: BaseException | None = None
+        self._lock = threading.Lock()  # _waiting and _closed, shared with the event loop
+        self._reporting = threading.RLock()  # one report at a time (a loss may race a step)
+        self._waiting: dict[int, Submission] = {}  # submitted, not admitted yet
+        self._active: dict[int, ActiveSequence] = {}  # admitted (the core's thread only)
+        self._ended: dict[int, Submission] = {}  # ended here, not yet let go by the core
         self._closed = False
         self._next_uid = 0
         self.steps = 0
-        self._eviction_keep: float | None = None  # a requested prefix-cache eviction
         self.prefix_evictions = 0
         self.prefix_evicted_bytes = 0
         self.generated_tokens = 0  # step outputs so far: the live tokens/s of the dashboard
-        self._post = EventPost()  # a step's events reach the event loop in one wakeup
-        self._thread = threading.Thread(target=self._work, name="engine-runner", daemon=True)
+        self._post = EventPost()  # a report's events reach the event loop in one wakeup
+
+    @property
+    def engine(self) -> Any:
+        return self.core.engine
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, load_timeout_s: float | None = None) -> None:
-        """Start the scheduler thread and wait until the engine has loaded (or failed to).
+        """Start the core and wait until its engine has loaded (or failed to).
 
         On a time-out the caller must still close() the runner: that aborts the load where
         the engine can (remote workers) and closes the engine once load() has returned.
         """
-        self._thread.start()
-        if not self._loaded.wait(load_timeout_s):
-            raise EngineError(f"engine did not load within {load_timeout_s} s")
-        if self._load_error is not None:
-            raise self._load_error
+        self.core.start(self, load_timeout_s)
 
     def close(self, join_timeout_s: float = 10.0) -> None:
-        """Fail what waits or runs, stop the thread; the thread itself closes the engine.
-
-        The engine is closed only once no step can be running on it: by the scheduler
-        thread on its way out, or here when the thread never started.
-        """
-        with self._wakeup:
+        """Fail what waits or runs, and close the core (which closes the engine)."""
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            waiting = list(self._pending)
-            self._pending.clear()
-            self._wakeup.notify_all()
-        for submission in waiting:
-            submission.fail(SHUTTING_DOWN)
-        if not self._thread.is_alive() and not self._thread.ident:
-            self.engine.close()
-            return
-        self.engine.abort(SHUTTING_DOWN)  # a step (or load) blocked on a remote worker returns
-        self._thread.join(join_timeout_s)
-        if self._thread.is_alive():
-            log.warning(
-                "the engine thread is still busy after %g s; it closes the engine when done",
-                join_timeout_s,
-            )
+        try:
+            self.core.close()
+        finally:
+            self.on_lost(SHUTTING_DOWN)
 
     # -- submitting --------------------------------------------------------------------------
 
@@ -238,39 +298,54 @@ class EngineRunner:
     ) -> Submission:
         """Queue a request; raises QueueFullError at once when the queue is full.
 
-        `received_at` (monotonic) is when the HTTP request arrived; `on_finish` runs on the
-        scheduler thread with the final event, before the API sees it.
+        `received_at` (monotonic) is when the HTTP request arrived; `on_finish` runs with the
+        final event once the core has let the sequence go (its step times are known then).
         """
         submission = Submission(
-            request, asyncio.get_running_loop(), received_at, on_finish, self._post
+            request, asyncio.get_running_loop(), received_at, on_finish, self._post, self._cancel
         )
-        with self._wakeup:
+        with self._lock:
             if self._closed:
                 raise EngineError("the engine is shutting down")
-            if len(self._pending) >= self.queue_size:
+            if len(self._waiting) >= self.queue_size + max(0, self.max_batch - self.active):
                 raise QueueFullError(
                     f"request queue is full ({self.max_batch} running, {self.queue_size} "
                     "waiting); retry later"
                 )
-            self._pending.append(submission)
-            self._wakeup.notify()
+            uid, self._next_uid = self._next_uid, self._next_uid + 1
+            submission.uid = uid
+            self._waiting[uid] = submission
+        try:
+            self.core.add(uid, request)
+        except EngineError:
+            with self._lock:
+                self._waiting.pop(uid, None)
+            raise
         return submission
 
+    def _cancel(self, submission: Submission) -> None:
+        if submission.uid is not None:
+            try:
+                self.core.abort([submission.uid])
+            except EngineError:  # the core is gone: closing fails the request anyway
+                pass
+
     def request_prefix_eviction(self, keep_fraction: float) -> None:
-        """From any thread: have the scheduler call engine.evict_prefix_cache between two steps
+        """From any thread: have the core call engine.evict_prefix_cache between two steps
         (at once when idle); requests that meet before it runs merge into the smallest."""
         if not 0.0 <= keep_fraction <= 1.0:
             raise ValueError(f"keep_fraction must be within [0, 1], got {keep_fraction}")
-        with self._wakeup:
-            if self._closed:
-                return
-            pending = self._eviction_keep
-            self._eviction_keep = keep_fraction if pending is None else min(pending, keep_fraction)
-            self._wakeup.notify()
+        if not self._closed:
+            self.core.evict(keep_fraction)
+
+    def memory_accounting(self) -> dict[str, dict[str, int]]:
+        """Memory by process ("serve" with a core on a thread; "api" and "engine_core" with
+        one in a process of its own), each by kind (observability/process_memory.py)."""
+        return self.core.memory_accounting()
 
     @property
     def queued(self) -> int:
-        return len(self._pending)
+        return max(0, len(self._waiting) - max(0, self.max_batch - self.active))
 
     @property
     def active(self) -> int:
@@ -282,146 +357,109 @@ class EngineRunner:
 
     @property
     def idle(self) -> bool:
-        return not self._active and not self._pending
+        return not self._active and not self._waiting
 
-    # -- the scheduler thread ----------------------------------------------------------------
+    # -- what the core reports (on its thread, or the channel's reader) ---------------------
 
-    def _work(self) -> None:
-        try:
-            self.engine.load()
-        except BaseException as error:  # reported to start(), which re-raises it
-            self._load_error = error
-            self._loaded.set()
-            self._close_engine()
-            return
-        self._loaded.set()
-        try:
-            while self._admit_or_wait():
-                self._step()
-        finally:
-            self._fail_active(SHUTTING_DOWN)
-            self._close_engine()
+    def on_report(self, report: StepReport) -> None:
+        with self._reporting:
+            self._apply(report)
 
-    def _admit_or_wait(self) -> bool:
-        """Move waiting requests into the batch; block while there is nothing to do.
-
-        Returns False once the runner is closed.
-        """
-        with self._wakeup:
-            while (
-                not self._closed
-                and not self._pending
-                and not self._active
-                and self._eviction_keep is None
-            ):
-                self._wakeup.wait()
-            if self._closed:
-                return False
-            keep_fraction, self._eviction_keep = self._eviction_keep, None
-            admitted = []
-            while self._pending and len(self._active) + len(admitted) < self.max_batch:
-                admitted.append(self._pending.popleft())
-        if keep_fraction is not None:  # first: free memory before new sequences take some
-            self._evict(keep_fraction)
-        for submission in admitted:
-            self._insert(submission)
-        return True
-
-    def _evict(self, keep_fraction: float) -> None:
-        try:
-            freed = self.engine.evict_prefix_cache(keep_fraction)
-        except Exception:  # an eviction that failed must not take the batch with it
-            log.exception("prefix-cache eviction (keep %.0f%%) failed", keep_fraction * 100)
-            return
-        self.prefix_evictions += 1
-        self.prefix_evicted_bytes += freed
-        log.log(
-            logging.INFO if freed else logging.DEBUG,
-            "prefix-cache eviction #%d (keep %.0f%%) freed %d bytes",
-            self.prefix_evictions,
-            keep_fraction * 100,
-            freed,
-        )
-
-    def _insert(self, submission: Submission) -> None:
-        if submission.cancelled.is_set():
-            ActiveSequence(-1, submission, self.engine.tokenizer, set()).finish(
-                Ending(Finish.CANCELLED)
-            )
-            return
-        submission.admitted_at = time.monotonic()
-        uid, self._next_uid = self._next_uid, self._next_uid + 1
-        submission.uid = uid
-        try:
-            cached_tokens = self.engine.insert(uid, submission.request) or 0
-        except EngineError as error:
-            submission.fail(str(error))
-            return
-        self._active[uid] = ActiveSequence(
-            uid, submission, self.engine.tokenizer, self.engine.eos_token_ids, cached_tokens
-        )
-
-    def _step(self) -> None:
-        if not self._active:
-            return
-        try:
-            outputs = self.engine.step()
-        except EngineError as failure:
-            log.error("engine step failed with %d sequences: %s", len(self._active), failure)
-            self._fail_active(str(failure))
-            return
-        except Exception as failure:  # an engine bug must not kill the scheduler thread
-            log.exception("engine step crashed with %d sequences", len(self._active))
-            self._fail_active(f"internal engine error: {failure}")
-            return
-        self.steps += 1
-        self.generated_tokens += len(outputs)
-        ended: list[int] = []
-        with self._post.holding():  # handed over before removing: that may wait on peers
-            for output in outputs:
+    def _apply(self, report: StepReport) -> None:
+        self.steps = max(self.steps, report.steps)
+        self.generated_tokens += len(report.outputs)
+        if report.evicted_bytes is not None:
+            self._count_eviction(report.evicted_bytes)
+        ended_by_core = {release.uid for release in report.ended}
+        aborts: list[int] = []
+        with self._post.holding():
+            for uid, cached_tokens, admitted_at in report.admitted:
+                self._admit(uid, cached_tokens, admitted_at)
+            for output in report.outputs:
                 sequence = self._active.get(output.uid)
-                if sequence is None:  # removed earlier; a token already in flight
-                    continue
-                if output.error is not None:
-                    self._end(sequence, Ending(Finish.ERROR, output.error, Failure.ENGINE), ended)
+                if sequence is None:  # ended here already; a token still in flight
                     continue
                 if output.cached_tokens is not None:
                     sequence.cached_tokens = output.cached_tokens
                 reason = sequence.accept(output)
                 if reason is not None:
-                    self._end(sequence, Ending(reason), ended)
+                    self._end(sequence, Ending(reason))
+                    if output.uid not in ended_by_core:
+                        aborts.append(output.uid)  # a stop string: the core goes on otherwise
             now = time.monotonic()
             for sequence in list(self._active.values()):
                 expired = sequence.expired(now)
                 if expired is not None:
-                    self._end(sequence, expired, ended)
-        if ended:
-            self._remove(ended)
+                    self._end(sequence, expired)
+                    if sequence.uid not in ended_by_core:
+                        aborts.append(sequence.uid)
+            for release in report.ended:
+                self._let_go(release)
+        if aborts:
+            try:
+                self.core.abort(aborts)
+            except EngineError:  # the core is gone; its loss ends everything
+                pass
 
-    def _end(self, sequence: ActiveSequence, ending: Ending, ended: list[int]) -> None:
+    def on_lost(self, reason: str) -> None:
+        """The core is gone (or closing): everything waiting or running ends with `reason`."""
+        with self._lock:
+            uids = list(self._waiting) + list(self._active) + list(self._ended)
+        self.on_report(StepReport(ended=[Release(uid, Ended.ERROR, reason) for uid in uids]))
+
+    def _admit(self, uid: int, cached_tokens: int, admitted_at: float) -> None:
+        with self._lock:
+            submission = self._waiting.pop(uid, None)
+        if submission is None:
+            return
+        submission.admitted_at = admitted_at
+        self._active[uid] = ActiveSequence(
+            uid, submission, self.core.tokenizer, self._eos(), cached_tokens
+        )
+
+    def _end(self, sequence: ActiveSequence, ending: Ending) -> None:
+        """The request's stream ends now; the core may still hold it until it lets go."""
         if ending.reason is Finish.ERROR:
             log.warning("request %s failed: %s", sequence.request.request_id, ending.error)
         sequence.finish(ending)
         del self._active[sequence.uid]
-        ended.append(sequence.uid)
+        self._ended[sequence.uid] = sequence.submission
 
-    def _remove(self, uids: list[int]) -> None:
-        try:
-            self.engine.remove(uids)
-        except EngineError as failure:  # the next step reports the loss to everyone left
-            log.error("removing %d sequences failed: %s", len(uids), failure)
+    def _let_go(self, release: Release) -> None:
+        """The core no longer holds `release.uid`: end its stream if that has not happened
+        (an error, EOS or length the text has not seen), and record it."""
+        sequence = self._active.get(release.uid)
+        if sequence is not None:
+            self._end(sequence, _ending_of(release, sequence.submission))
+        submission = self._ended.pop(release.uid, None)
+        if submission is None:  # never admitted: refused by the engine, cancelled, or closing
+            with self._lock:
+                submission = self._waiting.pop(release.uid, None)
+            if submission is None:
+                return
+            ending = _ending_of(release, submission)
+            ActiveSequence(release.uid, submission, self.core.tokenizer, set()).finish(ending)
+        submission.settle(release.step_times)
 
-    def _fail_active(self, error: str) -> None:
-        """Every running sequence ends with `error` (a lost rank or stage takes the batch)."""
-        failed = list(self._active.values())
-        self._active.clear()
-        for sequence in failed:
-            sequence.finish(Ending(Finish.ERROR, error, Failure.ENGINE))
-        if failed:
-            self._remove([sequence.uid for sequence in failed])
+    def _eos(self) -> set[int]:
+        return set(self.core.tokenizer.eos_token_ids)
 
-    def _close_engine(self) -> None:
-        try:
-            self.engine.close()
-        except Exception:  # closing must never hide the reason the thread is ending
-            log.exception("closing the engine failed")
+    def _count_eviction(self, freed: int) -> None:
+        self.prefix_evictions += 1
+        self.prefix_evicted_bytes += freed
+        log.log(
+            logging.INFO if freed else logging.DEBUG,
+            "prefix-cache eviction #%d freed %d bytes",
+            self.prefix_evictions,
+            freed,
+        )
+
+
+def _ending_of(release: Release, submission: Submission) -> Ending:
+    if release.reason == Ended.EOS:
+        return Ending(Finish.STOP)
+    if release.reason == Ended.LENGTH:
+        return Ending(Finish.LENGTH)
+    if release.reason == Ended.ABORTED and submission.cancelled.is_set():
+        return Ending(Finish.CANCELLED)
+    return Ending(Finish.ERROR, release.error or SHUTTING_DOWN, Failure.ENGINE)

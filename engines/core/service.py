@@ -75,10 +75,9 @@ class Service:
             raise EngineError(f"no engine is serving right now ({self.state}: {self.state_reason})")
 
         def finished(submission: Submission, event: TokenEvent) -> None:
-            engine = runner.engine
-            times = engine.step_times(submission.uid) if submission.uid is not None else {}
-            strategy = engine.info().strategy
-            self.publish(record_of(submission, event, self.model_id, strategy, times))
+            strategy = runner.engine.info().strategy
+            record = record_of(submission, event, self.model_id, strategy, submission.step_times)
+            self.publish(record)
 
         return runner.submit(request, received_at=received_at, on_finish=finished)
 

@@ -39,3 +39,9 @@ def wire_refusal(request: GenerationRequest, sampling: GenerationRequest) -> str
             f"a pipeline BEGIN frame ({error}); use a smaller schema"
         )
     return None
+
+
+def request_refusal(request: GenerationRequest) -> str | None:
+    """The pipeline engine's `refusal`: a pure function of the request, so an API process
+    without the engine asks it too (engines/core/core_process.py)."""
+    return wire_refusal(request, sampling_of(request))

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.utils import load_config, load_tokenizer
 
 from discovery.secure_channel import SecureChannel
 from engines.core.engine import (
@@ -23,6 +22,7 @@ from engines.core.engine import (
 )
 from engines.core.request import GenerationRequest
 from engines.decoding.grammar import GrammarCompiler
+from engines.model.tokenizer_loading import load_serving_tokenizer
 from engines.observability.process_memory import parameter_bytes
 from engines.observability.step_timing import StepTimes
 from engines.pipeline import wire
@@ -69,6 +69,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
 
     # all at the last stage (the request BEGIN carries); a grammar is checked here first
     features = frozenset({"penalties", "logprobs", "grammar"})
+    refusal_function = "engines.pipeline.admission:request_refusal"
 
     def __init__(
         self,
@@ -170,10 +171,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
 
     def load(self) -> None:
         try:
-            config = load_config(self.model_path)
-            self.tokenizer = load_tokenizer(
-                self.model_path, eos_token_ids=config.get("eos_token_id")
-            )
+            self.tokenizer = load_serving_tokenizer(self.model_path)
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer of {self.model_path}: {error}") from error
         self.stage = StageModel.load(

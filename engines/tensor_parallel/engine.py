@@ -12,12 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mlx_lm.utils import load_config, load_tokenizer
-
 from discovery.json_child import ChildNotReady, JsonChild
 from engines.core.engine import Engine, EngineInfo, StepOutput
 from engines.core.request import GenerationRequest
 from engines.decoding.sampling import request_seed
+from engines.model.tokenizer_loading import load_serving_tokenizer
 from engines.observability.step_timing import StepTimes
 from engines.prefix_cache.index import PrefixIndex
 from engines.tensor_parallel.group import WorkerSpec
@@ -92,10 +91,7 @@ class TensorParallelEngine(Engine):
         if self.ready:
             return
         try:
-            config = load_config(self.model_path)
-            self.tokenizer = load_tokenizer(
-                self.model_path, eos_token_ids=config.get("eos_token_id", None)
-            )
+            self.tokenizer = load_serving_tokenizer(self.model_path)
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load tokenizer of {self.model_path}: {error}") from error
         self._start_worker()

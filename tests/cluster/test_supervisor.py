@@ -11,7 +11,8 @@ import pytest
 from engines.cluster import supervisor as supervisor_module
 from engines.cluster.exclusions import FIRST_EXCLUSION_S, MemberExclusions
 from engines.core.engine import Engine, StepOutput
-from engines.core.runner import EngineRunner
+from engines.core.request import GenerationRequest
+from engines.core.scheduler import BatchScheduler
 from planner.errors import EngineError
 from tests.helpers.supervision import WAIT_S, Members, ScriptedEngine, make_supervisor
 
@@ -47,7 +48,7 @@ def test_a_replan_closes_the_old_runner_even_when_the_watcher_runs_in_between(
         supervisor.service.swap_runner = swap  # type: ignore[method-assign]
         watcher[0].join(WAIT_S)
         assert engines[0].closed.wait(WAIT_S), "the retired runner was never closed"
-        assert old_runner._thread.is_alive() is False
+        assert old_runner.core._scheduler._thread.is_alive() is False
     finally:
         supervisor.service.swap_runner = swap  # type: ignore[method-assign]
         supervisor.close()
@@ -187,7 +188,7 @@ def test_exclusions_grow_and_end():
     assert exclusions.excluded_now() == set()
 
 
-def test_the_runner_closes_an_engine_only_after_its_step_returned():
+def test_the_core_closes_an_engine_only_after_its_step_returned():
     stepping, release = threading.Event(), threading.Event()
 
     class SlowStep(ScriptedEngine):
@@ -197,19 +198,13 @@ def test_the_runner_closes_an_engine_only_after_its_step_returned():
             assert not self.closed.is_set(), "closed while a step was running"
             return []
 
-        def eos_token_ids(self) -> set[int]:  # type: ignore[override]
-            return set()
-
     engine = SlowStep()
     engine.tokenizer = type("T", (), {"detokenizer": None, "eos_token_ids": []})()
-    runner = EngineRunner(engine)
-    runner.start(WAIT_S)
-    row = {"finish": lambda *a: None, "expired": lambda self, now: None, "uid": 0}
-    runner._active[0] = type("Row", (), row)()  # one running sequence, so the runner steps
-    with runner._wakeup:
-        runner._wakeup.notify()
+    scheduler = BatchScheduler(engine, max_batch=2, sink=lambda report: None)
+    scheduler.start(WAIT_S)
+    scheduler.add(0, GenerationRequest("r", (1, 2), max_tokens=4))  # one running: it steps
     assert stepping.wait(WAIT_S)
-    runner.close(join_timeout_s=0.1)  # the step is still running: close must not close it
+    scheduler.close(join_timeout_s=0.1)  # the step is still running: close must not close it
     assert not engine.closed.is_set()
     release.set()
     assert engine.closed.wait(WAIT_S)

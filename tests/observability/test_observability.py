@@ -368,17 +368,18 @@ async def test_process_memory_accounts_for_the_weights_next_to_rss(runner: Any) 
     model_bytes = sum(file.stat().st_size for file in files)
     async with open_client(make_service(runner)) as client:
         memory = {
-            key.split("kind=")[1].rstrip("}"): value
+            key.split("kind=")[1].split(",")[0]: value
             for key, value in (await scrape(client)).items()
-            if key.startswith("tandem_process_memory_bytes")
+            if key.startswith("tandem_process_memory_bytes{") and key.endswith(",process=serve}")
         }
     # float32 demo weights: what the engine holds is what the files hold, give or take headers
     assert abs(memory["weights"] - model_bytes) < 0.05 * model_bytes
     assert memory["mlx_active"] >= memory["weights"] + memory["prefix_cache"]
     assert memory["mlx_active"] == memory["weights"] + memory["prefix_cache"] + memory["other_mlx"]
     assert memory["rss"] == memory["mlx_active"] + memory["mlx_cache"] + memory["unaccounted"]
-    html = render_members({"coordinator": {"node_id": "c", "memory_accounting": memory}})
-    assert f"weights {int(memory['weights']) >> 20}" in html
+    accounting = {"serve": memory}
+    html = render_members({"coordinator": {"node_id": "c", "memory_accounting": accounting}})
+    assert f"serve: RSS {int(memory['rss']) >> 20} MB = weights {int(memory['weights']) >> 20}" in html
 
 
 def test_the_dashboard_summary_shows_the_prefix_cache_in_memory_and_on_disk() -> None:

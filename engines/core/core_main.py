@@ -1,0 +1,146 @@
+"""The engine-core process: `python -m engines.core.core_main`, started by CoreProcess.
+
+stdin: msgpack messages — first {"spec", "max_batch", "listener_fd", "status_interval_s"},
+then add / abort / evict / engine_abort / close; EOF means the API process is gone.
+stdout (the protocol's own descriptor): ready or failed, step reports, status heartbeats.
+stderr: the log. See engines/core/core_process.py for the whole exchange.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+from discovery.json_child import configure_child_logging
+from engines.core.core_process import info_document, pack, report_document, unpack_stream
+from engines.core.engine import Engine
+from engines.core.engine_spec import EngineSpec
+from engines.core.request import GenerationRequest
+from engines.core.scheduler import BatchScheduler, StepReport
+from planner.errors import RequestError
+
+log = logging.getLogger("engines.core.core_main")
+
+EXIT_GRACE_S = 15.0  # closing past this means a stuck engine: leave without it
+
+
+class Output:
+    """fd 1 kept for protocol messages, written whole under a lock; anything else printed
+    (a library's warning) goes to stderr instead."""
+
+    def __init__(self) -> None:
+        fd = os.dup(1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+        self._stream = os.fdopen(fd, "wb")
+        self._lock = threading.Lock()
+
+    def write(self, message: dict[str, Any]) -> None:
+        data = pack(message)
+        with self._lock:
+            self._stream.write(data)
+            self._stream.flush()
+
+
+def main() -> int:
+    configure_child_logging("engine-core[%(process)d]")
+    output = Output()
+    messages = unpack_stream(sys.stdin.buffer)
+    first = next(messages, None)
+    if not isinstance(first, dict):
+        return 0  # the API process went away before saying anything
+    try:
+        spec = EngineSpec.from_document(first["spec"])
+        fd = first.get("listener_fd")
+        engine = spec.build(socket.socket(fileno=fd) if fd is not None else None)
+        scheduler = BatchScheduler(engine, int(first["max_batch"]), _reporter(output))
+        scheduler.start()
+    except BaseException as error:  # noqa: BLE001 (every load failure goes to the parent)
+        log.exception("the engine failed to load")
+        output.write({"k": "failed", "reason": str(error) or type(error).__name__})
+        return 1
+    output.write({**_status(engine), **_capabilities(engine), "k": "ready"})
+    log.info("engine core ready: %s", engine.info().strategy)
+    stop = threading.Event()
+    heartbeat = threading.Thread(
+        target=_heartbeat,
+        args=(engine, output, float(first["status_interval_s"]), stop),
+        name="heartbeat",
+        daemon=True,
+    )
+    heartbeat.start()
+    _serve(messages, scheduler, engine)
+    stop.set()
+    deadline = threading.Timer(EXIT_GRACE_S, os._exit, args=(1,))  # a close that hangs
+    deadline.daemon = True
+    deadline.start()
+    scheduler.close()
+    return 0
+
+
+def _serve(messages: Any, scheduler: BatchScheduler, engine: Engine) -> None:
+    """Apply commands until `close` or EOF (the API process is gone)."""
+    for message in messages:
+        kind = message.get("k") if isinstance(message, dict) else None
+        if kind == "add":
+            try:
+                request = GenerationRequest.from_document(message["r"])
+            except RequestError as error:  # the API checked it: this is a bug, not input
+                log.error("refusing request %s: %s", message.get("uid"), error)
+                continue
+            scheduler.add(int(message["uid"]), request)
+        elif kind == "abort":
+            scheduler.abort([int(uid) for uid in message["uids"]])
+        elif kind == "evict":
+            scheduler.evict(float(message["keep"]))
+        elif kind == "engine_abort":
+            engine.abort(str(message["reason"]))
+        elif kind == "close":
+            return
+        else:
+            log.warning("unknown message %r", kind)
+
+
+def _reporter(output: Output) -> Any:
+    def send(report: StepReport) -> None:
+        if report:  # an empty step: the heartbeat carries the deadline checks
+            output.write(report_document(report))
+
+    return send
+
+
+def _capabilities(engine: Engine) -> dict[str, Any]:
+    return {
+        "features": sorted(engine.features),
+        "eos": sorted(engine.eos_token_ids),
+        "refusal": engine.refusal_function,
+    }
+
+
+def _status(engine: Engine) -> dict[str, Any]:
+    from engines.observability.process_memory import process_memory
+
+    return {
+        "k": "status",
+        "healthy": engine.healthy(),
+        "info": info_document(engine.info()),
+        "memory": process_memory(engine),
+    }
+
+
+def _heartbeat(engine: Engine, output: Output, interval_s: float, stop: threading.Event) -> None:
+    while not stop.wait(interval_s):
+        try:
+            output.write(_status(engine))
+        except OSError:  # the API process is gone: stdin's EOF ends the main loop
+            return
+        except Exception:  # a status that fails to build must not stop the heartbeat
+            log.exception("could not report the engine's status")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
