@@ -115,15 +115,6 @@ def add_planning_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(
         parser,
-        "--engine-core",
-        default="process",
-        choices=["process", "thread"],
-        help="where this machine's part of the model runs: process, an engine-core process "
-        "beside the API's (the model's steps never wait for HTTP, tokenizing or streaming); "
-        "thread, a thread of serve itself (one interpreter, as before)",
-    )
-    add_flag(
-        parser,
         "--cpu-float32",
         default="auto",
         choices=["auto", "off"],

@@ -137,10 +137,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_memory_budget_flag(parser)
     add_flag(
         parser,
+        "--engine-core",
+        default="process",
+        choices=["process", "thread"],
+        help="where this machine's part of the model runs: process, an engine-core process "
+        "beside the API's (the model's steps never wait for HTTP, tokenizing or streaming); "
+        "thread, a thread of serve itself (one interpreter, as before the split)",
+    )
+    add_flag(
+        parser,
         "--lost-after",
         default=5.0,
         cast=float,
-        help="seconds of silence before a peer is lost",
+        help="seconds of silence before a peer, or the engine core, is lost",
     )
     add_flag(
         parser,

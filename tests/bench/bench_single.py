@@ -113,8 +113,10 @@ class ServerProcess:
         port: int,
         log_path: Path,
         env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.name = name
+        self.cwd = cwd  # None: this process's
         self.command = command
         self.env = env  # None: this process's environment
         self.base_url = f"http://{HOST}:{port}"
@@ -129,6 +131,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
+                cwd=self.cwd,
             )
 
     def wait_healthy(self, client: httpx.Client, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
