@@ -442,7 +442,7 @@ class EngineRunner:
         submission.settle(release.step_times)
 
     def _eos(self) -> set[int]:
-        return set(self.core.tokenizer.eos_token_ids)
+        return set(self.core.engine.eos_token_ids)  # the core's: it ends sequences on them too
 
     def _count_eviction(self, freed: int) -> None:
         self.prefix_evictions += 1

@@ -5,10 +5,12 @@ Run from the project root: `python -m tests.bench.bench_chaos --strategy pp --mi
 agents, three stages; tp: one agent, two ranks over the ring). Six client threads stream chat
 completions in a loop; a chaos thread, seeded, picks a fault every `--fault-every` seconds: kill
 a worker, freeze a worker, kill an agent (restarted after a pause), freeze an agent (thawed after
-a pause). It reports requests finished, error events, 429s, 503s, hangs (a stream silent for
+a pause), kill the coordinator's engine-core process, freeze it (its watchdog kills it). It
+reports requests finished, error events, 429s, 503s, hangs (a stream silent for
 longer than --lost-after plus a margin), broken streams (ended with neither [DONE] nor an error
-event), the seconds from the last fault until the cluster answered again, orphaned workers,
-and the coordinator's memory growth with the prefix cache counted apart. The section
+event), the seconds from the last fault until the cluster answered again, orphaned workers and
+engine cores, and the coordinator's memory growth (its API process plus its engine core) beside
+the prefix cache's bytes and its configured budget. The section
 "## Chaos soak" of docs/benchmarks.md gets the table.
 """
 
@@ -39,7 +41,14 @@ CLIENTS = 6
 LOST_AFTER_S = 3.0
 HANG_S = LOST_AFTER_S + 10.0  # silence that counts as a hang
 PAUSE_S = (2.0, 6.0)  # how long a frozen or killed agent stays out
-WORKER_MODULES = ("engines.pipeline.stage_worker", "engines.tensor_parallel.worker")
+WORKER_MODULES = (
+    "engines.pipeline.stage_worker",
+    "engines.tensor_parallel.worker",
+    "engines.core.core_main",
+)
+ACTIONS = (
+    "kill worker", "freeze worker", "kill agent", "freeze agent", "kill core", "freeze core",
+)  # fmt: skip
 
 
 class Tally:
@@ -99,16 +108,43 @@ def member_pids(server: ServeProcess) -> dict[str, int]:
     return {m["node_id"]: m["worker_pid"] for m in members if m.get("worker_pid")}
 
 
+def engine_core(server: ServeProcess) -> psutil.Process | None:
+    """The coordinator's engine-core process (a new one after every re-plan)."""
+    try:
+        children = psutil.Process(server.process.pid).children()
+        return next(c for c in children if "engines.core.core_main" in " ".join(c.cmdline()))
+    except (psutil.Error, StopIteration):
+        return None
+
+
+def coordinator_rss(server: ServeProcess) -> int:
+    """serve's API process plus its engine core (the weights and prefix cache live there)."""
+    core = engine_core(server)
+    api = psutil.Process(server.process.pid).memory_info().rss
+    try:
+        return api + (core.memory_info().rss if core is not None else 0)
+    except psutil.Error:
+        return api
+
+
 def chaos_loop(
     server: ServeProcess, pool: AgentPool, agents: list[Any], stop: threading.Event,
     seed: int, every_s: float, faults: list[tuple[float, str]], started: float,
 ) -> None:
     rng = random.Random(seed)
     while not stop.wait(every_s * rng.uniform(0.7, 1.3)):
-        action = rng.choice(("kill worker", "freeze worker", "kill agent", "freeze agent"))
+        action = rng.choice(ACTIONS)
         index = rng.randrange(len(agents))
         agent = agents[index]
-        if action.endswith("worker"):
+        if action.endswith("core"):
+            core = engine_core(server)
+            if core is None:
+                continue
+            try:
+                core.send_signal(signal.SIGKILL if action == "kill core" else signal.SIGSTOP)
+            except psutil.NoSuchProcess:
+                continue
+        elif action.endswith("worker"):
             pid = member_pids(server).get(agent.node_id)
             if pid is None:
                 continue
@@ -148,14 +184,13 @@ def run(strategy: str, minutes: float, seed: int, every_s: float) -> dict[str, A
                 ["--parallelism", strategy, "--collective", "ring", "--model-id", "demo",
                  "--lost-after", str(LOST_AFTER_S), "--rediscover-interval", "2"],
             )
-            coordinator = psutil.Process(server.process.pid)
             hello = [{"role": "user", "content": "hi"}]
             warm = httpx.post(
                 server.base_url + "/v1/chat/completions", timeout=60,
                 json={"model": "demo", "max_tokens": 8, "messages": hello},
             )
             assert warm.status_code == 200, warm.text
-            rss_start = coordinator.memory_info().rss
+            rss_start = coordinator_rss(server)
             tally, stop, faults = Tally(), threading.Event(), []
             started = time.monotonic()
             clients = [
@@ -195,7 +230,7 @@ def run(strategy: str, minutes: float, seed: int, every_s: float) -> dict[str, A
             for thread in clients:
                 thread.join(HANG_S + 10)
             status = server.cluster()
-            rss_end = coordinator.memory_info().rss
+            rss_end = coordinator_rss(server)
             prefix = (status.get("engine") or {}).get("prefix_cache") or {}
         finally:
             if server is not None:
@@ -211,6 +246,7 @@ def run(strategy: str, minutes: float, seed: int, every_s: float) -> dict[str, A
         "strategy": strategy, "minutes": minutes, "faults": faults, "counts": dict(tally.counts),
         "bad_bodies": tally.bad_bodies, "recovered_s": recovered_s, "orphans": orphans,
         "rss_growth": rss_end - rss_start, "prefix_cache_bytes": int(prefix.get("bytes") or 0),
+        "prefix_cache_budget": int(prefix.get("max_bytes") or 0),
         "replans": status.get("replans"), "final_state": status.get("state"),
     }
 
@@ -233,12 +269,14 @@ def main() -> None:
         str(counts.get("broken", 0) + counts.get("unshaped", 0)),
         "—" if result["recovered_s"] is None else f"{result['recovered_s']:.1f} s",
         f"{result['rss_growth'] / 2**20:+.0f} MB "
-        f"(prefix cache {result['prefix_cache_bytes'] >> 20} MB)",
+        f"(prefix cache {result['prefix_cache_bytes'] >> 20} MB of a "
+        f"{result['prefix_cache_budget'] >> 20} MB budget)",
         str(len(result["orphans"])),
     ]]
     table = markdown_table(
         ["engine", "run", "faults", "finished", "error events", "429", "503", "hangs",
-         "broken", "recovered after last fault", "coordinator RSS growth", "orphans"],
+         "broken", "recovered after last fault", "coordinator RSS growth (API + core)",
+         "orphans"],
         rows,
     )
     print(table, json.dumps(result, indent=1, default=str))
@@ -263,8 +301,9 @@ def main() -> None:
     write_section(
         heading,
         f"{command} (and the same with the other `--strategy`): six clients streaming on "
-        f"127.0.0.1 while a seeded chaos thread kills or freezes a worker or an agent about "
-        f"every {args.fault_every:g} s (`--lost-after {LOST_AFTER_S:g}`). A hang is a stream "
+        f"127.0.0.1 while a seeded chaos thread kills or freezes a worker, an agent or the "
+        f"coordinator's engine core about every {args.fault_every:g} s "
+        f"(`--lost-after {LOST_AFTER_S:g}`). A hang is a stream "
         f"silent for {HANG_S:g} s; broken is a stream that ended with neither [DONE] nor an "
         "error event, or a non-200 without an OpenAI-shaped body.\n\n" + body,
     )
