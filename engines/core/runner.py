@@ -335,8 +335,12 @@ class EngineRunner:
         (at once when idle); requests that meet before it runs merge into the smallest."""
         if not 0.0 <= keep_fraction <= 1.0:
             raise ValueError(f"keep_fraction must be within [0, 1], got {keep_fraction}")
-        if not self._closed:
+        if self._closed:
+            return
+        try:
             self.core.evict(keep_fraction)
+        except EngineError:  # the core is gone, and what it cached with it
+            pass
 
     def memory_accounting(self) -> dict[str, dict[str, int]]:
         """Memory by process ("serve" with a core on a thread; "api" and "engine_core" with
