@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -148,7 +149,9 @@ class ClusterSupervisor:
         self._loss_count = 0  # bumped by every re-plan request, so none is lost mid-launch
         self._retired: list[EngineRunner] = []  # swapped out, closed by the next re-plan
         self._planned_nodes: set[str] = set()  # who could take part when the plan was made
+        self._last_candidates: set[str] = set()  # ... by the last make_plan()
         self.exclusions = MemberExclusions()
+        self._discovering = threading.Lock()  # one zeroconf browse at a time
         self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
 
     # -- planning ----------------------------------------------------------------------------
@@ -156,6 +159,7 @@ class ClusterSupervisor:
     def make_plan(self) -> ClusterPlan:
         """Plan over the coordinator plus every verified, connected, not excluded member."""
         nodes = self._candidates()
+        self._last_candidates = {node.node_id for node in nodes}  # for the launch that follows
         members = self.membership.members() if self.membership is not None else []
         weights = self.launch_settings.weights if self.launch_settings is not None else None
         speeds = self._speeds(nodes)
@@ -200,7 +204,8 @@ class ClusterSupervisor:
         """Start the plan's engine and install it; a launch that fails or outlives close()
         leaves nothing behind (the runner closes the engine once its load returns)."""
         self.plan = plan
-        self._planned_nodes = {node.node_id for node in self._candidates()}
+        # who could take part when the plan was made (not now: one may have joined since)
+        self._planned_nodes = self._last_candidates
         decision = plan.decision
         log.info("plan: %s — %s", decision.chosen.value, decision.reason)
         for line in plan.describe():
@@ -283,18 +288,48 @@ class ClusterSupervisor:
             if runner is not None and not runner.engine.healthy():
                 self.request_replan(_unhealthy(runner.engine))
             if self._replan_wanted.is_set():
-                self._replan()
+                with self._browsing():  # who joins meanwhile is verified meanwhile ...
+                    self._replan()
+                if self._discovery_due(0.0, self.service.runner):
+                    self._adopt_new_members(browse=False)  # ... and planned in at once
             elif self._discovery_due(next_discovery, runner):
                 next_discovery = time.monotonic() + self.plan_settings.rediscover_interval_s
                 self._adopt_new_members()
 
+    @contextmanager
+    def _browsing(self) -> Iterator[None]:
+        """Browse for new agents on a thread of its own while the block runs (a re-plan, which
+        can outlast the rediscovery interval), so one that joins then is not left waiting for
+        the round after it."""
+        if not self._discovery_enabled():
+            yield
+            return
+        done = threading.Event()
+
+        def browse() -> None:
+            while not done.is_set() and not self._closed.is_set():
+                with self._discovering:
+                    try:
+                        self.membership.discover(REDISCOVER_BROWSE_S)
+                    except TandemError as error:
+                        log.debug("re-discovery during a re-plan failed: %s", error)
+
+        thread = threading.Thread(target=browse, name="browse during re-plan", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+
     def _discovery_due(self, due_at: float, runner: EngineRunner | None) -> bool:
         # Only while idle: adopting a member re-plans, which would cut a running request.
         idle = runner is not None and runner.idle
-        enabled = self.membership is not None and self.plan_settings.rediscover_interval_s > 0
-        return enabled and idle and time.monotonic() >= due_at
+        return self._discovery_enabled() and idle and time.monotonic() >= due_at
 
-    def _adopt_new_members(self) -> None:
+    def _discovery_enabled(self) -> bool:
+        return self.membership is not None and self.plan_settings.rediscover_interval_s > 0
+
+    def _adopt_new_members(self, browse: bool = True) -> None:
         """Agents that joined after start-up: re-plan when they change the plan.
 
         Only a change in who could take part counts. The members' memory readings move on
@@ -302,7 +337,9 @@ class ClusterSupervisor:
         would move layer boundaries and cut the service for nothing; memory that runs low is
         the pressure tiers' job (cluster/pressure.py)."""
         try:
-            self.membership.discover(REDISCOVER_BROWSE_S)
+            if browse:
+                with self._discovering:  # not beside a browse still running from a re-plan
+                    self.membership.discover(REDISCOVER_BROWSE_S)
             if {node.node_id for node in self._candidates()} == self._planned_nodes:
                 return
             plan = self.make_plan()
