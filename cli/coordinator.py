@@ -233,11 +233,13 @@ def open_request_log(config: ServeConfig, service: Any) -> Any:
 def serve(config: ServeConfig) -> int:
     """Plan, launch, and serve until interrupted; exit status 2 when nothing fits."""
     from engines.api.app import create_app
-    from engines.cluster.launch import LaunchSettings
+    from engines.cluster.launch import PROCESS_CORE, LaunchSettings
     from engines.cluster.pressure import watch_memory
     from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
     from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
     from engines.core import blas
+    from engines.core.core_process import discard_spare
+    from engines.core.core_process import prewarm as prewarm_core
     from engines.core.service import Service, ServiceLimits
 
     from .http_server import run_http_server
@@ -245,6 +247,8 @@ def serve(config: ServeConfig) -> int:
     from .progress import loading
 
     log.info("BLAS: %s", blas.status().describe())
+    if config.engine_core == PROCESS_CORE:
+        prewarm_core()  # its imports overlap fetching the model, discovering and planning
     facts = resolve_model(config.model, config.cache_dir)
     model_id = config.model_id or default_model_id(config.model, facts)
     wants_cluster = config.parallelism != Parallelism.SINGLE
@@ -359,6 +363,7 @@ def serve(config: ServeConfig) -> int:
         log.info("dashboard: http://%s:%d/  metrics: /metrics", config.host, config.port)
         run_http_server(app, config.host, config.port, stopping, config.http)
     finally:
+        discard_spare()
         service.pressure.close()
         supervisor.close()
         if membership is not None:

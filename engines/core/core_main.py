@@ -1,6 +1,7 @@
 """The engine-core process: `python -m engines.core.core_main`, started by CoreProcess.
 
-stdin: msgpack messages — first {"spec", "max_batch", "listener_fd", "status_interval_s"},
+stdin: msgpack messages — first {"spec", "max_batch", "descriptors", "listener",
+"status_interval_s"} (a pipeline's bound socket comes over the `descriptors` socket),
 then add / abort / evict / engine_abort / close; EOF means the API process is gone.
 stdout (the protocol's own descriptor): ready or failed, step reports, status heartbeats.
 stderr: the log. See engines/core/core_process.py for the whole exchange.
@@ -49,14 +50,16 @@ class Output:
 def main() -> int:
     configure_child_logging("engine-core[%(process)d]")
     output = Output()
+    import mlx_lm  # noqa: F401 (the second or two a spare core spends before its spec comes)
+
     messages = unpack_stream(sys.stdin.buffer)
     first = next(messages, None)
     if not isinstance(first, dict):
-        return 0  # the API process went away before saying anything
+        return 0  # the API process went away before saying anything (a spare nobody took)
     try:
         spec = EngineSpec.from_document(first["spec"])
-        fd = first.get("listener_fd")
-        engine = spec.build(socket.socket(fileno=fd) if fd is not None else None)
+        listener = _inherited_listener(first)
+        engine = spec.build(listener)
         scheduler = BatchScheduler(engine, int(first["max_batch"]), _reporter(output))
         scheduler.start()
     except BaseException as error:  # noqa: BLE001 (every load failure goes to the parent)
@@ -80,6 +83,18 @@ def main() -> int:
     deadline.start()
     scheduler.close()
     return 0
+
+
+def _inherited_listener(first: dict[str, Any]) -> socket.socket | None:
+    """The bound socket the spec's engine takes over (a pipeline's return hop), received
+    over the descriptor socket; None when it has none."""
+    with socket.socket(fileno=int(first["descriptors"])) as channel:
+        if not first.get("listener"):
+            return None
+        _, descriptors, _, _ = socket.recv_fds(channel, 64, 1)
+    if not descriptors:
+        raise OSError("the API process sent no listening socket")
+    return socket.socket(fileno=descriptors[0])
 
 
 def _serve(messages: Any, scheduler: BatchScheduler, engine: Engine) -> None:

@@ -21,10 +21,12 @@ a killed serve leaves no orphan.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 import msgpack
@@ -111,6 +113,100 @@ def info_document(info: EngineInfo) -> dict[str, Any]:
 # -- the API side ---------------------------------------------------------------------------
 
 
+# -- starting a core ahead of its spec ------------------------------------------------------
+
+
+class _Relay:
+    """A child's callbacks, bound to the CoreProcess that adopts it (a spare has none yet)."""
+
+    def __init__(self) -> None:
+        self._on_message: Any = None
+        self._on_exit: Any = None
+        self.exited: int | None = None
+
+    def attach(self, on_message: Any, on_exit: Any) -> None:
+        self._on_message, self._on_exit = on_message, on_exit
+        if self.exited is not None:
+            on_exit(self.exited)
+
+    def message(self, message: dict[str, Any]) -> None:
+        if self._on_message is not None:
+            self._on_message(message)
+
+    def exit(self, code: int) -> None:
+        self.exited = code
+        if self._on_exit is not None:
+            self._on_exit(code)
+
+
+@dataclass
+class _Launch:
+    """A started core process waiting for its spec, and the socket that hands it
+    descriptors (the child's end has `child_descriptors` as its number there)."""
+
+    child: MsgpackChild
+    relay: _Relay
+    descriptors: socket.socket
+    child_descriptors: int
+
+
+_spare: _Launch | None = None
+_spare_lock = threading.Lock()
+
+
+def _spawn() -> _Launch:
+    relay = _Relay()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    number = theirs.fileno()  # the same in the child (pass_fds keeps numbers)
+    child = MsgpackChild(
+        [sys.executable, "-m", "engines.core.core_main"],
+        name="engine-core",
+        own_group=True,  # stopping it reaches tp rank 0, its own child
+        keep_messages=False,
+        on_message=relay.message,
+        on_exit=relay.exit,
+        pass_fds=(number,),
+    )
+    try:
+        child.start(None)
+    except OSError as error:
+        ours.close()
+        raise EngineError(f"cannot start the engine core: {error}") from error
+    finally:
+        theirs.close()
+    return _Launch(child, relay, ours, number)
+
+
+def prewarm() -> None:
+    """Start a core process now, so the first plan's core has Python and mlx-lm loaded by
+    the time its spec is ready (serve calls this before discovering and planning)."""
+    global _spare
+    with _spare_lock:
+        if _spare is None:
+            try:
+                _spare = _spawn()
+            except EngineError as error:
+                log.warning("no spare engine core: %s", error)
+
+
+def take_spare() -> _Launch | None:
+    global _spare
+    with _spare_lock:
+        launch, _spare = _spare, None
+    if launch is not None and launch.child.poll() is not None:
+        launch.descriptors.close()
+        return None
+    return launch
+
+
+def discard_spare() -> None:
+    """Stop a spare nobody took (a plan that was refused, serve shutting down)."""
+    launch = take_spare()
+    if launch is not None:
+        launch.descriptors.close()
+        launch.child.stop(CLOSE_GRACE_S, ask=launch.child.close_stdin)
+
+
 class CoreView:
     """`runner.engine` for a core in another process: what it last said of itself."""
 
@@ -192,31 +288,30 @@ class CoreProcess:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, listener: Any, load_timeout_s: float | None) -> None:
-        """Spawn the core, load the tokenizer here meanwhile, wait for the core's engine."""
+        """Hand the spec to a core (the spare one, if serve started it ahead), load the
+        tokenizer here meanwhile, and wait for the core's engine."""
         from engines.model.tokenizer_loading import load_serving_tokenizer
 
         self._listener = listener
+        launch = take_spare() or _spawn()
+        self._child = launch.child
+        launch.relay.attach(self._on_message, self._on_exit)
         inherited = self.spec.listener
-        self._child = MsgpackChild(
-            [sys.executable, "-m", "engines.core.core_main"],
-            name="engine-core",
-            own_group=True,  # stopping it reaches tp rank 0, its own child
-            keep_messages=False,
-            on_message=self._on_message,
-            on_exit=self._on_exit,
-            pass_fds=(inherited.fileno(),) if inherited is not None else (),
-        )
         first = {
             "spec": self.spec.document(),
             "max_batch": self.max_batch,
-            "listener_fd": inherited.fileno() if inherited is not None else None,
+            "descriptors": launch.child_descriptors,
+            "listener": inherited is not None,
             "status_interval_s": STATUS_INTERVAL_S,
         }
         try:
-            self._child.start(first)
-        except OSError as error:
+            self._child.send(first)
+            if inherited is not None:  # the pipeline's bound return socket, as a descriptor
+                socket.send_fds(launch.descriptors, [b"listener"], [inherited.fileno()])
+        except (OSError, ValueError) as error:
             raise EngineError(f"cannot start the engine core: {error}") from error
         finally:
+            launch.descriptors.close()
             if inherited is not None:
                 inherited.close()  # the core holds it now
         try:
