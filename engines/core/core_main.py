@@ -22,6 +22,7 @@ from engines.core.engine import Engine
 from engines.core.engine_spec import EngineSpec
 from engines.core.request import GenerationRequest
 from engines.core.scheduler import BatchScheduler, StepReport
+from engines.model import load_progress
 from planner.errors import RequestError
 
 log = logging.getLogger("engines.core.core_main")
@@ -60,8 +61,9 @@ def main() -> int:
         spec = EngineSpec.from_document(first["spec"])
         listener = _inherited_listener(first)
         engine = spec.build(listener)
-        scheduler = BatchScheduler(engine, int(first["max_batch"]), _reporter(output))
-        scheduler.start()
+        scheduler = BatchScheduler(engine, int(first["max_batch"]), _reporter(output, engine))
+        with load_progress.listening(lambda done, total: output.write(_loaded(done, total))):
+            scheduler.start()
     except BaseException as error:  # noqa: BLE001 (every load failure goes to the parent)
         log.exception("the engine failed to load")
         output.write({"k": "failed", "reason": str(error) or type(error).__name__})
@@ -120,12 +122,22 @@ def _serve(messages: Any, scheduler: BatchScheduler, engine: Engine) -> None:
             log.warning("unknown message %r", kind)
 
 
-def _reporter(output: Output) -> Any:
+def _reporter(output: Output, engine: Engine) -> Any:
     def send(report: StepReport) -> None:
-        if report:  # an empty step: the heartbeat carries the deadline checks
-            output.write(report_document(report))
+        if not report:  # an empty step: the heartbeat carries the deadline checks
+            return
+        # Health rides on every report, and the engine's info on one that let sequences go,
+        # so the API process never reads them older than the events it streams.
+        document = report_document(report) | {"h": engine.healthy()}
+        if report.ended:
+            document["i"] = info_document(engine.info())
+        output.write(document)
 
     return send
+
+
+def _loaded(done: int, total: int) -> dict[str, Any]:
+    return {"k": "loading", "done": done, "total": total}
 
 
 def _capabilities(engine: Engine) -> dict[str, Any]:

@@ -233,6 +233,13 @@ class CoreView:
         self._healthy = self._healthy and bool(message["healthy"])
         self.memory = message["memory"]
 
+    def stepped(self, message: dict[str, Any]) -> None:
+        """A step report's health, and its info when it has one."""
+        self._healthy = self._healthy and bool(message.get("h", True))
+        if "i" in message:
+            info = message["i"]
+            self._info = EngineInfo(info["strategy"], info["world_size"], info["detail"])
+
     def lost(self) -> None:
         self._healthy = False
 
@@ -381,7 +388,13 @@ class CoreProcess:
         self._last_heard = time.monotonic()
         kind = message.get("k")
         if kind == "step":
+            if self.engine is not None:
+                self.engine.stepped(message)
             self._listener.on_report(report_of(message))
+        elif kind == "loading":  # the engine's layers, to serve's progress bar
+            from engines.model import load_progress
+
+            load_progress.report(int(message["done"]), int(message["total"]))
         elif kind == "status":
             if self.engine is not None and self._ready.is_set():
                 self.engine.status(message)

@@ -204,17 +204,17 @@ class BatchScheduler:
         if running:
             self._release(running, Ended.ABORTED, report)
         if keep_fraction is not None:  # first: free memory before new sequences take some
-            report.evicted_bytes = self._evict(keep_fraction)
+            report.evicted_bytes = self._evict(keep_fraction)  # None: it failed
         for uid, request in admitted:
             self._insert(uid, request, report)
         return True
 
-    def _evict(self, keep_fraction: float) -> int:
+    def _evict(self, keep_fraction: float) -> int | None:
         try:
             return self.engine.evict_prefix_cache(keep_fraction)
         except Exception:  # an eviction that failed must not take the batch with it
             log.exception("prefix-cache eviction (keep %.0f%%) failed", keep_fraction * 100)
-            return 0
+            return None
 
     def _insert(self, uid: int, request: GenerationRequest, report: StepReport) -> None:
         admitted_at = time.monotonic()

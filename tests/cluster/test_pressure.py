@@ -34,7 +34,7 @@ from tests.helpers.engine import run_one
 from tests.helpers.supervision import ScriptedEngine
 
 WAIT_S = 10.0
-RUNNER_THREAD = "engine-runner"
+RUNNER_THREAD = "engine-core"  # the scheduler thread that owns the engine
 
 
 def wait_until(predicate, timeout_s: float = WAIT_S) -> None:
