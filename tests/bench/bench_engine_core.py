@@ -67,12 +67,26 @@ def http_contender(base_url: str, model_id: str | None, temperature: float) -> C
         async with httpx.AsyncClient(trust_env=False, limits=limits) as client:
             started = time.perf_counter()
             streams = await asyncio.gather(
-                *(http_stream(client, f"{base_url}/v1/completions", body) for body in bodies)
+                *(patient_stream(client, f"{base_url}/v1/completions", body) for body in bodies)
             )
             ended = time.perf_counter()
         return burst_from(started, ended, list(streams))
 
     return run
+
+
+async def patient_stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[list[float], int]:
+    """A stream, retried when its connection is reset before it answers: mlx_lm.server's
+    listen backlog (5) resets some of 16 connections opened at once."""
+    for attempt in range(3):
+        try:
+            return await http_stream(client, url, body)
+        except (httpx.ReadError, httpx.ConnectError, httpx.RemoteProtocolError):
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def tandem(
@@ -126,12 +140,19 @@ def measure(
     results: dict[str, dict[int, list[Burst]]] = {n: {c: [] for c in streams} for n in contenders}
 
     async def all_rounds() -> None:
-        for run in contenders.values():  # one warm-up burst each
-            await run(streams[-1])
+        for name, run in contenders.items():  # warm-up bursts, one retried: a server's
+            try:  # listen backlog can reset a connection of the very first burst
+                await run(streams[-1])
+            except httpx.HTTPError as error:
+                print(f"warm-up of {name} failed ({error!r}); once more", flush=True)
+                await run(streams[-1])
         for round_index in range(rounds):
             for count in streams:
                 for name, run in contenders.items():
-                    burst = await run(count)
+                    try:
+                        burst = await run(count)
+                    except httpx.HTTPError as error:
+                        raise RuntimeError(f"{name} at {count} streams: {error!r}") from error
                     results[name][count].append(burst)
                     print(
                         f"round {round_index + 1}/{rounds} {name} x{count}: "
@@ -163,12 +184,7 @@ def gaps_ms(bursts: list[Burst]) -> tuple[float, float]:
     return percentile(gaps, 0.5) * 1000, percentile(gaps, 0.99) * 1000
 
 
-def render(
-    tiny: dict[str, dict[int, list[Burst]]],
-    versus: dict[str, dict[int, list[Burst]]],
-    rounds: int,
-    before: str,
-) -> str:
+def render_tiny(tiny: dict[str, dict[int, list[Burst]]], before: str) -> str:
     process, thread, old = "core apart (process)", "one process (thread)", f"before ({before})"
     rows = []
     for count in TINY_STREAMS:
@@ -182,51 +198,95 @@ def render(
     for name in (process, thread, old):
         p50, p99 = gaps_ms(tiny[name][TINY_STREAMS[-1]])
         latency_rows.append([name, f"{p50:.1f}", f"{p99:.1f}"])
-    server, ours = "mlx_lm.server (MKL)", "tandem (core apart)"
-    versus_rows = []
-    for count in SERVER_STREAMS:
-        versus_rows.append(
-            [
-                str(count),
-                f"{rate(versus[ours][count]):.1f} ({spread(versus[ours][count])})",
-                f"{rate(versus[server][count]):.1f} ({spread(versus[server][count])})",
-                ratio_spread(versus[ours][count], versus[server][count]),
-            ]
-        )
+    header = [
+        "streams", "core apart tok/s", "thread tok/s", "before tok/s", "apart / before",
+        "apart / thread",
+    ]  # fmt: skip
     return "\n".join(
         [
-            f"`{COMMAND}` — {rounds} interleaved rounds, medians (range); {describe_machine()}.",
-            "",
             f"**The 4-layer demo model** (`--model demo`), {MAX_TOKENS} tokens per stream, "
             "greedy, `--max-batch 64`: aggregate tok/s of the engine core in its own process "
             "(the default), on a thread of serve (`--engine-core thread`), and the code "
             f"before the split ({before}); ratios are per round.",
             "",
-            markdown_table(
-                [
-                    "streams",
-                    "core apart tok/s",
-                    "thread tok/s",
-                    "before tok/s",
-                    "apart / before",
-                    "apart / thread",
-                ],
-                rows,
-            ),
+            markdown_table(header, rows),
             "",
             f"Inter-token latency at {TINY_STREAMS[-1]} streams (ms, every gap of every stream):",
             "",
             markdown_table(["server", "p50", "p99"], latency_rows),
-            "",
-            f"**Against mlx_lm.server** on the same BLAS (MKL preloaded for it): the 8-layer "
+        ]
+    )
+
+
+def render_versus(versus: dict[str, dict[int, list[Burst]]]) -> str:
+    server, ours = "mlx_lm.server (MKL)", "tandem (core apart)"
+    rows = [
+        [
+            str(count),
+            f"{rate(versus[ours][count]):.1f} ({spread(versus[ours][count])})",
+            f"{rate(versus[server][count]):.1f} ({spread(versus[server][count])})",
+            ratio_spread(versus[ours][count], versus[server][count]),
+        ]
+        for count in SERVER_STREAMS
+    ]
+    return "\n".join(
+        [
+            "**Against mlx_lm.server** on the same BLAS (MKL preloaded for it): the 8-layer "
             f"hidden-512 demo, temperature 0.8, no seed (so it batches), {MAX_TOKENS} tokens "
             "per stream.",
             "",
             markdown_table(
-                ["streams", "tandem tok/s", "mlx_lm.server tok/s", "tandem / server"], versus_rows
+                ["streams", "tandem tok/s", "mlx_lm.server tok/s", "tandem / server"], rows
             ),
         ]
     )
+
+
+def measure_tiny(rounds: int, before: str, scratch: Path, cleanup: contextlib.ExitStack,
+                 client: httpx.Client) -> dict[str, dict[int, list[Burst]]]:  # fmt: skip
+    model = ensure_demo_model(MODEL_CACHE, DemoSpec())
+    batch = ["--max-batch", "64", "--queue-size", "64"]
+    old_tree = before_worktree(before, cleanup)
+    servers = {
+        "core apart (process)": tandem("process", model, scratch, cleanup, client, batch),
+        "one process (thread)": tandem(
+            "thread", model, scratch, cleanup, client, [*batch, "--engine-core", "thread"]
+        ),
+        f"before ({before})": tandem("before", model, scratch, cleanup, client, batch, old_tree),
+    }
+    contenders = {
+        name: http_contender(server.base_url, model_id_of(client, server), 0.0)
+        for name, server in servers.items()
+    }
+    try:
+        return measure(contenders, TINY_STREAMS, rounds)
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def measure_versus(rounds: int, scratch: Path, cleanup: contextlib.ExitStack,
+                   client: httpx.Client) -> dict[str, dict[int, list[Burst]]]:  # fmt: skip
+    from engines.core.blas import activate
+
+    model = ensure_demo_model(MODEL_CACHE, MODEL)
+    ours = tandem("versus", model, scratch, cleanup, client, [])
+    port = free_port(HOST)
+    mlx_server = ServerProcess(
+        "mlx_lm.server",
+        mlx_server_command(model, port),
+        port,
+        scratch / "mlx-server.log",
+        dict(os.environ, LD_PRELOAD=activate().path),
+    )
+    cleanup.callback(mlx_server.stop)
+    mlx_server.start()
+    mlx_server.wait_healthy(client)
+    contenders = {
+        "tandem (core apart)": http_contender(ours.base_url, model_id_of(client, ours), 0.8),
+        "mlx_lm.server (MKL)": http_contender(mlx_server.base_url, None, 0.8),
+    }
+    return measure(contenders, SERVER_STREAMS, rounds)
 
 
 def main() -> None:
@@ -234,57 +294,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--before", default=BEFORE, help="the commit to compare against")
     parser.add_argument("--no-write", action="store_true", help="print, do not write the doc")
+    parser.add_argument(
+        "--part", choices=("both", "tiny", "versus"), default="both",
+        help="which part to run (one part alone is printed, not written)",
+    )  # fmt: skip
     args = parser.parse_args()
-    tiny_model = ensure_demo_model(MODEL_CACHE, DemoSpec())
-    server_model = ensure_demo_model(MODEL_CACHE, MODEL)
+    parts = [f"`{COMMAND}` — {args.rounds} interleaved rounds, medians (range); "
+             f"{describe_machine()}."]  # fmt: skip
     with contextlib.ExitStack() as cleanup:
         scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="tandem-core-")))
         client = cleanup.enter_context(httpx.Client(trust_env=False))
-        batch = ["--max-batch", "64", "--queue-size", "64"]
-        old_tree = before_worktree(args.before, cleanup)
-        servers = {
-            "core apart (process)": tandem("process", tiny_model, scratch, cleanup, client, batch),
-            "one process (thread)": tandem(
-                "thread", tiny_model, scratch, cleanup, client, [*batch, "--engine-core", "thread"]
-            ),
-            f"before ({args.before})": tandem(
-                "before", tiny_model, scratch, cleanup, client, batch, cwd=old_tree
-            ),
-        }
-        contenders = {
-            name: http_contender(server.base_url, model_id_of(client, server), 0.0)
-            for name, server in servers.items()
-        }
-        tiny = measure(contenders, TINY_STREAMS, args.rounds)
-        for server in servers.values():
-            server.stop()
-        from engines.core.blas import activate
-
-        ours = tandem("versus", server_model, scratch, cleanup, client, [])
-        port = free_port(HOST)
-        mlx_server = ServerProcess(
-            "mlx_lm.server",
-            mlx_server_command(server_model, port),
-            port,
-            scratch / "mlx-server.log",
-            dict(os.environ, LD_PRELOAD=activate().path),
-        )
-        cleanup.callback(mlx_server.stop)
-        mlx_server.start()
-        mlx_server.wait_healthy(client)
-        versus = measure(
-            {
-                "tandem (core apart)": http_contender(
-                    ours.base_url, model_id_of(client, ours), 0.8
-                ),
-                "mlx_lm.server (MKL)": http_contender(mlx_server.base_url, None, 0.8),
-            },
-            SERVER_STREAMS,
-            args.rounds,
-        )
-    body = render(tiny, versus, args.rounds, args.before)
+        if args.part in ("both", "tiny"):
+            tiny = measure_tiny(args.rounds, args.before, scratch, cleanup, client)
+            parts.append(render_tiny(tiny, args.before))
+        if args.part in ("both", "versus"):
+            parts.append(render_versus(measure_versus(args.rounds, scratch, cleanup, client)))
+    body = "\n\n".join(parts)
     print(body)
-    if not args.no_write:
+    if args.part == "both" and not args.no_write:
         write_section(HEADING, body)
 
 
