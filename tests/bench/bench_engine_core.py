@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from engines.model.demo import ensure_demo_model
 from engines.model.demo_spec import DemoSpec
@@ -242,8 +243,50 @@ def render_versus(versus: dict[str, dict[int, list[Burst]]]) -> str:
     )
 
 
+def cpu_split(server: ServerProcess, run: Contender, count: int) -> dict[str, float]:
+    """Cores each process used over three bursts of `count` streams: serve's own process (the
+    API process, when the core runs apart), its engine core if any, and this client."""
+    serve = psutil.Process(server.pid)
+    processes = {"serve": serve}
+    for child in serve.children():
+        if "engines.core.core_main" in " ".join(child.cmdline()):
+            processes["core"] = child
+    me = psutil.Process()
+
+    def seconds() -> dict[str, float]:
+        spent = {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
+        return spent | {"client": sum(me.cpu_times()[:2])}
+
+    before, started = seconds(), time.perf_counter()
+    tokens = sum(asyncio.run(run(count)).tokens for _ in range(3))
+    wall, after = time.perf_counter() - started, seconds()
+    return {name: (after[name] - before[name]) / wall for name in after} | {
+        "tok/s": tokens / wall
+    }
+
+
+def render_cpu(split: dict[str, dict[str, float]]) -> str:
+    rows = [
+        [
+            name,
+            f"{cores['tok/s']:.0f}",
+            f"{cores['serve']:.2f}",
+            f"{cores['core']:.2f}" if "core" in cores else "—",
+            f"{cores['client']:.2f}",
+        ]
+        for name, cores in split.items()
+    ]
+    header = ["server", "tok/s", "serve (API) cores", "engine core cores", "client cores"]
+    return (
+        f"Where the CPU goes at {TINY_STREAMS[-1]} streams (three more bursts each, after the "
+        "rounds; cores = CPU seconds per second of wall time, user + system):\n\n"
+        + markdown_table(header, rows)
+    )
+
+
 def measure_tiny(rounds: int, before: str, scratch: Path, cleanup: contextlib.ExitStack,
-                 client: httpx.Client) -> dict[str, dict[int, list[Burst]]]:  # fmt: skip
+                 client: httpx.Client) -> tuple[dict[str, dict[int, list[Burst]]],
+                                                dict[str, dict[str, float]]]:  # fmt: skip
     model = ensure_demo_model(MODEL_CACHE, DemoSpec())
     batch = ["--max-batch", "64", "--queue-size", "64"]
     old_tree = before_worktree(before, cleanup)
@@ -259,7 +302,12 @@ def measure_tiny(rounds: int, before: str, scratch: Path, cleanup: contextlib.Ex
         for name, server in servers.items()
     }
     try:
-        return measure(contenders, TINY_STREAMS, rounds)
+        results = measure(contenders, TINY_STREAMS, rounds)
+        split = {
+            name: cpu_split(servers[name], contenders[name], TINY_STREAMS[-1])
+            for name in servers
+        }
+        return results, split
     finally:
         for server in servers.values():
             server.stop()
@@ -305,8 +353,8 @@ def main() -> None:
         scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="tandem-core-")))
         client = cleanup.enter_context(httpx.Client(trust_env=False))
         if args.part in ("both", "tiny"):
-            tiny = measure_tiny(args.rounds, args.before, scratch, cleanup, client)
-            parts.append(render_tiny(tiny, args.before))
+            tiny, split = measure_tiny(args.rounds, args.before, scratch, cleanup, client)
+            parts += [render_tiny(tiny, args.before), render_cpu(split)]
         if args.part in ("both", "versus"):
             parts.append(render_versus(measure_versus(args.rounds, scratch, cleanup, client)))
     body = "\n\n".join(parts)

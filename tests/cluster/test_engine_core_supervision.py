@@ -81,7 +81,7 @@ def test_serve_replaces_a_core_that_died_or_froze_and_a_killed_serve_leaves_none
     try:
         for signum, within_s in ((signal.SIGKILL, 1.0), (signal.SIGSTOP, LOST_AFTER_S + 1.0)):
             core = core_of(server)
-            error, after_s = stream_then(server, lambda: os.kill(core.pid, signum))
+            error, after_s = stream_then(server, lambda c=core, s=signum: os.kill(c.pid, s))
             assert "engine core" in error, error
             assert after_s < within_s, f"{signum.name}: the stream ended {after_s:.1f} s later"
             core = wait_new_core(server, core.pid)

@@ -18,7 +18,8 @@ from engines.core.engine_spec import EngineSpec
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
-from tests.helpers.engine import collect, run_all
+from planner.errors import QueueFullError
+from tests.helpers.engine import run_all
 
 pytestmark = pytest.mark.cluster  # a real child process per runner
 
@@ -176,3 +177,23 @@ def test_closing_the_runner_stops_the_core_process(demo_model_dir: Path) -> None
     pid = runner.core.pid
     runner.close()
     assert runner.core._child.poll() is not None, f"the core (pid {pid}) still runs"
+
+
+def test_the_queue_bound_holds_across_the_boundary(apart: EngineRunner) -> None:
+    """--max-batch 4 and --queue-size 8: twelve are taken, the thirteenth is a 429."""
+    prompt = tuple(apart.engine.tokenizer.encode("queue"))
+
+    async def flood() -> int:
+        submissions = [apart.submit(GenerationRequest(f"q{i}", prompt, 64)) for i in range(12)]
+        with pytest.raises(QueueFullError):
+            apart.submit(GenerationRequest("q12", prompt, 64))
+        for submission in submissions:
+            submission.cancel()
+        finished = 0
+        for submission in submissions:
+            async for event in submission.events():
+                finished += event.finish_reason is not None
+        return finished
+
+    assert asyncio.run(asyncio.wait_for(flood(), 60)) == 12
+    wait_idle(apart)

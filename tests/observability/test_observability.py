@@ -379,7 +379,8 @@ async def test_process_memory_accounts_for_the_weights_next_to_rss(runner: Any) 
     assert memory["rss"] == memory["mlx_active"] + memory["mlx_cache"] + memory["unaccounted"]
     accounting = {"serve": memory}
     html = render_members({"coordinator": {"node_id": "c", "memory_accounting": accounting}})
-    assert f"serve: RSS {int(memory['rss']) >> 20} MB = weights {int(memory['weights']) >> 20}" in html
+    rss, weights = int(memory["rss"]) >> 20, int(memory["weights"]) >> 20
+    assert f"serve: RSS {rss} MB = weights {weights}" in html
 
 
 def test_the_dashboard_summary_shows_the_prefix_cache_in_memory_and_on_disk() -> None:
