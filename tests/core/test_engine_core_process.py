@@ -76,7 +76,8 @@ def test_the_core_apart_gives_what_the_core_on_a_thread_gives(
             for far, near in zip(remote, local, strict=True):
                 assert far.tokens == near.tokens and far.text == near.text
                 assert (far.finish, far.completion_tokens) == (near.finish, near.completion_tokens)
-                assert far.logprobs == pytest.approx(near.logprobs, abs=1e-5)
+                # equal tokens; logprobs to float noise (a batch can form a step apart)
+                assert far.logprobs == pytest.approx(near.logprobs, abs=1e-3)
     finally:
         here.close()
     wait_idle(apart)
