@@ -120,14 +120,32 @@ async def http_stream(
     return text_stamps, tokens
 
 
-def http_contender(base_url: str, model_id: str | None) -> Callable[[int], Awaitable[Burst]]:
+async def patient_stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[list[float], int]:
+    """A stream, retried when its connection is reset before it answers: mlx_lm.server's
+    listen backlog (5) resets some of 16 connections opened at once."""
+    for attempt in range(3):
+        try:
+            return await http_stream(client, url, body)
+        except (httpx.ReadError, httpx.ConnectError, httpx.RemoteProtocolError):
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def http_contender(
+    base_url: str, model_id: str | None, temperature: float | None = None
+) -> Callable[[int], Awaitable[Burst]]:
+    """N streams at once over HTTP; `temperature` None: --temperature's."""
+
     async def run(count: int) -> Burst:
         bodies = []
         for prompt in prompts_for(count):
             body: dict[str, Any] = {
                 "prompt": prompt,
                 "max_tokens": MAX_TOKENS,
-                "temperature": TEMPERATURE,
+                "temperature": TEMPERATURE if temperature is None else temperature,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
@@ -138,7 +156,7 @@ def http_contender(base_url: str, model_id: str | None) -> Callable[[int], Await
         async with httpx.AsyncClient(trust_env=False, limits=limits) as client:
             started = time.perf_counter()
             streams = await asyncio.gather(
-                *(http_stream(client, f"{base_url}/v1/completions", body) for body in bodies)
+                *(patient_stream(client, f"{base_url}/v1/completions", body) for body in bodies)
             )
             ended = time.perf_counter()
         return burst_from(started, ended, list(streams))

@@ -27,14 +27,13 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
 
 from engines.model.demo import ensure_demo_model
 from engines.model.demo_spec import DemoSpec
-from tests.bench.bench_batching import Burst, burst_from, http_stream, percentile, prompts_for
+from tests.bench.bench_batching import Burst, http_contender, percentile
 from tests.bench.bench_single import MODEL, MODEL_CACHE, ServerProcess, mlx_server_command
 from tests.bench.common import describe_machine, free_port, markdown_table, write_section
 
@@ -48,46 +47,6 @@ MAX_TOKENS = 64
 ROOT = Path(__file__).resolve().parents[2]
 
 Contender = Callable[[int], Awaitable[Burst]]
-
-
-def http_contender(base_url: str, model_id: str | None, temperature: float) -> Contender:
-    async def run(count: int) -> Burst:
-        bodies = []
-        for prompt in prompts_for(count):
-            body: dict[str, Any] = {
-                "prompt": prompt,
-                "max_tokens": MAX_TOKENS,
-                "temperature": temperature,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            if model_id is not None:
-                body["model"] = model_id
-            bodies.append(body)
-        limits = httpx.Limits(max_connections=128)
-        async with httpx.AsyncClient(trust_env=False, limits=limits) as client:
-            started = time.perf_counter()
-            streams = await asyncio.gather(
-                *(patient_stream(client, f"{base_url}/v1/completions", body) for body in bodies)
-            )
-            ended = time.perf_counter()
-        return burst_from(started, ended, list(streams))
-
-    return run
-
-
-async def patient_stream(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any]
-) -> tuple[list[float], int]:
-    """A stream, retried when its connection is reset before it answers: mlx_lm.server's
-    listen backlog (5) resets some of 16 connections opened at once."""
-    for attempt in range(3):
-        try:
-            return await http_stream(client, url, body)
-        except (httpx.ReadError, httpx.ConnectError, httpx.RemoteProtocolError):
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
 
 
 def tandem(
