@@ -210,7 +210,7 @@ def discard_spare() -> None:
 class CoreView:
     """`runner.engine` for a core in another process: what it last said of itself."""
 
-    def __init__(self, tokenizer: Any, model_path: str) -> None:
+    def __init__(self, tokenizer: Any, model_path: str, send: Any) -> None:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.features: frozenset[str] = frozenset()
@@ -219,7 +219,7 @@ class CoreView:
         self._info = EngineInfo(strategy="starting")
         self._healthy = True
         self.memory: dict[str, int] = {}
-        self._send: Any = None
+        self._send = send  # to the core, quietly (nothing when it is gone)
 
     def ready(self, message: dict[str, Any]) -> None:
         self.features = frozenset(message["features"])
@@ -255,13 +255,9 @@ class CoreView:
     def memory_held(self) -> dict[str, int]:
         return {kind: self.memory.get(kind, 0) for kind in ("weights", "prefix_cache")}
 
-    def step_times(self, uid: int) -> dict[str, float]:
-        return {}  # they come with the core's release of each sequence
-
     def abort(self, reason: str) -> None:
         """Make a step blocked on a remote worker return at once (any thread)."""
-        if self._send is not None:
-            self._send({"k": "engine_abort", "reason": reason})
+        self._send({"k": "engine_abort", "reason": reason})
 
     def close(self) -> None:
         """The process is closed by its CoreProcess."""
@@ -325,8 +321,7 @@ class CoreProcess:
             tokenizer = load_serving_tokenizer(self.spec.options["model_path"])
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer: {error}") from error
-        self.engine = CoreView(tokenizer, self.spec.options["model_path"])
-        self.engine._send = self._send_quietly
+        self.engine = CoreView(tokenizer, self.spec.options["model_path"], self._send_quietly)
         self._wait_ready(load_timeout_s)
         self._watchdog = threading.Thread(target=self._watch, name="engine-core watch", daemon=True)
         self._watchdog.start()

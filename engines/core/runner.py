@@ -136,17 +136,6 @@ class Submission:
         except Exception:  # metrics or logging must never break the runner
             log.exception("recording request %s failed", self.request.request_id)
 
-    def fail(self, error: str) -> None:
-        self.push(
-            TokenEvent(
-                finish_reason=Finish.ERROR,
-                error=error,
-                failure=Failure.ENGINE,
-                prompt_tokens=len(self.request.prompt_tokens),
-            )
-        )
-        self.done = True
-
     async def next_event(self, timeout_s: float) -> TokenEvent | None:
         """The next event, or None when none came within `timeout_s` (nothing is lost)."""
         try:
@@ -276,7 +265,7 @@ class EngineRunner:
         """
         self.core.start(self, load_timeout_s)
 
-    def close(self, join_timeout_s: float = 10.0) -> None:
+    def close(self) -> None:
         """Fail what waits or runs, and close the core (which closes the engine)."""
         with self._lock:
             if self._closed:

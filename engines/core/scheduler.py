@@ -140,10 +140,6 @@ class BatchScheduler:
             self._eviction_keep = keep_fraction if pending is None else min(pending, keep_fraction)
             self._wakeup.notify()
 
-    @property
-    def active(self) -> int:
-        return len(self._running)
-
     # -- the thread --------------------------------------------------------------------------
 
     def _work(self) -> None:
