@@ -350,7 +350,8 @@ class EngineRunner:
 
     @property
     def idle(self) -> bool:
-        return not self._active and not self._waiting
+        # Ended streams count until the core lets them go (and they are recorded).
+        return not self._active and not self._waiting and not self._ended
 
     # -- what the core reports (on its thread, or the channel's reader) ---------------------
 
