@@ -34,10 +34,11 @@ blas.activate()  # before mlx loads: the BLAS the engines run on
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from mlx.utils import tree_map  # noqa: E402
+from mlx.utils import tree_flatten, tree_map, tree_unflatten  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
+from discovery.capabilities import read_bounded_memory  # noqa: E402
 from discovery.cgroup_cpu import read_cpu_share  # noqa: E402
 from discovery.json_child import run_measuring_role  # noqa: E402
 
@@ -52,6 +53,9 @@ PREFILL_PAIRS = 1  # after its warm-up: a prefill chunk takes long and varies li
 SMALLEST_S = 1e-7  # a difference of two timings is never below this
 LONG_MODEL_LAYERS = 5
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+MB = 1 << 20
+BUILD_HEADROOM = 1.25  # the patterned weights' temporaries and mlx's buffer cache, at most
+MEMORY_MARGIN = 64 * MB  # decode caches and activations, and what other processes add meanwhile
 
 
 def config_with(config: dict[str, Any], layers: int, ranks: int = 1) -> dict[str, Any]:
@@ -70,19 +74,69 @@ def config_with(config: dict[str, Any], layers: int, ranks: int = 1) -> dict[str
     return changed
 
 
-def build_model(config: dict[str, Any], float32: bool) -> nn.Module:
+def build_model(
+    config: dict[str, Any], float32: bool, rest_from: nn.Module | None = None
+) -> nn.Module:
+    """The model of `config`, its weights in a cheap pattern; with `rest_from` (a model of the
+    same config but its layer count), everything outside the layers is that model's arrays."""
+    model = _shaped_model(config, float32, patterned=True)
+    if rest_from is not None:
+        model.update(tree_unflatten(_outside_layers(rest_from)))  # before any is computed
+    mx.eval(model.parameters())
+    return model
+
+
+def _shaped_model(config: dict[str, Any], float32: bool, patterned: bool = False) -> nn.Module:
+    """The model, its weights' shapes and dtypes final but nothing computed (mlx is lazy)."""
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    # Drawing random numbers for every weight took most of a build (3x that under a 0.3-core
-    # quota); a cheap repeating pattern times the same, values never change a matmul's speed.
-    model.update(tree_map(_patterned, model.parameters()))
+    if patterned:
+        # Drawing random numbers for every weight took most of a build (3x that under a
+        # 0.3-core quota); a repeating pattern times the same, values never change a matmul.
+        model.update(tree_map(_patterned, model.parameters()))
     quantization = config.get("quantization")
     if isinstance(quantization, dict):
         nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"])
     elif not float32:
         model.set_dtype(mx.bfloat16)
-    mx.eval(model.parameters())
     return model
+
+
+def _outside_layers(model: nn.Module) -> list[tuple[str, mx.array]]:
+    """The embedding, final norm and head: every weight not in a decoder layer."""
+    inside = {id(array) for layer in model.layers for _, array in tree_flatten(layer.parameters())}
+    return [
+        (path, array) for path, array in tree_flatten(model.parameters()) if id(array) not in inside
+    ]
+
+
+def planned_bytes(config: dict[str, Any], tp_sizes: tuple[int, ...], float32: bool) -> int:
+    """The weights `measure` holds at its peak: a one-layer model and the layers of a
+    five-layer one sharing its rest, for the whole layer and then for each tp shard."""
+    peak = 0
+    for ranks in (1, *tp_sizes):
+        model = _shaped_model(config_with(config, 1, ranks), float32)
+        whole = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+        rest = sum(array.nbytes for _, array in _outside_layers(model))
+        peak = max(peak, rest + (1 + LONG_MODEL_LAYERS) * (whole - rest))
+    return peak
+
+
+class ProbeDoesNotFit(RuntimeError):
+    """The probe would need more memory than the machine has free: it is skipped instead of
+    letting the OOM killer choose a process (the largest in the cgroup may be serve's)."""
+
+
+def check_fits(config: dict[str, Any], tp_sizes: tuple[int, ...], float32: bool) -> None:
+    """Raise ProbeDoesNotFit, naming the numbers, when the probe's weights (with headroom for
+    their temporaries) exceed the memory available now, within this process's cgroup."""
+    needed = int(planned_bytes(config, tp_sizes, float32) * BUILD_HEADROOM) + MEMORY_MARGIN
+    _, available, bound = read_bounded_memory(None)
+    if needed > available:
+        raise ProbeDoesNotFit(
+            f"skipped: it needs ~{needed / MB:.0f} MB for its layers and "
+            f"{available / MB:.0f} MB are available ({bound})"
+        )
 
 
 def _own_s(step: Callable[[], None]) -> float:
@@ -155,9 +209,8 @@ def layer_points(
 
 def _layer_and_rest(config: dict[str, Any], ranks: int, rows: tuple[int, ...], float32: bool):
     """Per rows: (one layer's burst seconds, the rest's), from one- and five-layer models."""
-    one, long = (
-        build_model(config_with(config, n, ranks), float32) for n in (1, LONG_MODEL_LAYERS)
-    )
+    one = build_model(config_with(config, 1, ranks), float32)
+    long = build_model(config_with(config, LONG_MODEL_LAYERS, ranks), float32, rest_from=one)
     points = layer_points(
         rows, lambda count: _paired(decode_step(one, count), decode_step(long, count))
     )
@@ -178,6 +231,8 @@ def measure(
     prefills = (_prefill_step(model, prefill_chunk) for model in (one, long))
     difference, _ = _paired(*prefills, min_pairs=PREFILL_PAIRS)
     prefill = max(difference / (LONG_MODEL_LAYERS - 1), SMALLEST_S)
+    del one, long  # the shards' models replace them: the probe's peak is the larger pair
+    mx.clear_cache()
     shards = []
     for ranks in tp_sizes:
         _, _, shard_points = _layer_and_rest(config, ranks, rows, float32)
@@ -197,12 +252,15 @@ def measure(
 def measure_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """`measure` as the speed_probe role's spec asks, with its BLAS threads."""
     blas.set_threads(int(spec.get("blas_threads", 0)))
+    tp_sizes = tuple(int(n) for n in spec.get("tp_sizes", ()))
+    float32 = bool(spec.get("float32", True))
+    check_fits(spec["config"], tp_sizes, float32)
     return measure(
         spec["config"],
         tuple(int(r) for r in spec.get("rows", PROBE_ROWS)),
-        tuple(int(n) for n in spec.get("tp_sizes", ())),
+        tp_sizes,
         int(spec.get("prefill_chunk", 256)),
-        bool(spec.get("float32", True)),
+        float32,
     )
 
 

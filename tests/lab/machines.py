@@ -80,6 +80,12 @@ class Machine:
         }
         return environment | (extra or {})
 
+    def oom_kills(self) -> int:
+        """Processes the kernel's OOM killer ended in this machine's memory cgroup."""
+        [group] = [g for g in self.cgroups if "memory" in g.parts]
+        lines = (group / "memory.oom_control").read_text().splitlines()
+        return int(dict(line.split() for line in lines).get("oom_kill", 0))
+
     def command(self, argv: list[str]) -> list[str]:
         """`argv` as it runs on this machine: in its namespace, cgroups, cores and disk."""
         hide = " ".join(

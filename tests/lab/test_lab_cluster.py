@@ -105,13 +105,6 @@ def many_streams(url: str) -> list[str]:
     return reasons
 
 
-def oom_kills(machine: Machine) -> int:
-    """Processes the kernel's OOM killer ended in this machine's memory cgroup."""
-    [group] = [g for g in machine.cgroups if "memory" in g.parts]
-    counts = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
-    return int(counts.get("oom_kill", 0))
-
-
 def answers(url: str) -> list[str]:
     client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=60)
     return [
@@ -203,4 +196,4 @@ def test_three_machines_find_each_other_receive_the_model_and_answer_as_one(
         time.sleep(0.5)
     assert cluster["replans"] >= 1 and cluster["state"] == "ok", cluster["last_replan_reason"]
     assert answers(url) == expected
-    assert [oom_kills(machine) for machine in lab.machines] == [0, 0, 0]
+    assert [machine.oom_kills() for machine in lab.machines] == [0, 0, 0]

@@ -8,6 +8,7 @@ of the model over the two, its all_sums included."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,17 @@ pytestmark = [
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
-def probe(lab: Lab, index: int, config: dict) -> float:
+MB = 1 << 20
+# SmolLM2-135M's shape: its 49152-token vocabulary makes the embedding most of the probe's memory
+VOCABULARY_HEAVY = {
+    "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+    "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "vocab_size": 49152, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def probe_answer(lab: Lab, index: int, config: dict) -> dict:
+    """The probe's last protocol line on lab machine `index`: ready (with the speed) or failed."""
     machine = lab.machines[index]
     spec = {"config": config, "rows": [1], "prefill_chunk": 32, "blas_threads": 1}
     done = subprocess.run(
@@ -34,9 +45,15 @@ def probe(lab: Lab, index: int, config: dict) -> float:
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    ready = [line for line in lines if line.get("event") == "ready"]
-    assert ready, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
-    return ready[0]["speed"]
+    answered = [line for line in lines if line.get("event") in ("ready", "failed")]
+    assert answered, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    return answered[-1]
+
+
+def probe(lab: Lab, index: int, config: dict) -> dict:
+    answer = probe_answer(lab, index, config)
+    assert answer["event"] == "ready", answer
+    return answer["speed"]
 
 
 def test_the_probe_reads_a_cpu_quota_as_the_share_of_a_core_kept(demo_model_dir: Path) -> None:
@@ -48,6 +65,22 @@ def test_the_probe_reads_a_cpu_quota_as_the_share_of_a_core_kept(demo_model_dir:
     assert (held["cpu_share"], free["cpu_share"]) == (0.3, 1.0)
     # sustained steps under the quota: ~3x the free machine's (noise allowed)
     assert held["layer"][0][1] > 1.8 * free["layer"][0][1], (held["layer"], free["layer"])
+
+
+def test_a_probe_that_does_not_fit_is_skipped_with_the_numbers_never_oom_killed() -> None:
+    # 200 MB holds the interpreter with mlx (~90 MB) but not the probe's ~250 MB of layers,
+    # embedding and temporaries: unchecked, the OOM killer would end it (or, beside a serve,
+    # whichever process is largest). 700 MB holds it.
+    specs = [MachineSpec(memory_limit=200 * MB), MachineSpec(memory_limit=700 * MB)]
+    with Lab(2, specs) as lab:
+        tight = probe_answer(lab, 0, VOCABULARY_HEAVY)
+        roomy = probe_answer(lab, 1, VOCABULARY_HEAVY)
+        kills = [machine.oom_kills() for machine in lab.machines]
+    assert tight["event"] == "failed", tight
+    assert re.search(r"skipped: it needs ~\d+ MB .* \d+ MB are available \(cgroup v1 limit\)",
+                     tight["reason"]), tight["reason"]  # fmt: skip
+    assert roomy["event"] == "ready" and roomy["speed"]["layer"], roomy
+    assert kills == [0, 0]
 
 
 def collective(
