@@ -63,7 +63,8 @@ def time_tp_steps(
 ) -> TpSteps:
     """`config` sharded over `group`, stepped at each of `rows`. Every rank must run the same
     steps in the same order."""
-    one, long = (_sharded(config, layers, group, float32) for layers in (1, LONG_MODEL_LAYERS))
+    one = _sharded(config, 1, group, float32)
+    long = _sharded(config, LONG_MODEL_LAYERS, group, float32, rest_from=one)
     pairs_timed: list[int] = []
     cpu_pairs: dict[int, tuple[float, float]] = {}
 
@@ -91,10 +92,17 @@ def has_tp_variant(config: dict[str, Any]) -> bool:
     return hasattr(model_class, "shard")
 
 
-def _sharded(config: dict[str, Any], layers: int, group: mx.distributed.Group, float32: bool):
+def _sharded(
+    config: dict[str, Any],
+    layers: int,
+    group: mx.distributed.Group,
+    float32: bool,
+    rest_from: Any = None,
+):
     """The `layers`-layer model of `config`, sharded the way tp's ranks load theirs
-    (engines/weights/tp_share.py `load_rank_share`: `Model.shard(group)`)."""
-    model = build_model(config_with(config, layers), float32)
+    (engines/weights/tp_share.py `load_rank_share`: `Model.shard(group)`); with `rest_from`,
+    its embedding, norm and head are that model's (as the speed probe's pair shares them)."""
+    model = build_model(config_with(config, layers), float32, rest_from)
     model.shard(group)
     mx.eval(model.parameters())
     return model
