@@ -17,6 +17,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+# A disk hit reads the whole entry back. On the demo models here one read cost as much as
+# prefilling 9-29 tokens (entries of 256-4096 tokens; docs/operations.md): a shorter shared
+# prefix (a chat template's first tokens) is cheaper to compute than to read.
+MIN_DISK_HIT_TOKENS = 32
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
@@ -54,11 +59,19 @@ class PrefixIndex:
     `max_bytes` 0 turns the cache off (every lookup misses, nothing is kept).
     `trimmable` says whether a cache can be cut back to a shorter prefix (plain KV caches
     can; sliding-window caches cannot): when it cannot, only an entry that is a whole
-    prefix of the prompt is reused. `disk_bytes` > 0 adds the disk tier.
+    prefix of the prompt is reused. `disk_bytes` > 0 adds the disk tier, whose entries are
+    reused for at least `min_disk_hit_tokens` shared tokens.
     """
 
-    def __init__(self, max_bytes: int, trimmable: bool = True, disk_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        trimmable: bool = True,
+        disk_bytes: int = 0,
+        min_disk_hit_tokens: int = MIN_DISK_HIT_TOKENS,
+    ) -> None:
         self.max_bytes = max(max_bytes, 0)
+        self.min_disk_hit_tokens = min_disk_hit_tokens
         self.disk_max_bytes = max(disk_bytes, 0) if self.max_bytes else 0
         self.trimmable = trimmable
         self.off_reason = "" if self.max_bytes else "prefix cache budget is 0"
@@ -127,6 +140,8 @@ class PrefixIndex:
                     shared = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
                     if shared < len(entry.tokens) and not self.trimmable:
                         continue  # the entry cannot be cut back to the shared part
+                    if on_disk and shared < self.min_disk_hit_tokens:
+                        continue  # reading it back would cost more than it saves
                     if shared > 0 and (best is None or shared > best.tokens):
                         best = PrefixHit(entry_id, shared, on_disk)
         return best

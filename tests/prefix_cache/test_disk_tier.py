@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable, tier_root
-from engines.prefix_cache.index import PrefixHit, PrefixIndex
+from engines.prefix_cache.index import MIN_DISK_HIT_TOKENS, PrefixHit, PrefixIndex
 from engines.prefix_cache.store import PrefixStore
 from engines.single.engine import SingleEngine
 from tests.helpers.engine import run_one
@@ -25,7 +25,7 @@ SYSTEM = "You are a careful assistant. Answer in full sentences and cite what yo
 
 
 def test_memory_evictions_go_to_disk_and_still_hit():
-    index = PrefixIndex(100, disk_bytes=100)
+    index = PrefixIndex(100, disk_bytes=100, min_disk_hit_tokens=1)
     index.add(1, (1,) * 4, 60)
     assert index.add(2, (2,) * 4, 60) == []  # entry 1 is not dropped: it moves to disk
     assert index.take_spills() == [1] and index.take_spills() == []
@@ -37,7 +37,7 @@ def test_memory_evictions_go_to_disk_and_still_hit():
 
 
 def test_the_disk_tier_keeps_its_own_lru_budget():
-    index = PrefixIndex(50, disk_bytes=100)
+    index = PrefixIndex(50, disk_bytes=100, min_disk_hit_tokens=1)
     index.add(1, (1,) * 4, 40)
     index.add(2, (2,) * 4, 40)  # 1 -> disk
     index.add(3, (3,) * 4, 40)  # 2 -> disk
@@ -48,7 +48,7 @@ def test_the_disk_tier_keeps_its_own_lru_budget():
 
 
 def test_a_longer_entry_replaces_its_prefix_on_disk_and_whole_tiers_clear():
-    index = PrefixIndex(50, disk_bytes=200)
+    index = PrefixIndex(50, disk_bytes=200, min_disk_hit_tokens=1)
     index.add(1, (1, 2, 3), 40)
     index.evict(0.0)  # memory pressure: everything to disk
     assert index.take_spills() == [1] and index.nbytes == 0
@@ -58,6 +58,18 @@ def test_a_longer_entry_replaces_its_prefix_on_disk_and_whole_tiers_clear():
     assert index.on_disk(3) and index.take_spills() == [3]
     assert index.add(4, (8,) * 4, 500) == [4]  # too big for both
     assert sorted(index.clear()) == [2, 3] and len(index) == 0
+
+
+def test_a_disk_hit_needs_enough_shared_tokens_to_pay_for_its_read():
+    index = PrefixIndex(100, disk_bytes=1000)  # the measured minimum: MIN_DISK_HIT_TOKENS
+    index.add(1, tuple(range(200)), 60)
+    index.add(2, tuple(range(1000, 1200)), 60)  # 1 -> disk
+    short = tuple(range(MIN_DISK_HIT_TOKENS - 1)) + (9999,)
+    assert index.lookup(short) is None  # a template's worth: prefilled, not read back
+    assert index.lookup(tuple(range(MIN_DISK_HIT_TOKENS)) + (9999,)) == PrefixHit(
+        1, MIN_DISK_HIT_TOKENS, on_disk=True
+    )
+    assert index.lookup((1000, 1001, 9999)) == PrefixHit(2, 2)  # memory hits have no minimum
 
 
 def test_without_a_disk_budget_evictions_are_dropped():
@@ -158,7 +170,7 @@ def test_tier_roots_separate_models_and_shares(tmp_path: Path):
 
 
 def test_the_index_restores_oldest_first_within_the_disk_budget():
-    index = PrefixIndex(100, disk_bytes=100)
+    index = PrefixIndex(100, disk_bytes=100, min_disk_hit_tokens=1)
     assert index.restore(-1, (1,) * 4, 60) == []
     assert index.restore(-2, (2,) * 4, 60) == [-1]  # the budget holds: the oldest goes
     assert index.lookup((2, 2, 2, 2, 7)) == PrefixHit(-2, 4, on_disk=True)
