@@ -124,6 +124,8 @@ def decode_payload(words: list[int]) -> Command:
         spills = tuple(words[at + 1 : at + 1 + words[at]])
         at += len(spills) + 1
         pairs = words[at + 1 : at + 1 + 2 * words[at]]
+        if len(pairs) != 2 * words[at]:
+            raise ValueError(f"{words[at]} keeps need {2 * words[at]} words, got {len(pairs)}")
         keeps = tuple(zip(pairs[::2], pairs[1::2], strict=True))
         at += len(pairs)
     # UnicodeDecodeError and json's JSONDecodeError are ValueErrors

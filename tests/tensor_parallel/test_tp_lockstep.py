@@ -74,6 +74,8 @@ def test_step_commands_round_trip_exact_floats_and_large_seeds():
     assert changes == replace(command, advance=True, sync=False, wait_after_s=0.0)
     with pytest.raises(EngineError, match="out of step"):
         decode_payload(payload + [0])
+    with pytest.raises(EngineError, match="keeps need 4 words, got 3"):
+        decode_payload(payload[:-1])  # the last keep cut short
     length, document = request_words(full)
     assert request_of(length, document) == full
     assert len(document) == -(-length // 4)
