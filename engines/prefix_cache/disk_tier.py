@@ -102,6 +102,11 @@ class DiskTier:
             self._keys[entry_id] = stored.key
             self._sizes[entry_id] = stored.nbytes
 
+    def discard(self, stored: StoredEntry) -> None:
+        """Remove the files of an entry found by `open` that will not be listed (a tp rank's
+        entry that another rank lacks)."""
+        self._remove_files(stored.key)
+
     def __contains__(self, entry_id: int) -> bool:
         with self._lock:
             return entry_id in self._pending or entry_id in self._keys

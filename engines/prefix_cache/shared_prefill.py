@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engines.prefix_cache.index import common_prefix
+from engines.prefix_cache.index import PrefixIndex, common_prefix
 
 MIN_SHARED_TOKENS = 64  # shorter common prefixes are cheaper to recompute than to wait for
 MAX_WAIT_S = 10.0
@@ -59,6 +59,18 @@ class PrefillSharing:
             if shared > best_shared and uid not in self._waiters:
                 best, best_shared = uid, shared
         return best
+
+    def hold(self, uid: int, request: Any, index: PrefixIndex) -> bool:
+        """Make `uid` wait when a prompt being prefilled shares enough more of its prompt than
+        `index`'s entries cover; True when it now waits (the engine inserts it later)."""
+        if not index.enabled:
+            return False
+        prompt = tuple(request.prompt_tokens)
+        covered = index.peek(prompt)
+        owner = self.owner_for(prompt, covered.tokens if covered else 0)
+        if owner is not None:
+            self.wait(uid, request, owner)
+        return owner is not None
 
     def wait(self, uid: int, request: Any, owner: int) -> None:
         self._waiters[uid] = _Waiter(request, owner, time.monotonic() + self.max_wait_s)

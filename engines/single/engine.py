@@ -116,13 +116,8 @@ class SingleEngine(Engine):
             raise EngineError("single engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
-        if self.prefix_index.enabled:  # a long prefix still being prefilled: wait for it
-            prompt = tuple(request.prompt_tokens)
-            covered = self.prefix_index.peek(prompt)
-            owner = self._sharing.owner_for(prompt, covered.tokens if covered else 0)
-            if owner is not None:
-                self._sharing.wait(uid, request, owner)
-                return 0  # its first output will say how many tokens it reused
+        if self._sharing.hold(uid, request, self.prefix_index):  # a long prefix being prefilled
+            return 0  # its first output will say how many tokens it reused
         return self._insert_now(uid, request)
 
     def _insert_now(self, uid: int, request: GenerationRequest) -> int:

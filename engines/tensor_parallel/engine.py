@@ -18,8 +18,8 @@ from engines.core.request import GenerationRequest
 from engines.decoding.sampling import request_seed
 from engines.model.tokenizer_loading import load_serving_tokenizer
 from engines.observability.step_timing import StepTimes
-from engines.prefix_cache.index import PrefixIndex
 from engines.tensor_parallel.group import WorkerSpec
+from engines.tensor_parallel.group_prefix_cache import GroupPrefixCache
 from engines.tensor_parallel.step_clock import step_segments
 from planner.errors import EngineError
 
@@ -78,10 +78,11 @@ class TensorParallelEngine(Engine):
         # The prefix cache: this engine decides hits and evictions, every rank holds its
         # shard of each entry (engines/tensor_parallel/shard_batch.py).
         disk_bytes = self.spec.prefix_cache_disk_bytes if self.spec.prefix_cache_dir else 0
-        self.prefix_index = PrefixIndex(self.spec.prefix_cache_bytes, disk_bytes=disk_bytes)
-        self._evicts: list[int] = []  # entries every rank drops with the next step
-        self._spills: list[int] = []  # entries every rank moves to disk with the next step
-        self._tokens: dict[int, list[int]] = {}  # uid -> prompt + tokens so far, until kept
+        self.prefixes = GroupPrefixCache(
+            self.spec.prefix_cache_bytes, disk_bytes, self.spec.world_size
+        )
+        self.prefix_index = self.prefixes.index
+        self.prefilled_tokens = 0  # prompt tokens the ranks ran through the model
         self.step_timing = StepTimes()  # all_sum and compute per step (step_clock.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -96,6 +97,7 @@ class TensorParallelEngine(Engine):
             raise EngineError(f"cannot load tokenizer of {self.model_path}: {error}") from error
         self._start_worker()
         self.ready = self._wait_ready()
+        self.prefixes.restore(self.ready.get("stored_entries") or [])
         log.info(
             "tensor-parallel group ready: %d ranks over %s, peak memory per rank %s",
             self.spec.world_size,
@@ -155,32 +157,39 @@ class TensorParallelEngine(Engine):
             raise EngineError("tensor-parallel engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
-        hit = self.prefix_index.lookup(request.prompt_tokens)
+        if self.prefixes.hold(uid, request):  # a long prefix still being prefilled: wait
+            return 0  # its first output will say how many tokens it reused
+        return self._insert_now(uid, request)
+
+    def _insert_now(self, uid: int, request: GenerationRequest) -> int:
+        hit = self.prefixes.start(uid, tuple(request.prompt_tokens))
         cached = hit.tokens if hit is not None else 0
-        if self.prefix_index.enabled:
-            self._tokens[uid] = list(request.prompt_tokens)
-        # every rank prefills the rest of the prompt and samples with the same seed
-        rest = replace(
-            request, prompt_tokens=request.prompt_tokens[cached:], seed=request_seed(request)
-        )
+        # every rank prefills the prompt after the entry's first `cached` tokens (all of it
+        # if any rank cannot use the entry) and samples with the same seed
+        seeded = replace(request, seed=request_seed(request))
         self._inserts.append(
             {
                 "uid": uid,
                 "entry": hit.entry_id if hit is not None else -1,
                 "cached": cached,
-                "request": rest.document(),
+                "request": seeded.document(),
             }
         )
         self._prefilling.add(uid)
         return cached
+
+    def _let_in(self, waiters: list[tuple[int, GenerationRequest]]) -> None:
+        """Requests that waited for a shared prompt join the batch, from its entry."""
+        for uid, request in waiters:
+            self.prefixes.reused(uid, self._insert_now(uid, request))
 
     def remove(self, uids: Sequence[int]) -> None:
         gone = set(uids)
         self.step_timing.forget(gone)
         unsent = [entry for entry in self._inserts if entry["uid"] in gone]
         self._inserts = [entry for entry in self._inserts if entry["uid"] not in gone]
-        for entry in unsent:
-            self._tokens.pop(entry["uid"], None)
+        self.prefixes.forget(gone - {entry["uid"] for entry in unsent})
+        self.prefixes.forget([entry["uid"] for entry in unsent], kept=False)
         self._removes += [uid for uid in gone & self._active]
         self._active -= gone
         self._prefilling -= gone
@@ -189,11 +198,12 @@ class TensorParallelEngine(Engine):
         if self._removes and not self._active and not self._inserts:
             # Nothing left to step: tell the ranks now so their KV caches are freed.
             self._exchange(advance=False)
-            if self.prefix_index.spills_pending:  # what they just kept goes to disk now too
+            if self.prefixes.orders_pending:  # what they just kept goes to disk now too
                 self._exchange(advance=False)
 
     def step(self) -> list[StepOutput]:
         """One lockstep step of the whole batch: send its changes, read its tokens."""
+        self._let_in(self.prefixes.released())  # owners gone, or waited long enough
         if not self._active and not self._inserts:
             return []
         decode = not (self._inserts or self._prefilling)  # no prompt rides along this step
@@ -204,8 +214,7 @@ class TensorParallelEngine(Engine):
         self.step_timing.observe(segments, self._active, decode=decode)
         outputs = [StepOutput(uid, error=reason) for uid, reason in answer["refused"]]
         for uid, token, *logprobs in answer["tokens"]:
-            if uid in self._tokens:
-                self._tokens[uid].append(token)
+            self.prefixes.sampled(uid, token)
             if uid in self._active:
                 self._prefilling.discard(uid)
                 if logprobs:
@@ -215,63 +224,47 @@ class TensorParallelEngine(Engine):
                 else:
                     outputs.append(StepOutput(uid, token))
         self._active -= {output.uid for output in outputs if output.error}
-        for output in outputs:
-            if output.error:
-                self._tokens.pop(output.uid, None)
-        self._index_kept(answer.get("kept", []))
-        return outputs
+        self.prefixes.forget([output.uid for output in outputs if output.error], kept=False)
+        owners = self.prefixes.owners_done(output.uid for output in outputs if not output.error)
+        if owners:  # every rank keeps their prompts now; those waiting for them start there
+            self._exchange(advance=False)
+            self._let_in(self.prefixes.released(owners))
+        return [self._with_cached(output) for output in outputs]
+
+    def _with_cached(self, output: StepOutput) -> StepOutput:
+        cached = self.prefixes.late_cached(output.uid)
+        return output if cached is None else replace(output, cached_tokens=cached)
 
     def step_times(self, uid: int) -> dict[str, float]:
         return self.step_timing.request(uid)
 
     def evict_prefix_cache(self, keep_fraction: float) -> int:
-        before = self.prefix_index.nbytes
-        self._evicts += self.prefix_index.evict(keep_fraction)
-        self._spills += self.prefix_index.take_spills()
-        if (self._evicts or self._spills) and not self._active and not self._inserts:
+        freed = self.prefixes.evict(keep_fraction)
+        if self.prefixes.orders_pending and not self._active and not self._inserts:
             self._exchange(advance=False)  # idle: drop or spill them on every rank now
-        return before - self.prefix_index.nbytes
-
-    def _index_kept(self, kept: list[list[int]]) -> None:
-        """Index the entries the ranks kept ([uid, tokens held, bytes on rank 0])."""
-        for uid, length, rank_bytes in kept:
-            tokens = self._tokens.pop(uid, [])[:length]
-            if len(tokens) < length:  # never expected: the ranks hold tokens we never saw
-                log.warning(
-                    "rank 0 kept %d tokens of sequence %d, %d known", length, uid, len(tokens)
-                )
-                self._evicts.append(uid)
-                continue
-            # every rank holds an equal shard, so the group holds world_size times rank 0's
-            self._evicts += self.prefix_index.add(uid, tokens, rank_bytes * self.spec.world_size)
+        return freed
 
     def _exchange(self, advance: bool) -> dict[str, Any]:
         """Send one step command to rank 0 and wait for its answer."""
         self._raise_if_lost()
         inserts, self._inserts = self._inserts, []
         removes, self._removes = self._removes, []
-        evicts, self._evicts = self._evicts, []
-        spills, self._spills = self._spills + self.prefix_index.take_spills(), []
+        orders = self.prefixes.take_orders()
         self._active |= {entry["uid"] for entry in inserts}
-        # Prefill is chunked, but a step that prefills still takes far longer than a decode.
-        slow = advance and bool(self._prefilling)
+        # Prefill is chunked, but a step that prefills still takes far longer than a decode;
+        # keeping a prompt waits for the step the ranks have queued.
+        slow = (advance or bool(orders["keep"])) and bool(self._prefilling)
         self._send(
-            {
-                "cmd": "step",
-                "insert": inserts,
-                "remove": removes,
-                "evict": evicts,
-                "spill": spills,
-                "advance": advance,
-            }
+            {"cmd": "step", "insert": inserts, "remove": removes, **orders, "advance": advance}
         )
         while True:
             message = self._next_message(
                 self.first_token_timeout_s if slow else self.token_timeout_s
             )
             if "tokens" in message:
-                if not advance:
-                    self._index_kept(message.get("kept", []))
+                self.prefixes.index_kept(message.get("kept", []))
+                self.prefixes.index_missed(message.get("missed", []))
+                self.prefilled_tokens = message.get("prefilled_tokens", self.prefilled_tokens)
                 return message
             if "error" in message:  # rank 0 could not read the command: an engine bug
                 raise self._lose(f"rank 0 refused a step command: {message['error']}")
@@ -312,7 +305,8 @@ class TensorParallelEngine(Engine):
             "kv_bits": self.spec.kv_bits,
             "quantized_kv_start": self.spec.quantized_kv_start,
             "ranks": ranks,
-            "prefix_cache": self.prefix_index.snapshot(),
+            "prefix_cache": self.prefixes.snapshot(),
+            "prefilled_tokens": self.prefilled_tokens,
             "step_timing": self.step_timing.snapshot(),
             "healthy": self.healthy(),
         }

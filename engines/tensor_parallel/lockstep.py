@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -31,9 +31,13 @@ COMMAND_NAMES = {STEP: "step", PING: "ping", SHUTDOWN: "shutdown"}
 HEADER_SIZE = 5
 # per inserted sequence: uid, prefix-cache entry (-1 = none), cached tokens taken from it, the
 # length in bytes of its request's JSON document, then that document, 4 bytes to a word
-# (little-endian, the last word zero-padded); the request's prompt holds only the tokens after
-# the cached prefix, and its seed is set
+# (little-endian, the last word zero-padded); the request holds the whole prompt (a rank that
+# finds the entry unusable prefills all of it) and its seed is set
 INSERT_FIELDS = 4
+# Entry ids: a kept sequence's uid (the runner counts up from 0), or, for entries no sequence
+# names (prompts kept for shared prefill, entries a previous run left on disk), ids counting
+# down from here; the two never meet.
+TOP_ENTRY_ID = 2**31 - 1
 BYTES_PER_WORD = 4
 # Idle ranks must not wait inside a collective: mlx's ring (and JACCL) backends busy-poll
 # there, one core per idle rank. Every rank instead sleeps `wait_after` between headers,
@@ -69,6 +73,8 @@ class Command:
     sync: bool = False  # compare token checksums after this step
     wait_after_s: float = 0.0  # every rank sleeps this long before the next header
     spills: tuple[int, ...] = ()  # prefix-cache entries every rank moves to its disk tier
+    # (uid, entry): every rank keeps that running sequence's prompt KV as that entry, first
+    keeps: tuple[tuple[int, int], ...] = ()
 
 
 def request_words(request: GenerationRequest) -> tuple[int, list[int]]:
@@ -93,14 +99,13 @@ def encode_payload(command: Command) -> list[int]:
     for insert in command.inserts:
         length, document = request_words(insert.request)
         words += [insert.uid, insert.entry, insert.cached, length, *document]
-    return words + [len(command.evicts), *command.evicts, len(command.spills), *command.spills]
+    words += [len(command.evicts), *command.evicts, len(command.spills), *command.spills]
+    return words + [len(command.keeps), *(word for keep in command.keeps for word in keep)]
 
 
-def decode_payload(
-    words: list[int],
-) -> tuple[tuple[int, ...], tuple[Insert, ...], tuple[int, ...], tuple[int, ...]]:
-    """(removed uids, inserts, evicted entries, spilled entries) from a payload; malformed
-    means the ranks are out of step."""
+def decode_payload(words: list[int]) -> Command:
+    """A step command's removes, inserts, evicts, spills and keeps from its payload (its
+    header fields left at their defaults); malformed means the ranks are out of step."""
     try:
         count = words[0]
         removes = tuple(words[1 : 1 + count])
@@ -117,13 +122,18 @@ def decode_payload(
         evicts = tuple(words[at + 1 : at + 1 + words[at]])
         at += len(evicts) + 1
         spills = tuple(words[at + 1 : at + 1 + words[at]])
-        at += len(spills)
+        at += len(spills) + 1
+        pairs = words[at + 1 : at + 1 + 2 * words[at]]
+        if len(pairs) != 2 * words[at]:
+            raise ValueError(f"{words[at]} keeps need {2 * words[at]} words, got {len(pairs)}")
+        keeps = tuple(zip(pairs[::2], pairs[1::2], strict=True))
+        at += len(pairs)
     # UnicodeDecodeError and json's JSONDecodeError are ValueErrors
     except (IndexError, ValueError, RequestError, struct.error) as error:
         raise EngineError(f"malformed lockstep payload ({error}): ranks are out of step") from None
     if at + 1 != len(words):
         raise EngineError("lockstep payload has trailing words: ranks are out of step")
-    return removes, tuple(inserts), evicts, spills
+    return Command(STEP, tuple(inserts), removes, evicts, spills=spills, keeps=keeps)
 
 
 def encode_header(command: Command, payload_words: int) -> list[int]:
@@ -200,16 +210,13 @@ class Lockstep:
         received, payload_words = decode_header(self.broadcast(header, HEADER_SIZE))
         if not payload_words:
             return received
-        removes, inserts, evicts, spills = decode_payload(self.broadcast(payload, payload_words))
-        return Command(
-            received.kind,
-            inserts,
-            removes,
-            evicts,
-            received.advance,
-            received.sync,
-            received.wait_after_s,
-            spills,
+        changes = decode_payload(self.broadcast(payload, payload_words))
+        return replace(
+            changes,
+            kind=received.kind,
+            advance=received.advance,
+            sync=received.sync,
+            wait_after_s=received.wait_after_s,
         )
 
     def sync(self, checksum: int) -> None:

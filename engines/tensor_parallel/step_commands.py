@@ -18,7 +18,8 @@ def parse_insert(
 ) -> Insert:
     """Validate one inserted sequence before any rank sees it (a refusal keeps ranks in step).
 
-    Its request is checked as every request is (GenerationRequest.check); here its prompt is
+    Its request is checked as every request is (GenerationRequest.check); here its prompt (the
+    whole prompt, of which the first `cached` tokens come from prefix-cache entry `entry`) is
     checked against the model's vocabulary, its seed must be set (every rank samples with it),
     and a grammar is compiled, on rank 0, so one that fails is refused for its sequence instead
     of failing a rank after the broadcast.
@@ -37,9 +38,10 @@ def parse_insert(
     entry, cached = message.get("entry", -1), message.get("cached", 0)
     if not isinstance(entry, int) or not isinstance(cached, int) or not -1 <= entry < 2**31:
         raise ValueError(f"entry and cached must be integers, got {entry!r}, {cached!r}")
-    if (entry >= 0) != (cached > 0) or not 0 <= cached < 2**31:
+    if (entry >= 0) != (cached > 0) or not 0 <= cached < len(request.prompt_tokens):
         raise ValueError(
-            f"a prefix-cache start needs an entry and cached > 0, got {entry}, {cached}"
+            f"a prefix-cache start needs an entry and 0 < cached < the prompt's "
+            f"{len(request.prompt_tokens)} tokens, got {entry}, {cached}"
         )
     if request.grammar is not None:
         check_grammar(request.grammar, grammars)
@@ -61,9 +63,7 @@ def parse_step(
 ) -> tuple[Command, list[tuple[Any, str]]]:
     """A step command from the engine, and the inserts refused with their reasons."""
     removes = message.get("remove", [])
-    if not isinstance(removes, list) or not all(
-        isinstance(uid, int) and 0 <= uid < 2**31 for uid in removes
-    ):
+    if not isinstance(removes, list) or not all(_is_id(uid) for uid in removes):
         raise ValueError("remove must be a list of uids (integers in [0, 2**31))")
     inserts, refused = [], []
     for entry in message.get("insert", []):
@@ -75,15 +75,27 @@ def parse_step(
         except (TypeError, ValueError) as error:
             refused.append((uid, str(error)))
     evicts, spills = _entry_ids(message, "evict"), _entry_ids(message, "spill")
+    keeps = message.get("keep", [])
+    if not isinstance(keeps, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 and all(_is_id(value) for value in pair)
+        for pair in keeps
+    ):
+        raise ValueError("keep must be a list of [uid, entry id] pairs")
     advance = bool(message.get("advance", True))
-    command = Command(STEP, tuple(inserts), tuple(removes), evicts, advance, spills=spills)
+    command = Command(
+        STEP, tuple(inserts), tuple(removes), evicts, advance, spills=spills,
+        keeps=tuple((uid, entry) for uid, entry in keeps),
+    )  # fmt: skip
     return command, refused
+
+
+def _is_id(value: Any) -> bool:
+    """A uid or an entry id: an integer in [0, 2**31) (one int32 word on the wire)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
 def _entry_ids(message: dict[str, Any], name: str) -> tuple[int, ...]:
     ids = message.get(name, [])
-    if not isinstance(ids, list) or not all(
-        isinstance(entry, int) and 0 <= entry < 2**31 for entry in ids
-    ):
+    if not isinstance(ids, list) or not all(_is_id(entry) for entry in ids):
         raise ValueError(f"{name} must be a list of prefix-cache entry ids")
     return tuple(ids)

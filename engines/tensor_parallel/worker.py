@@ -2,12 +2,15 @@
 
 stdin:  line 1 is the JSON WorkerSpec; rank 0 then reads commands, one JSON object per line:
         {"cmd": "step", "remove": [uid, ...], "insert": [{"uid", "entry", "cached", "request":
-        GenerationRequest.document()}, ...], "advance": true|false},
+        GenerationRequest.document()}, ...], "evict": [entry, ...], "spill": [entry, ...],
+        "keep": [[uid, entry], ...], "advance": true|false},
         {"cmd": "shutdown"}.
-stdout: JSON lines only: {"event": "ready", ...} or {"event": "failed", "reason"} once loaded;
-        rank 0 then answers every step with {"tokens": [[uid, token], ...], "refused":
-        [[uid, reason], ...], "kept": [...], "timing": {"all_sum": s, "step": s}}, or
-        {"error", "fatal": false} for a command it cannot read.
+stdout: JSON lines only: {"event": "ready", ..., "stored_entries": [[entry, tokens, bytes],
+        ...]} or {"event": "failed", "reason"} once loaded; rank 0 then answers every step with
+        {"tokens": [[uid, token], ...], "refused": [[uid, reason], ...], "kept": [[entry,
+        tokens held, bytes], ...], "missed": [[uid, entry], ...], "prefilled_tokens": n,
+        "timing": {"all_sum": s, "step": s}}, or {"error", "fatal": false} for a command it
+        cannot read.
 stderr: logs.
 """
 
@@ -30,7 +33,6 @@ import mlx.core as mx
 from discovery.json_child import ProtocolOutput, configure_child_logging, open_protocol_output
 from engines.core import blas
 from engines.model.precision import upcast_on_cpu
-from engines.prefix_cache.disk_tier import DiskTier, tier_root
 from engines.tensor_parallel.group import WorkerSpec, group_environment
 from engines.tensor_parallel.lockstep import (
     COMMAND_NAMES,
@@ -41,6 +43,7 @@ from engines.tensor_parallel.lockstep import (
     Lockstep,
     idle_wait_s,
 )
+from engines.tensor_parallel.rank_disk import agree_on_stored, open_rank_disk
 from engines.tensor_parallel.rank_grammar import RankGrammars
 from engines.tensor_parallel.rank_io import CommandReader, Watchdog
 from engines.tensor_parallel.shard_batch import ShardBatch
@@ -189,10 +192,16 @@ class Rank:
             clock = StepClock(self.lockstep)
             tokens = self.run(command)
             if command.kind == STEP:
-                kept = self.batch.drain_kept()
                 timing = clock.read()
                 self.output.write(
-                    {"tokens": tokens, "refused": refused, "kept": kept, "timing": timing}
+                    {
+                        "tokens": tokens,
+                        "refused": refused,
+                        "kept": self.batch.drain_kept(),
+                        "missed": self.batch.drain_missed(),
+                        "prefilled_tokens": self.batch.prefilled_tokens,
+                        "timing": timing,
+                    }
                 )
             deadline = time.monotonic() + command.wait_after_s
 
@@ -248,6 +257,11 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
         model, vocab_size, group, grammars = load_shard(spec, output)
         lockstep = Lockstep(group)
         peaks, active = gather_memory(lockstep)
+        disk, stored = open_rank_disk(spec)
+        if spec.prefix_cache_bytes and spec.prefix_cache_disk_bytes:  # alike on every rank
+            stored_entries = agree_on_stored(lockstep, disk, stored)
+        else:
+            stored_entries = []
     except Exception as error:  # every load failure becomes one "failed" line
         fail(f"{type(error).__name__}: {error}")
     output.write(
@@ -260,6 +274,7 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
             "rank_peak_memory_bytes": peaks,
             "rank_active_memory_bytes": active,
             "load_s": round(time.monotonic() - started, 3),
+            "stored_entries": stored_entries,
         }
     )
     try:
@@ -269,30 +284,20 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
             spec.prefill_chunk,
             keep_prefixes=spec.prefix_cache_bytes > 0,
             grammars=grammars,
-            disk=rank_disk_tier(spec),
+            disk=disk,
             kv_bits=spec.kv_bits,
             quantized_kv_start=spec.quantized_kv_start,
+            sum_across_ranks=lockstep.sum_across_ranks,
         )
         rank = Rank(spec, lockstep, batch, vocab_size, output, watchdog, grammars)
         if spec.rank == 0:
             rank.lead()
         else:
             rank.follow()
+        batch.close()  # the disk tier writes what it was given: its files outlive the group
     except Exception as error:  # a lost peer, a divergence: the group is unusable
         fail(f"{type(error).__name__}: {error}")
     return 0
-
-
-def rank_disk_tier(spec: WorkerSpec) -> DiskTier | None:
-    """This rank's share of the prefix cache's disk tier, or None. Entries are named by the
-    coordinator of one run, so a previous run's files are removed, not listed."""
-    if not spec.prefix_cache_disk_bytes or not spec.prefix_cache_dir:
-        return None
-    share = f"tp-{spec.rank}of{spec.world_size}"
-    root = tier_root(Path(spec.prefix_cache_dir), Path(spec.model_path), share)
-    disk = DiskTier(root, identity=str(root))
-    disk.open(keep_stored=False)
-    return disk
 
 
 def main() -> int:

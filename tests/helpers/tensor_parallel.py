@@ -54,8 +54,15 @@ class Cluster:
     lost: list[str]
 
 
-def open_cluster(model_dir: Path, world_size: int = 2, **engine_options: Any) -> Cluster:
-    specs = loopback_ring_specs(world_size, model_dir)
+def open_cluster(
+    model_dir: Path,
+    world_size: int = 2,
+    spec_options: dict[str, Any] | None = None,
+    **engine_options: Any,
+) -> Cluster:
+    """A loaded group on 127.0.0.1: every rank's spec gets `spec_options` (prefix cache, KV
+    bits, ...), the engine `engine_options`."""
+    specs = loopback_ring_specs(world_size, model_dir, **(spec_options or {}))
     ranks = [start_rank(spec) for spec in specs[1:]]
     lost: list[str] = []
     engine = TensorParallelEngine(

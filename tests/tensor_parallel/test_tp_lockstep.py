@@ -15,6 +15,7 @@ from engines.tensor_parallel import WorkerSpec, jaccl_specs, ring_specs
 from engines.tensor_parallel.group import group_environment
 from engines.tensor_parallel.lockstep import (
     STEP,
+    TOP_ENTRY_ID,
     Command,
     DivergenceError,
     Insert,
@@ -57,8 +58,9 @@ def test_step_commands_round_trip_exact_floats_and_large_seeds():
         ),
     )
     command = Command(
-        STEP, inserts, (2, 4), (5, 9), advance=False, sync=True, wait_after_s=0.032, spills=(7,)
-    )
+        STEP, inserts, (2, 4), (5, 9), advance=False, sync=True, wait_after_s=0.032, spills=(7,),
+        keeps=((3, TOP_ENTRY_ID), (4, TOP_ENTRY_ID - 1)),
+    )  # fmt: skip
     payload = encode_payload(command)
     header, words = decode_header(encode_header(command, len(payload)))
     assert words == len(payload)
@@ -68,9 +70,12 @@ def test_step_commands_round_trip_exact_floats_and_large_seeds():
         True,
         0.032,
     )
-    assert decode_payload(payload) == ((2, 4), inserts, (5, 9), (7,))
+    changes = decode_payload(payload)  # the header's fields come from the header
+    assert changes == replace(command, advance=True, sync=False, wait_after_s=0.0)
     with pytest.raises(EngineError, match="out of step"):
         decode_payload(payload + [0])
+    with pytest.raises(EngineError, match="keeps need 4 words, got 3"):
+        decode_payload(payload[:-1])  # the last keep cut short
     length, document = request_words(full)
     assert request_of(length, document) == full
     assert len(document) == -(-length // 4)
@@ -168,14 +173,14 @@ def test_a_shard_batch_keeps_ended_sequences_and_starts_from_them(single_runner)
     batch.apply(Command(STEP, removes=(0,), advance=False))
     ((uid, held, nbytes),) = batch.drain_kept()
     assert uid == 0 and held <= len(shared) and nbytes > 0
-    rest = follow_up[held:]
     got: list[int] = []
-    resumed = Insert(1, GenerationRequest("rest", rest, 12), entry=0, cached=held)
+    resumed = Insert(1, GenerationRequest("rest", follow_up, 12), entry=0, cached=held)
     command = Command(STEP, (resumed,), evicts=(0,))
     while len(got) < 12:
         got += [token for _, token in batch.apply(command)]
         command = Command(STEP)
     assert got == cold
+    assert batch.prefilled_tokens == len(shared) + len(follow_up) - held
     assert 0 not in batch.prefixes  # evicted after the insert took its prefix
     batch.close()
 
