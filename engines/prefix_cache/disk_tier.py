@@ -102,6 +102,15 @@ class DiskTier:
             self._keys[entry_id] = stored.key
             self._sizes[entry_id] = stored.nbytes
 
+    def discard(self, stored: StoredEntry) -> None:
+        """Remove the files of an entry found by `open` that will not be adopted."""
+        self._remove_files(stored.key)
+
+    def entry_key(self, entry_id: int, tokens: tuple[int, ...]) -> str:
+        """The name of an entry's two files: a digest of its id and tokens. (A pp stage, which
+        knows no tokens, names them otherwise: engines/pipeline/chain_disk.py.)"""
+        return hashlib.blake2b(repr((entry_id, tokens)).encode(), digest_size=12).hexdigest()
+
     def __contains__(self, entry_id: int) -> bool:
         with self._lock:
             return entry_id in self._pending or entry_id in self._keys
@@ -240,7 +249,7 @@ class DiskTier:
                 self._write_entry(entry_id, *pending)
 
     def _write_entry(self, entry_id: int, caches: list[Any], tokens: tuple[int, ...]) -> None:
-        key = hashlib.blake2b(repr((entry_id, tokens)).encode(), digest_size=12).hexdigest()
+        key = self.entry_key(entry_id, tokens)
         data, meta = self._data_path(key), self._meta_path(key)
         try:
             temporary = data.with_suffix(".tmp.safetensors")
