@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.wire import PREFILL_GROUP, Row, WireError
-from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable, tier_root
+from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.store import PrefixStore
 from planner.errors import EngineError
 
@@ -49,6 +48,7 @@ class StageBatches:
         self._groups: dict[int, _Group] = {}
         self._group_of: dict[int, int] = {}
         self._steps: dict[int, int] = {}  # group -> its last step
+        self.prefilled_tokens = 0  # prompt tokens run through these layers in prefill chunks
 
     @property
     def active(self) -> int:
@@ -77,17 +77,26 @@ class StageBatches:
         """Tokens in the caches of `uid` here (0 for a sequence not held)."""
         return self._positions.get(uid, 0)
 
-    def keep(self, uid: int, tokens: int, token_ids: Sequence[int] | None = None) -> int:
-        """Keep the caches of `uid` (before end()) as prefix entry `uid`; returns their bytes.
+    def keep(
+        self,
+        uid: int,
+        tokens: int,
+        token_ids: Sequence[int] | None = None,
+        entry: int | None = None,
+    ) -> int:
+        """Keep the caches of `uid` as prefix entry `entry` (default: `uid`, before end());
+        returns their bytes. A running sequence goes on from its own caches (mlx arrays are
+        values: its next writes do not reach the entry).
 
         `tokens` must be its cache length here. `token_ids`: what the cache holds, which only
         the coordinator knows; the other stages never see token ids and keep zeros (the index
         on the coordinator matches prompts, a stage only needs the count)."""
+        entry = uid if entry is None else entry
         held = self._positions.get(uid)
         if held is None or held != tokens:
             raise WireError(f"keep sequence {uid} of {tokens} tokens: this stage holds {held}")
-        if uid in self.prefix:
-            raise WireError(f"prefix entry {uid} exists already")
+        if entry in self.prefix:
+            raise WireError(f"prefix entry {entry} exists already")
         alone = self._alone.get(uid)
         if alone is not None:  # ended while prefilling: its own one-row batch
             caches = [cache.extract(0) for cache in alone]
@@ -96,7 +105,7 @@ class StageBatches:
             row = batch.members.index(uid)
             caches = [cache.extract(row) for cache in batch.caches]
         ids = token_ids if token_ids is not None else (0,) * tokens
-        return self.prefix.put(uid, caches, ids)
+        return self.prefix.put(entry, caches, ids)
 
     def drop(self, entries: Iterable[int]) -> None:
         """Forget prefix entries (unknown ids are ignored: an entry may not have been kept)."""
@@ -134,6 +143,7 @@ class StageBatches:
         self._check_position(row)
         hidden = self.stage.forward(hidden, caches)  # (1, L, D)
         self._positions[row.uid] += hidden.shape[1]
+        self.prefilled_tokens += hidden.shape[1]
         return hidden
 
     def decode(self, group: int, rows: Sequence[Row], hidden: mx.array) -> mx.array:
@@ -196,15 +206,6 @@ class StageBatches:
             raise WireError(
                 f"sequence {row.uid} holds {held} tokens here, the frame says {row.position}"
             )
-
-
-def open_disk_tier(cache_dir: Path, model_path: Path, layers: range) -> DiskTier:
-    """The prefix cache's disk tier of one stage's layers of a model, under a machine's cache
-    directory. Entries are named by one chain session: a previous run's files are removed."""
-    root = tier_root(cache_dir, model_path, f"layers-{layers.start}-{layers.stop}")
-    disk = DiskTier(root, identity=str(root))
-    disk.open(keep_stored=False)
-    return disk
 
 
 def _extend(caches: list[Any] | None, newcomer: list[Any]) -> list[Any]:

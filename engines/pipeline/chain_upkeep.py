@@ -87,8 +87,8 @@ class ChainUpkeep:
             raise EngineError(
                 f"cannot build the pipeline through stage 1 at {first.host}:{first.port}: {error}"
             ) from error
-        if self._local is not None:  # the old session's entries, on disk too
-            self._local.prefix.clear()
+        if self._local is not None:  # the old session's entries (the disk tier's files stay)
+            self._local.prefix.close()
         self._local = StageBatches(self.stage, self._disk)
         self._clock = FrameClock(self._chain.outbound, self._chain.inbound)
         self._forget_prefix_cache()
@@ -96,6 +96,11 @@ class ChainUpkeep:
         self._awaiting.clear()
         self._number = 0
         self._healthy, self._failure = True, None
+        if self._disk is not None:
+            try:
+                self._relist_disk_entries()
+            except ChannelError as error:
+                raise self._lost("listing the disk tier's entries", error) from error
         log.info(
             "pipeline ready (%d micro-batches): %s",
             self._schedule.groups,
@@ -109,6 +114,7 @@ class ChainUpkeep:
             "active_requests": self._local.active if self._local is not None else 0,
             "prefix_entries": len(self._local.prefix) if self._local is not None else 0,
             "prefix_bytes": self._local.prefix.nbytes if self._local is not None else 0,
+            "prefilled_tokens": self._local.prefilled_tokens if self._local is not None else 0,
         }
 
     def _lost(self, context: str, error: ChannelError) -> EngineError:
@@ -120,6 +126,7 @@ class ChainUpkeep:
         self._schedule.clear()
         self._sampling.clear()
         self._hits.clear()  # the sequences are gone, and with the stages every entry
+        self._sharing.clear()
         self._forget_prefix_cache()
         self._awaiting.clear()
         if aborted:

@@ -27,17 +27,20 @@ from engines.observability.process_memory import parameter_bytes
 from engines.observability.step_timing import StepTimes
 from engines.pipeline import wire
 from engines.pipeline.admission import sampling_of, wire_refusal
-from engines.pipeline.batches import StageBatches, open_disk_tier
+from engines.pipeline.batches import StageBatches
 from engines.pipeline.chain import Chain
+from engines.pipeline.chain_disk import ChainDiskTier, chain_disk_tier
 from engines.pipeline.chain_upkeep import ChainUpkeep
+from engines.pipeline.disk_relisting import DiskRelisting
 from engines.pipeline.frame_clock import FrameClock
-from engines.pipeline.prefix_keeping import PrefixKeeping
+from engines.pipeline.prefix_keeping import PRIVATE_ENTRY_IDS, PrefixKeeping
 from engines.pipeline.schedule import MicroBatchSchedule, Planned
+from engines.pipeline.shared_prompts import SharedPrompts
 from engines.pipeline.stage_address import StageAddress
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.wire import Kind, Row
-from engines.prefix_cache.disk_tier import DiskTier
 from engines.prefix_cache.index import PrefixHit, PrefixIndex
+from engines.prefix_cache.shared_prefill import PrefillSharing
 from engines.prefix_cache.store import NOT_REUSABLE
 from planner.errors import ChannelError, EngineError
 from planner.memory import DEFAULT_QUANTIZED_KV_START
@@ -48,7 +51,7 @@ DEFAULT_TOKEN_TIMEOUT_S = 10.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
 
-class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
+class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, ChainUpkeep, Engine):
     """Pipeline parallel over sealed hops: this process -> stage 1 -> ... -> last -> this process.
 
     Stage 0 (embeddings and the first layers) runs here on the runner thread; the stage worker
@@ -62,9 +65,12 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
     evictions; every stage (stage 0 here too) keeps its own layers of each entry in its
     StageBatches' PrefixStore under the same entry id (the uid of the sequence it came from).
     A BEGIN names the entry and starts at the cached length; an END tells every stage which
-    ended sequences to keep and which entries to drop or spill. Entries live as long as the
-    session. With a disk tier (`prefix_cache_disk_bytes` and stage 0's machine directory
-    `prefix_cache_dir`; every stage has its own), what the index evicts is spilled to disk.
+    ended sequences to keep and which entries to drop or spill. A request sharing a long
+    prefix with a prompt still being prefilled waits for it and starts from its KV
+    (shared_prompts.py). Entries in memory live as long as the session. With a disk tier
+    (`prefix_cache_disk_bytes` and stage 0's machine directory `prefix_cache_dir`; every
+    stage has its own), what the index evicts is spilled to disk, and every new session
+    lists what is there again (disk_relisting.py).
     """
 
     # all at the last stage (the request BEGIN carries); a grammar is checked here first
@@ -141,7 +147,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         disk_bytes = prefix_cache_disk_bytes if prefix_cache_dir is not None else 0
         self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
         self._disk_dir = Path(prefix_cache_dir) if disk_bytes else None
-        self._disk: DiskTier | None = None  # stage 0's share of the disk tier
+        self._disk: ChainDiskTier | None = None  # stage 0's share of the disk tier
         self._verifying: list[int] = []  # uids whose disk entry no stage was asked for yet
         self._loads: dict[int, tuple[list[int], list[int]]] = {}  # roll call -> uids, failed
         self._recounted: dict[int, int] = {}  # uid -> its cached tokens after all (a miss)
@@ -149,6 +155,8 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         # entries the index dropped while a sequence not begun yet still names them: the
         # stages drop them once it has begun
         self._held: set[int] = set()
+        self._sharing = PrefillSharing()  # requests waiting for a prompt being prefilled
+        self._last_entry_id = PRIVATE_ENTRY_IDS  # entries no runner uid names take ids above
         self.step_timing = StepTimes()  # per answered frame: stages, sealing, hops
         self._clock: FrameClock | None = None  # the current session's (frame_clock.py)
 
@@ -184,8 +192,11 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         self._load_grammars()
         if any(window is not None for window in self.stage.layout.windows):
             self.prefix_index.turn_off(NOT_REUSABLE)  # windows anywhere in the chain
-        if self.prefix_index.disk_max_bytes and self._disk is None:
-            self._disk = open_disk_tier(self._disk_dir, self.model_path, self.layers)
+        if self.prefix_index.disk_max_bytes and self._disk is None:  # each session opens it
+            self._disk = chain_disk_tier(
+                self._disk_dir, self.model_path, self.layers, self.kv_bits,
+                self.quantized_kv_start,
+            )  # fmt: skip
         chunk_bytes = self.prefill_chunk * self.stage.hidden_size * 4
         if chunk_bytes > wire.MAX_FRAME_BYTES:
             raise EngineError(
@@ -231,8 +242,9 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
         self.stage = None
         self._weight_bytes = 0
         if self._local is not None:
-            self._local.prefix.clear()
+            self._local.prefix.close()  # the disk tier's files stay for the next run
         self._local = None
+        self._sharing.clear()
         self._forget_prefix_cache()
         if self._disk is not None:
             self._disk.close()
@@ -268,7 +280,12 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             "quantized_kv_start": self.quantized_kv_start,
             "micro_batches": self._schedule.groups,
             "healthy": self._healthy,
-            "prefix_cache": self.prefix_index.snapshot(),
+            "prefix_cache": {
+                **self.prefix_index.snapshot(),
+                "shared_prefills": self._sharing.shared,
+            },
+            # prompt tokens stage 0 (as every stage) ran in prefill chunks, this session
+            "prefilled_tokens": self._local.prefilled_tokens if self._local is not None else 0,
             "step_timing": self.step_timing.snapshot(),
         }
         if self._failure:
@@ -288,10 +305,10 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             raise EngineError(refusal)
         self._check_grammar(request)
         with self._io_lock:  # the index is shared with evict_prefix_cache()
-            hit = self.prefix_index.lookup(request.prompt_tokens)
-            cached = self._schedule_hit(uid, request.prompt_tokens, hit)
-        self._sampling[uid] = sampling
-        return cached
+            self._sampling[uid] = sampling
+            if self._waits_for_a_prompt(uid, request.prompt_tokens):
+                return 0  # its first output will say how many tokens it reused
+            return self._admit(uid, request.prompt_tokens)
 
     def refusal(
         self, request: GenerationRequest, sampling: GenerationRequest | None = None
@@ -318,6 +335,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             connected = local is not None and self._chain is not None and self._healthy
             keep = self._caches_to_keep(uids) if connected else []
             known = self._schedule.remove(uids)
+            self._sharing.forget(uids)
             for uid in uids:
                 self._sampling.pop(uid, None)
                 self._recounted.pop(uid, None)
@@ -366,6 +384,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
             self._ensure_connected()
             expected = None
             try:
+                self._let_in(self._sharing.released())  # owners gone, or waited long enough
                 self._send_loads()  # sequences starting from disk entries: read them back
                 for planned in self._schedule.plan():
                     self._run_stage_zero(planned)
@@ -374,6 +393,7 @@ class EncryptedPipelineEngine(PrefixKeeping, ChainUpkeep, Engine):
                 expected = self._awaiting[0]
                 produced, scores = self._receive_answer()
                 recount = {uid: self._recounted.pop(uid, None) for uid, _ in produced}
+                self._share_prompts(produced)  # owners' prompts done: their waiters go in
             except ChannelError as error:
                 waiting = f"for {expected.describe()}" if expected else "sending"
                 raise self._lost(waiting, error) from error

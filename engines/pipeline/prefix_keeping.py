@@ -16,13 +16,18 @@ from engines.pipeline import sequence_documents, wire
 from engines.pipeline.wire import Kind
 from engines.prefix_cache.index import PrefixHit
 
+# Entries not named by a runner uid (shared prompts, entries listed again from disk) take
+# ids from here up: runner uids count from 0 and never get there.
+PRIVATE_ENTRY_IDS = 2**63
+
 
 class PrefixKeeping:
     """Part of EncryptedPipelineEngine (engine.py), which owns the state these methods use:
     `prefix_index`, stage 0's `_local` batches, the `_schedule`, the `_hits` of sequences not
     begun yet and the entries `_held` for them, the uids `_verifying` (waiting for a read-back
-    roll call), the roll calls out (`_loads`) and the `_recounted` cached tokens of sequences
-    whose disk entry failed; frames go out through its `_send`."""
+    roll call), the roll calls out (`_loads`), the `_recounted` cached tokens of sequences
+    whose disk entry failed (or who waited for a shared prompt) and the last private entry id
+    given (`_last_entry_id`); frames go out through its `_send`."""
 
     def _schedule_hit(self, uid: int, prompt: Sequence[int], hit: PrefixHit | None) -> int:
         """Schedule a new sequence from its hit (or none); one whose entry is on disk waits
@@ -92,12 +97,22 @@ class PrefixKeeping:
     def _keep_on_stage_zero(self, keep: list[tuple[int, tuple[int, ...]]]) -> list[int]:
         """Keep the caches here and index them; returns the entries every stage must drop."""
         dropped: list[int] = []
-        # An estimate: stage 0's bytes scaled to all layers (the stages' layers are alike).
-        scale = self.stage.total_layers / len(self.layers)
         for uid, tokens in keep:
-            nbytes = self._local.keep(uid, len(tokens), tokens)
-            dropped += self.prefix_index.add(uid, tokens, int(nbytes * scale))
+            dropped += self._index_kept(uid, tokens, self._local.keep(uid, len(tokens), tokens))
         return self._release(dropped)
+
+    def _index_kept(self, entry: int, tokens: tuple[int, ...], nbytes: int) -> list[int]:
+        """Index an entry stage 0 holds `nbytes` of; returns the entries the index dropped."""
+        # An estimate: stage 0's bytes scaled to all layers (the stages' layers are alike).
+        return self.prefix_index.add(entry, tokens, int(nbytes * self._layer_scale()))
+
+    def _layer_scale(self) -> float:
+        return self.stage.total_layers / len(self.layers)
+
+    def _take_entry_id(self) -> int:
+        """A fresh id for an entry no runner uid names."""
+        self._last_entry_id += 1
+        return self._last_entry_id
 
     def _release(self, dropped: list[int]) -> list[int]:
         """Of entries the index dropped, those the stages can drop now; the others are held
@@ -128,16 +143,17 @@ class PrefixKeeping:
         keep: Sequence[tuple[int, int]],
         evict: Sequence[int],
         spill: Sequence[int] = (),
+        share: Sequence[tuple[int, int, int]] = (),
     ) -> None:
-        """END frames: the first ends `uids` and keeps `keep`; evictions and spills go in
-        bounded lists."""
+        """END frames: the first ends `uids`, keeps `keep` and shares `share`; evictions and
+        spills go in bounded lists."""
         size = sequence_documents.MAX_EVICT_PER_END
         count = max(len(evict), len(spill), 1)
         for index, start in enumerate(range(0, count, size)):
-            ended, kept = (uids, keep) if index == 0 else ((), ())
+            ended, kept, shared = (uids, keep, share) if index == 0 else ((), (), ())
             frame = sequence_documents.end_frame(
                 self._take_number(), ended, kept, evict[start : start + size],
-                spill[start : start + size],
+                spill[start : start + size], shared,
             )  # fmt: skip
             self._send(frame)
 

@@ -1,12 +1,14 @@
 """What a pipeline frame's documents say about a sequence: the BEGIN's request (its
-GenerationRequest's document) and prefix-cache entry, the END's keep, evict and spill orders, and
-the prefix-cache entries a STATUS roll call asks every stage to read back from disk. The bytes
+GenerationRequest's document) and prefix-cache entry, the END's keep, share, evict and spill
+orders, and what a STATUS roll call asks of every stage's disk tier: entries to read back, or
+files to adopt when a session starts (chain_disk.py). The bytes
 around them are the wire's (wire.py); this module checks their meaning, so that a stage
 refuses a malformed document before it touches a cache or a sampler.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ MAX_POSITION = 2**32 - 1  # a row's position field
 MAX_EVICT_PER_END = 1000  # entry ids per END list (or STATUS load): far below MAX_JSON_BYTES
 PENALTY_CONTEXT = 20  # prompt tokens a BEGIN's request carries for the penalties (mlx-lm's)
 PREFIX_ENTRY = "prefix_entry"  # a BEGIN document's one key that is the wire's, not the request's
+DISK_NAME = re.compile(r"[0-9a-f]{1,64}")  # a disk roll call's session name and file keys
 
 
 def end_frame(
@@ -28,10 +31,12 @@ def end_frame(
     keep: Sequence[tuple[int, int]] = (),
     evict: Sequence[int] = (),
     spill: Sequence[int] = (),
+    share: Sequence[tuple[int, int, int]] = (),
 ) -> Frame:
     """Free `uids`' caches, first keeping `keep` ((uid, tokens) of them) as prefix-cache
-    entries named by their uid; then drop the entries `evict` and move `spill` to disk."""
-    orders = EndOrders(tuple(keep), tuple(evict), tuple(spill))
+    entries named by their uid and `share` ((uid, entry, tokens) of running sequences) as
+    entries `entry`; then drop the entries `evict` and move `spill` to disk."""
+    orders = EndOrders(tuple(keep), tuple(evict), tuple(spill), tuple(share))
     return document_frame(Kind.END, number, orders.document(), [Row(uid, 0) for uid in uids])
 
 
@@ -71,13 +76,17 @@ class EndOrders:
 
     `keep`: (uid, tokens) of ended rows whose caches become prefix-cache entries named by the
     uid; `tokens` is the sequence's cache length, which every stage checks against its own.
-    `evict`: entries every stage drops, after keeping. `spill`: entries every stage moves
-    from memory to its disk tier (or drops, without one), last.
+    `share`: (uid, entry, tokens) of sequences still running (not rows) whose prompt was just
+    prefilled: their caches' first `tokens` become entry `entry`, for the requests that waited
+    for that prompt (shared prefill). `evict`: entries every stage drops, after keeping.
+    `spill`: entries every stage moves from memory to its disk tier (or drops, without one),
+    last.
     """
 
     keep: tuple[tuple[int, int], ...] = ()
     evict: tuple[int, ...] = ()
     spill: tuple[int, ...] = ()
+    share: tuple[tuple[int, int, int], ...] = ()
 
     def document(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -86,6 +95,8 @@ class EndOrders:
         }
         if self.spill:
             document["spill"] = list(self.spill)
+        if self.share:
+            document["share"] = [list(item) for item in self.share]
         return document
 
     @classmethod
@@ -115,13 +126,79 @@ class EndOrders:
             pairs.append((item[0], item[1]))
         if len({uid for uid, _ in pairs}) != len(pairs):
             raise WireError("END document keeps a sequence twice")
-        return cls(tuple(pairs), evict, spill)
+        return cls(tuple(pairs), evict, spill, _share_orders(document.get("share", []), rows))
+
+
+def _share_orders(value: Any, rows: set[int]) -> tuple[tuple[int, int, int], ...]:
+    """An END's `share` list: (uid, entry, tokens) of sequences the frame does not end."""
+    if not isinstance(value, list) or len(value) > MAX_EVICT_PER_END:
+        raise WireError(f"END share must be a list of at most {MAX_EVICT_PER_END} items")
+    orders = []
+    for item in value:
+        if not (
+            isinstance(item, list)
+            and len(item) == 3
+            and _is_count(item[0], MAX_UID)
+            and _is_count(item[1], MAX_UID)
+            and _is_count(item[2], MAX_POSITION)
+            and item[2] > 0
+        ):
+            raise WireError(f"END document: malformed share item {str(item)[:40]}")
+        if item[0] in rows:
+            raise WireError(f"END shares the prompt of sequence {item[0]}, which it ends")
+        orders.append((item[0], item[1], item[2]))
+    if len({entry for _, entry, _ in orders}) != len(orders):
+        raise WireError("END document shares two prompts as one entry")
+    return tuple(orders)
 
 
 def load_orders_of(document: dict[str, Any]) -> tuple[int, ...]:
     """The prefix-cache entries a STATUS roll call asks every stage to read back from disk
     (each stage reports those it could not: `unreadable`); WireError when malformed."""
     return _entry_ids(document.get("load", []), "STATUS load")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskRollCall:
+    """A STATUS roll call's `disk` order, when a session starts (chain_disk.py): name new
+    files by `session`; adopt the files named `key` as entries `entry`; when `complete`,
+    remove every file not adopted. Every stage reports the entries whose files it lacks."""
+
+    session: str
+    adopt: tuple[tuple[int, str], ...] = ()
+    complete: bool = True
+
+    def document(self) -> dict[str, Any]:
+        pairs = [[entry, key] for entry, key in self.adopt]
+        return {"session": self.session, "adopt": pairs, "complete": self.complete}
+
+
+def disk_roll_call_of(document: dict[str, Any]) -> DiskRollCall | None:
+    """A STATUS document's `disk` order, or None; WireError when malformed."""
+    order = document.get("disk")
+    if order is None:
+        return None
+    if not isinstance(order, dict):
+        raise WireError("STATUS disk must be an object")
+    session, adopt, complete = order.get("session"), order.get("adopt"), order.get("complete")
+    if not (isinstance(session, str) and DISK_NAME.fullmatch(session)):
+        raise WireError(f"STATUS disk session {str(session)[:40]!r} is not a name")
+    if not isinstance(complete, bool):
+        raise WireError("STATUS disk complete must be true or false")
+    if not isinstance(adopt, list) or len(adopt) > MAX_EVICT_PER_END:
+        raise WireError(f"STATUS disk adopt must be a list of at most {MAX_EVICT_PER_END} items")
+    pairs = []
+    for item in adopt:
+        if not (
+            isinstance(item, list)
+            and len(item) == 2
+            and _is_count(item[0], MAX_UID)
+            and isinstance(item[1], str)
+            and DISK_NAME.fullmatch(item[1])
+        ):
+            raise WireError(f"STATUS disk: malformed adopt item {str(item)[:40]}")
+        pairs.append((item[0], item[1]))
+    return DiskRollCall(session, tuple(pairs), complete)
 
 
 def _entry_ids(value: Any, name: str) -> tuple[int, ...]:

@@ -19,11 +19,11 @@ from engines.core.request import GenerationRequest
 from engines.decoding.grammar import GrammarCompiler
 from engines.decoding.sampling import make_request_sampler, token_logprobs
 from engines.pipeline import sequence_documents, wire
+from engines.pipeline.chain_disk import ChainDiskTier, SessionDisk
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_session import _Scoring, _Session, scores
 from engines.pipeline.stage_spec import StageSpec
 from engines.pipeline.wire import PURPOSE, Kind, WireError
-from engines.prefix_cache.disk_tier import DiskTier
 from planner.errors import ChannelError, EngineError
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,8 @@ class EncryptedPipelineServer:
 
     `channel_class` exists only so the benchmark can measure the cost of sealing; everything
     else uses SecureChannel. `grammars` (last stage) compiles the BEGIN grammars; without it a
-    sequence with a grammar is refused. `disk`: this stage's prefix-cache disk tier; each
-    session's entries are removed from it when the session ends.
+    sequence with a grammar is refused. `disk`: this stage's prefix-cache disk tier; its files
+    outlive sessions, each of which reopens it and adopts the files its coordinator names.
     """
 
     def __init__(
@@ -48,7 +48,7 @@ class EncryptedPipelineServer:
         stage: StageModel,
         channel_class: Any = SecureChannel,
         grammars: GrammarCompiler | None = None,
-        disk: DiskTier | None = None,
+        disk: ChainDiskTier | None = None,
     ):
         self.spec = spec
         self.stage = stage
@@ -245,6 +245,8 @@ class EncryptedPipelineServer:
             held = session.batches.active
             for uid, tokens in orders.keep:
                 session.batches.keep(uid, tokens)
+            for uid, entry, tokens in orders.share:  # prompts requests waited for
+                session.batches.keep(uid, tokens, entry=entry)
             session.batches.end(frame.uids)
             session.batches.drop(orders.evict)
             session.batches.spill(orders.spill)
@@ -358,6 +360,8 @@ class EncryptedPipelineServer:
         reports = frame.document().get("reports")
         if not isinstance(reports, list) or not reports or len(reports) > 1024:
             raise WireError(f"{frame.kind.name} frame has no list of stage reports")
+        if setup and self.disk is not None:  # the previous session closed it: writes are done
+            session.disk = SessionDisk(self.disk)
         report: dict[str, Any] = {
             "layers": [self.stage.layers.start, self.stage.layers.stop],
             "peak_memory_bytes": self.stage.peak_memory_bytes,
@@ -365,10 +369,14 @@ class EncryptedPipelineServer:
             "served_requests": self.served_requests,
             "prefix_entries": len(session.batches.prefix),
             "prefix_bytes": session.batches.prefix.nbytes,
+            "prefilled_tokens": session.batches.prefilled_tokens,
         }
         loads = sequence_documents.load_orders_of(frame.document())
         if loads:  # prefix-cache entries on disk that sequences are about to begin from
             report["unreadable"] = session.batches.load(loads)
+        disk_order = sequence_documents.disk_roll_call_of(frame.document())
+        if disk_order is not None:  # a new session adopts the files a previous one left
+            report["missing"] = _adopt(session, disk_order)
         if setup:
             previous = _report_layers(reports[-1])
             if previous.stop != self.stage.layers.start:
@@ -383,6 +391,13 @@ class EncryptedPipelineServer:
         kind = Kind.READY if self.spec.is_last else frame.kind
         document = {"reports": [*reports, report]}
         wire.send(session.outbound, wire.document_frame(kind, frame.number, document), sender)
+
+
+def _adopt(session: _Session, order: sequence_documents.DiskRollCall) -> list[int]:
+    """The entries of a disk roll call whose files this stage lacks (all, without a tier)."""
+    if session.disk is None:
+        return [entry for entry, _ in order.adopt]
+    return session.disk.adopt(order)
 
 
 def _report_layers(report: Any) -> range:

@@ -1,7 +1,8 @@
 """What a stage holds for one chain session: the sealed hops to its neighbours, the caches of
-the sequences it runs, and on the last stage each sequence's sampler and scoring (penalties
-with the tokens they look at, grammar, logprobs, or why the sequence was refused). A session
-ends with its coordinator's connection, and all of this with it.
+the sequences it runs, its disk tier reopened for the session, and on the last stage each
+sequence's sampler and scoring (penalties with the tokens they look at, grammar, logprobs, or
+why the sequence was refused). A session ends with its coordinator's connection, and all of
+this with it but the disk tier's files.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from engines.core.request import GenerationRequest
 from engines.decoding.grammar import LogitsProcessor
 from engines.decoding.sampling import Sampler, make_request_processors
 from engines.pipeline.batches import StageBatches
+from engines.pipeline.chain_disk import SessionDisk
 from engines.pipeline.frame_clock import StageMeter
 from engines.pipeline.stage_model import StageModel
 from engines.prefix_cache.disk_tier import DiskTier
@@ -40,6 +42,7 @@ class _Session:
         self.previous: range | None = None  # the previous stage's layers, known after SETUP
         self.next_number = 0  # 0 = SETUP; every later frame down the chain counts from 1
         self.batches = StageBatches(stage, disk)
+        self.disk: SessionDisk | None = None  # reopened at SETUP, once the previous one closed
         self.samplers: dict[int, Sampler] = {}  # last stage: uid -> its own sampler
         self.meter = StageMeter(inbound, outbound)  # compute and sealing, sent with each frame
         self.scoring: dict[int, _Scoring] = {}  # last stage: penalties / logprobs / grammar
@@ -50,11 +53,12 @@ class _Session:
         return [] if self.closed else [self.inbound_sock, self.outbound_sock]
 
     def close(self) -> None:
-        """Close both hops and forget this session's prefix-cache entries, on disk too."""
+        """Close both hops and forget this session's prefix-cache entries; their files stay
+        (written first) for the next session to adopt."""
         self.closed = True
         self.inbound.close()
         self.outbound.close()
-        self.batches.prefix.clear()
+        self.batches.prefix.close()
 
 
 class _Scoring:

@@ -24,11 +24,10 @@ from discovery.json_child import (
 from discovery.secure_channel import SecureChannel
 from engines.core import blas
 from engines.decoding.grammar import GrammarCompiler
-from engines.pipeline.batches import open_disk_tier
+from engines.pipeline.chain_disk import ChainDiskTier, chain_disk_tier
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_server import EncryptedPipelineServer
 from engines.pipeline.stage_spec import StageSpec
-from engines.prefix_cache.disk_tier import DiskTier
 from engines.weights.fetch import model_for_assignment, progress_events
 from planner.errors import ConfigError, EngineError, ModelError
 
@@ -133,12 +132,18 @@ def run(channel_class: Any = SecureChannel) -> int:
     return 0
 
 
-def stage_disk_tier(spec: StageSpec, model_path: Path) -> DiskTier | None:
-    """This stage's share of the prefix cache's disk tier, or None. Its entries are named by
-    one chain session, so a previous run's files are removed, not listed."""
+def stage_disk_tier(spec: StageSpec, model_path: Path) -> ChainDiskTier | None:
+    """This stage's share of the prefix cache's disk tier, or None. Every session reopens it
+    and adopts the files its coordinator names (chain_disk.py); it is opened once now, so that
+    a directory this stage cannot use fails its start rather than its first session."""
     if not spec.prefix_cache_disk_bytes or spec.prefix_cache_dir is None:
         return None
-    return open_disk_tier(spec.prefix_cache_dir, model_path, spec.layers)
+    disk = chain_disk_tier(
+        spec.prefix_cache_dir, model_path, spec.layers, spec.kv_bits, spec.quantized_kv_start
+    )
+    disk.open()
+    disk.close()
+    return disk
 
 
 def grammar_compiler(model_path: Path, stage: StageModel) -> GrammarCompiler | None:

@@ -18,10 +18,11 @@ the last stage refused that row's sequence (its grammar did not compile there: t
 means nothing); BEGIN / SETUP / STATUS / READY / END bodies UTF-8 JSON objects. A BEGIN
 row's position is where the sequence starts: 0, or the tokens it takes from the prefix-cache
 entry its document names; its document may carry an output grammar the last stage applies. An
-END may keep ended sequences' caches as prefix-cache entries and drop entries (then it may have
-no rows). A HIDDEN or TOKEN frame with the STAGE_TIMES flag carries, before its body, `count u8`
-and count x (compute µs u64, sealing µs u64): each remote stage it passed appends its
-session's running totals (engines/pipeline/frame_clock.py). docs/pipeline.md describes the flow.
+END may keep ended sequences' caches (or a running sequence's prompt) as prefix-cache entries
+and drop entries (then it may have no rows). A HIDDEN or TOKEN frame with the STAGE_TIMES flag
+carries, before its body, `count u8` and count x (compute µs u64, sealing µs u64): each remote
+stage it passed appends its session's running totals (engines/pipeline/frame_clock.py).
+docs/pipeline.md describes the flow.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ from planner.errors import ChannelError
 # 5: BEGIN carries an output grammar (a v4 last stage would ignore it and sample freely)
 # 6: BEGIN carries the request's document (a v5 last stage would ignore its penalties)
 # 7: a prompt's last chunk (LAST_CHUNK) samples its first token; END may spill entries to disk
-VERSION = 7
+# 8: END may keep a running sequence's prompt as an entry (`share`); STATUS may adopt files
+VERSION = 8
 PURPOSE = b"pipeline"  # the SecureChannel purpose of every pipeline hop
-AD_LABEL = b"tandem pipeline v7"
+AD_LABEL = b"tandem pipeline v8"
 HEADER = struct.Struct(">BBBBBQHIH")
 DIM = struct.Struct(">I")
 ROW = struct.Struct(">QI")

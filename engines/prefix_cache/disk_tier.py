@@ -103,9 +103,14 @@ class DiskTier:
             self._sizes[entry_id] = stored.nbytes
 
     def discard(self, stored: StoredEntry) -> None:
-        """Remove the files of an entry found by `open` that will not be listed (a tp rank's
-        entry that another rank lacks)."""
+        """Remove the files of an entry found by `open` that will not be listed or adopted (a
+        tp rank's or pp stage's entry that another lacks)."""
         self._remove_files(stored.key)
+
+    def entry_key(self, entry_id: int, tokens: tuple[int, ...]) -> str:
+        """The name of an entry's two files: a digest of its id and tokens. (A pp stage, which
+        knows no tokens, names them otherwise: engines/pipeline/chain_disk.py.)"""
+        return hashlib.blake2b(repr((entry_id, tokens)).encode(), digest_size=12).hexdigest()
 
     def __contains__(self, entry_id: int) -> bool:
         with self._lock:
@@ -245,7 +250,7 @@ class DiskTier:
                 self._write_entry(entry_id, *pending)
 
     def _write_entry(self, entry_id: int, caches: list[Any], tokens: tuple[int, ...]) -> None:
-        key = hashlib.blake2b(repr((entry_id, tokens)).encode(), digest_size=12).hexdigest()
+        key = self.entry_key(entry_id, tokens)
         data, meta = self._data_path(key), self._meta_path(key)
         try:
             temporary = data.with_suffix(".tmp.safetensors")

@@ -106,6 +106,7 @@ def baseline(stage: LiveStage) -> list[int]:
                 "served_requests": 0,
                 "prefix_entries": 0,
                 "prefix_bytes": 0,
+                "prefilled_tokens": 0,
             },
         ]
         return chain.first_tokens()

@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 from engines.pipeline import wire
+from engines.pipeline.sequence_documents import end_frame
 from engines.pipeline.wire import PREFILL_GROUP, Frame, Kind, Row
 from tests.helpers.live_stage import GREEDY, HIDDEN_SIZE, UPSTREAM, Chain, LiveStage, reject
 
@@ -63,6 +64,23 @@ PREFIX_ATTACKS = {
             chain.tokens(chain.decode(0, [Row(1, 0)])),
             chain.tokens(chain.decode(0, [Row(1, 1)])),
             chain.end([1], keep=[(1, 2)]),
+        ),
+        "prefix entry 1 exists already",
+    ),
+    "share-the-wrong-length": (
+        lambda chain: (
+            chain.begin(1),
+            chain.tokens(chain.decode(0, [Row(1, 0)])),
+            chain.send(end_frame(chain.take(), [], share=[(1, 9, 3)])),
+        ),
+        "keep sequence 1 of 3 tokens: this stage holds 1",
+    ),
+    "share-as-an-existing-entry": (
+        lambda chain: (
+            keep_entry_one(chain),
+            chain.begin(2),
+            chain.tokens(chain.decode(0, [Row(2, 0)])),
+            chain.send(end_frame(chain.take(), [], share=[(2, 1, 1)])),
         ),
         "prefix entry 1 exists already",
     ),

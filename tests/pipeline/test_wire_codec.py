@@ -12,8 +12,10 @@ from engines.pipeline.admission import sampling_of
 from engines.pipeline.sequence_documents import (
     MAX_EVICT_PER_END,
     PENALTY_CONTEXT,
+    DiskRollCall,
     EndOrders,
     begin_request,
+    disk_roll_call_of,
     end_frame,
     load_orders_of,
     prefix_entry_of,
@@ -74,6 +76,36 @@ def test_end_orders_round_trip_and_refusals() -> None:
     for bad in (-1, 2**64, True, 1.5, "3"):
         with pytest.raises(WireError, match="not an entry id"):
             prefix_entry_of({"prefix_entry": bad})
+
+
+def test_share_orders_name_running_sequences_and_fresh_entries() -> None:
+    sharing = wire.decode(wire.encode(end_frame(8, [1], evict=[4], share=[(2, 2**63, 70)])))
+    assert EndOrders.of(sharing) == EndOrders((), (4,), (), ((2, 2**63, 70),))
+    for share in (
+        [(1, 9, 5)],  # the frame ends that sequence: it is no longer running
+        [(2, 9, 0)],  # an empty prompt
+        [(2, 9, 5), (3, 9, 5)],  # two prompts, one entry
+    ):
+        with pytest.raises(WireError, match="share"):
+            EndOrders.of(end_frame(9, [1], share=share))
+
+
+def test_disk_roll_calls_name_files_by_hex_keys_only() -> None:
+    order = DiskRollCall("00ff", ((7, "ab" * 12), (2**64 - 1, "c")), complete=False)
+    assert disk_roll_call_of({"disk": order.document()}) == order
+    assert disk_roll_call_of({"reports": []}) is None
+    bad_orders = (
+        {"session": "../x", "adopt": [], "complete": True},
+        {"session": "ab", "adopt": [[1, "../../etc/passwd"]], "complete": True},
+        {"session": "ab", "adopt": [[-1, "ab"]], "complete": True},
+        {"session": "ab", "adopt": [], "complete": 1},
+        {"session": "ab", "adopt": [[n, "ab"] for n in range(MAX_EVICT_PER_END + 1)],
+         "complete": True},
+        [],
+    )  # fmt: skip
+    for bad in bad_orders:
+        with pytest.raises(WireError, match="STATUS disk"):
+            disk_roll_call_of({"disk": bad})
 
 
 def test_grammars_and_refusals_round_trip_and_malformed_ones_are_refused() -> None:
