@@ -18,7 +18,7 @@ serve: $(STAMP)
 # Two xdist workers; a module (or a package with its own conftest) runs whole on one, each worker
 # on its own loopback; see tests/helpers/workers.py.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=30
 
 # Benchmarks are separate from the tests; each rewrites its own section of docs/benchmarks.md.
 bench: $(STAMP)
