@@ -232,14 +232,17 @@ def open_request_log(config: ServeConfig, service: Any) -> Any:
 
 def serve(config: ServeConfig) -> int:
     """Plan, launch, and serve until interrupted; exit status 2 when nothing fits."""
+    from engines.core.core_process import PROCESS_CORE, discard_spare
+    from engines.core.core_process import prewarm as prewarm_core
+
+    if config.engine_core == PROCESS_CORE:
+        prewarm_core()  # first: its imports overlap ours, fetching the model and planning
     from engines.api.app import create_app
-    from engines.cluster.launch import PROCESS_CORE, LaunchSettings
+    from engines.cluster.launch import LaunchSettings
     from engines.cluster.pressure import watch_memory
     from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
     from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
     from engines.core import blas
-    from engines.core.core_process import discard_spare
-    from engines.core.core_process import prewarm as prewarm_core
     from engines.core.service import Service, ServiceLimits
 
     from .http_server import run_http_server
@@ -247,8 +250,6 @@ def serve(config: ServeConfig) -> int:
     from .progress import loading
 
     log.info("BLAS: %s", blas.status().describe())
-    if config.engine_core == PROCESS_CORE:
-        prewarm_core()  # its imports overlap fetching the model, discovering and planning
     facts = resolve_model(config.model, config.cache_dir)
     model_id = config.model_id or default_model_id(config.model, facts)
     wants_cluster = config.parallelism != Parallelism.SINGLE

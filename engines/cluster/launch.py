@@ -26,8 +26,6 @@ PP_ROLE = "pp_stage"
 WEIGHTS_ROLE = "weights"  # engines/weights/fetch_worker.py
 RELEASE_WAIT_S = 10.0
 DEFAULT_RING_PORT_BASE = 52400  # ranks on other machines listen on base + rank
-PROCESS_CORE = "process"
-THREAD_CORE = "thread"
 
 
 class MembershipLike(Protocol):

@@ -13,10 +13,10 @@ from typing import Any
 from discovery.capabilities import PORT_ACTIVE
 from engines.cluster.cluster_status import engine_status, members_status, resources_status
 from engines.cluster.exclusions import MemberExclusions
-from engines.cluster.launch import THREAD_CORE, LaunchSettings, build_engine
+from engines.cluster.launch import LaunchSettings, build_engine
 from engines.cluster.replan_history import ReplanHistory
 from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
-from engines.core.core_process import CoreProcess
+from engines.core.core_process import THREAD_CORE, CoreProcess
 from engines.core.engine import Engine
 from engines.core.engine_spec import EngineSpec
 from engines.core.memory_release import release_freed_memory

@@ -40,6 +40,8 @@ from planner.errors import EngineError
 
 log = logging.getLogger(__name__)
 
+PROCESS_CORE = "process"  # --engine-core: the engine core in a process of its own (the default)
+THREAD_CORE = "thread"  # ... or on a thread of the API process
 STATUS_INTERVAL_S = 0.5  # the core's heartbeat, with its health, info and memory
 CLOSE_GRACE_S = 10.0  # a closing core finishes its step and closes its engine within this
 READ_CHUNK = 1 << 16

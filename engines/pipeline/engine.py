@@ -306,7 +306,7 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         self._check_grammar(request)
         with self._io_lock:  # the index is shared with evict_prefix_cache()
             self._sampling[uid] = sampling
-            if self._waits_for_a_prompt(uid, request.prompt_tokens):
+            if self._sharing.hold(uid, request, self.prefix_index):
                 return 0  # its first output will say how many tokens it reused
             return self._admit(uid, request.prompt_tokens)
 

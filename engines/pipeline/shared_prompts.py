@@ -10,24 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engines.core.request import GenerationRequest
+
 
 class SharedPrompts:
     """Part of EncryptedPipelineEngine (engine.py), which owns `_sharing` (a PrefillSharing),
     the `prefix_index`, stage 0's `_local` batches, the `_schedule` and the `_recounted`
     cached tokens a sequence's first output reports; prefix_keeping.py indexes and sends."""
-
-    def _waits_for_a_prompt(self, uid: int, prompt: Sequence[int]) -> bool:
-        """Hold `uid` back when a prompt being prefilled covers enough more of its own than
-        the prefix cache does."""
-        if not self.prefix_index.enabled:
-            return False
-        prompt = tuple(prompt)
-        covered = self.prefix_index.peek(prompt)
-        owner = self._sharing.owner_for(prompt, covered.tokens if covered else 0)
-        if owner is None:
-            return False
-        self._sharing.wait(uid, prompt, owner)
-        return True
 
     def _admit(self, uid: int, prompt: Sequence[int]) -> int:
         """Schedule a sequence from its prefix-cache hit (or none); returns the cached tokens."""
@@ -36,10 +25,10 @@ class SharedPrompts:
             self._sharing.prefilling(uid, tuple(prompt))
         return cached
 
-    def _let_in(self, waiters: list[tuple[int, tuple[int, ...]]]) -> None:
+    def _let_in(self, waiters: list[tuple[int, GenerationRequest]]) -> None:
         """Waiting requests are scheduled; their first output reports the tokens they reused."""
-        for uid, prompt in waiters:
-            self._recounted[uid] = self._admit(uid, prompt)
+        for uid, request in waiters:
+            self._recounted[uid] = self._admit(uid, request.prompt_tokens)
 
     def _share_prompts(self, produced: list[tuple[int, int]]) -> None:
         """The owners whose first token just came back keep their prompts for their waiters,
