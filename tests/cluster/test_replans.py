@@ -81,9 +81,9 @@ def test_a_healthy_pipeline_never_replans_while_rediscovering(
     assert cluster["state"] == "ok"
 
 
-CYCLES = 3  # a leak as before (~100 MB a cycle) passes the model size in one; the soak goes on
+CYCLES = 2  # a leak as before (~100 MB a cycle) passes the model size in one; the soak goes on
 # (tests/bench/bench_chaos.py) for longer
-WARM_UP = 2  # cycles before the baseline: first loads, caches and arenas settle
+WARM_UP = 1  # cycles before the baseline: first loads, caches and arenas settle
 
 
 def wait_serving(server: ServeProcess, strategy: str, timeout_s: float = 60.0) -> None:
@@ -111,7 +111,7 @@ def test_replan_cycles_leave_no_memory_behind(
     demo_model_factory, pool: AgentPool, servers: list[ServeProcess], tmp_path: Path
 ) -> None:
     """A member freezes (lost: re-plan to single) and thaws (found again: re-plan to pp),
-    five times; the coordinator counts its API process and its engine core. Before, every
+    three times; the coordinator counts its API process and its engine core. Before, every
     retired engine's memory stayed in the coordinator: ~100 MB a cycle
     for this 77 MB model, an out-of-memory within days for members that come and go."""
     model = demo_model_factory(layers=8, hidden=512)
