@@ -23,9 +23,13 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 PROCESS_MARKERS = ("lab", "cluster")
 PROCESS_TEST_S, UNIT_TEST_S = 8.0, 0.2
 # Tests that measure wall-clock speed or tight deadlines against the machine: they run alone
-# (every other worker waits). Lab tests are among them by their marker.
+# (every other worker waits; ~170 s of the suite's wall time).
 SOLO_MARKER = "solo"
 SOLO_TESTS = (
+    # lab machines pinned to cores and quotas, timed against each other (the lab's other tests
+    # check answers, memory and re-plans: they share the machine)
+    "tests/lab/test_lab_speed_probe.py::test_the_probe_reads_a_cpu_quota",
+    "tests/lab/test_lab_speed_probe.py::test_the_collective_probe_times",
     # speed probes: layer times and all_sums measured, a probe's child ready within 3 s, the
     # plan served within a margin of the fastest measured
     "tests/cluster/test_measured_planning.py::test_the_probe_measures_a_layer",
@@ -75,7 +79,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.get_closest_marker("lab") or item.nodeid.startswith(SOLO_TESTS):
+        if item.nodeid.startswith(SOLO_TESTS):
             item.add_marker(SOLO_MARKER)
     if worker_id(config) is None:
         return
