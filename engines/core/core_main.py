@@ -169,5 +169,19 @@ def _heartbeat(engine: Engine, output: Output, interval_s: float, stop: threadin
             log.exception("could not report the engine's status")
 
 
+def leave(code: int) -> None:
+    """Exit once everything is closed, as serve and join do (cli/main.py): after the other
+    threads, without the interpreter's teardown, in which a garbage-collected mlx object can
+    destroy a native thread still joinable and abort the process (exit -6, "terminate called
+    without an active exception", after a clean close)."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join(EXIT_GRACE_S)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
