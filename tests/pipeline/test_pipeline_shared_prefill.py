@@ -5,19 +5,16 @@ about one prompt's worth between them and answer as a cold engine does."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from discovery.cluster_key import generate_key
 from engines.core.request import GenerationRequest
-from engines.core.runner import EngineRunner
 from engines.pipeline.engine import EncryptedPipelineEngine
-from engines.single.engine import SingleEngine
 from planner import allocate_layers
 from tests.helpers.engine import run_all
-from tests.helpers.pipeline import make_engine, start_workers, status, stop_workers
+from tests.helpers.pipeline import Pipeline, open_pipeline, status
 
 pytestmark = pytest.mark.cluster
 
@@ -25,38 +22,14 @@ SYSTEM = "You are a careful assistant. Answer in full sentences and cite what yo
 USERS = 8
 
 
-@dataclass
-class Sharing:
-    """The 4-layer demo model on 2 stages with a prefix cache, and a cold SingleEngine."""
-
-    engine: EncryptedPipelineEngine
-    runner: EngineRunner
-    cold: EngineRunner
-
-
 @pytest.fixture(scope="module")
-def sharing(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sharing]:
-    key = generate_key()
-    ranges = allocate_layers(4, [8, 8])
-    listener, workers = start_workers(
-        demo_model_dir, ranges, key, tmp_path_factory.mktemp("shared-prefill")
-    )
-    # 64-token chunks: the owner's prompt takes several frames, so the others find it prefilling
-    engine = make_engine(
-        demo_model_dir, ranges, key, listener, workers, prefill_chunk=64,
-        prefix_cache_bytes=64 << 20,
+def sharing(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
+    """The 4-layer demo model on 2 stages with a prefix cache, and a cold SingleEngine. 64-token
+    chunks: the owner's prompt takes several frames, so the others find it prefilling."""
+    yield from open_pipeline(
+        demo_model_dir, allocate_layers(4, [8, 8]), generate_key(),
+        tmp_path_factory.mktemp("shared-prefill"), prefill_chunk=64, prefix_cache_bytes=64 << 20,
     )  # fmt: skip
-    runner = EngineRunner(engine, max_batch=USERS)
-    cold = EngineRunner(SingleEngine(demo_model_dir), max_batch=USERS)  # no prefix cache
-    try:
-        runner.start(load_timeout_s=60)
-        cold.start(load_timeout_s=60)
-        yield Sharing(engine, runner, cold)
-    finally:
-        runner.close()
-        cold.close()
-        engine.close()
-        stop_workers(workers)
 
 
 def first_turns(engine: EncryptedPipelineEngine, topic: str) -> list[GenerationRequest]:
@@ -67,12 +40,12 @@ def first_turns(engine: EncryptedPipelineEngine, topic: str) -> list[GenerationR
     ]
 
 
-def prefilled_tokens(sharing: Sharing) -> list[int]:
+def prefilled_tokens(sharing: Pipeline) -> list[int]:
     """Prompt tokens every stage has run in prefill chunks this session, stage 0 first."""
     return [report["prefilled_tokens"] for report in status(sharing)]
 
 
-def test_eight_first_turns_with_one_system_prompt_prefill_it_once(sharing: Sharing) -> None:
+def test_eight_first_turns_with_one_system_prompt_prefill_it_once(sharing: Pipeline) -> None:
     requests = first_turns(sharing.engine, "Shared:")
     before = prefilled_tokens(sharing)
     shared_before = sharing.engine.info().detail["prefix_cache"]["shared_prefills"]
@@ -87,11 +60,11 @@ def test_eight_first_turns_with_one_system_prompt_prefill_it_once(sharing: Shari
     assert detail["prefilled_tokens"] == before[0] + computed[0]
     assert detail["prefix_cache"]["shared_prefills"] - shared_before == USERS - 1
     assert sorted(o.cached_tokens > prompt // 2 for o in outcomes) == [False] + [True] * 7
-    cold = run_all(sharing.cold, requests)
+    cold = run_all(sharing.reference, requests)
     assert [(o.tokens, o.finish) for o in outcomes] == [(o.tokens, o.finish) for o in cold]
 
 
-def test_without_a_long_common_prefix_nobody_waits(sharing: Sharing) -> None:
+def test_without_a_long_common_prefix_nobody_waits(sharing: Pipeline) -> None:
     """Prompts that share less than 64 tokens each prefill their own (and answer exactly)."""
     encode = sharing.engine.tokenizer.encode
     requests = [
@@ -103,4 +76,4 @@ def test_without_a_long_common_prefix_nobody_waits(sharing: Sharing) -> None:
     outcomes = run_all(sharing.runner, requests)
     assert prefilled_tokens(sharing)[0] - before == sum(len(r.prompt_tokens) for r in requests)
     assert sharing.engine.info().detail["prefix_cache"]["shared_prefills"] == shared_before
-    assert [o.tokens for o in outcomes] == [o.tokens for o in run_all(sharing.cold, requests)]
+    assert [o.tokens for o in outcomes] == [o.tokens for o in run_all(sharing.reference, requests)]
