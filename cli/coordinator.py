@@ -327,6 +327,7 @@ def serve(config: ServeConfig) -> int:
         max_batch=config.max_batch,
         kv_bits=config.kv_bits,
         quantized_kv_start=config.quantized_kv_start,
+        most_drafted=config.most_drafted,
         engine_core=config.engine_core,
         core_lost_after_s=config.lost_after_s,
         prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,

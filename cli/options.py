@@ -144,6 +144,19 @@ def kv_bits_from(value: str) -> int:
     return int(value)
 
 
+DEFAULT_DRAFT_TOKENS = 4  # --num-draft-tokens: what a lone request drafts per step at most
+MOST_DRAFT_TOKENS = 16  # beyond this a verifying pass costs like a prefill chunk
+
+
+def draft_tokens_from(value: int) -> int:
+    """--num-draft-tokens: 0 (off) to MOST_DRAFT_TOKENS."""
+    from planner.errors import ConfigError
+
+    if not 0 <= value <= MOST_DRAFT_TOKENS:
+        raise ConfigError(f"--num-draft-tokens must be 0 to {MOST_DRAFT_TOKENS}, got {value}")
+    return value
+
+
 def quantized_kv_start_from(value: str) -> int:
     """--quantized-kv-start: a token count, 0 or more."""
     from planner.errors import ConfigError

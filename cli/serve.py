@@ -14,6 +14,7 @@ from .http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, Http
 from .model_source import MODEL_HELP
 from .observability import add_observability_flags, observability_from_args
 from .options import (
+    DEFAULT_DRAFT_TOKENS,
     add_blas_flags,
     add_flag,
     add_interface_flag,
@@ -21,6 +22,7 @@ from .options import (
     add_memory_budget_flag,
     add_planning_flags,
     apply_blas_flags,
+    draft_tokens_from,
     env_default,
     kv_bits_from,
     prefix_cache_bytes_from,
@@ -146,6 +148,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flag(
         parser,
+        "--num-draft-tokens",
+        default=DEFAULT_DRAFT_TOKENS,
+        cast=int,
+        metavar="N",
+        help="speculative decoding by prompt lookup: a request decoding alone drafts up to N "
+        "tokens from its own prompt and output and the model checks them in one pass "
+        "(greedy and seeded tokens unchanged; it backs off when drafts miss); 0 turns it off",
+    )
+    add_flag(
+        parser,
         "--lost-after",
         default=5.0,
         cast=float,
@@ -226,6 +238,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefix_cache_disk_bytes=prefix_cache_disk_bytes,
         kv_bits=kv_bits_from(args.kv_bits),
         quantized_kv_start=quantized_kv_start_from(args.quantized_kv_start),
+        most_drafted=draft_tokens_from(args.num_draft_tokens),
         engine_core=args.engine_core,
         cpu_float32=args.cpu_float32 == "auto",
         measure_speeds=args.measure_speeds,

@@ -45,6 +45,11 @@ SEGMENT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 120
 # engine.info().detail["prefix_cache"] keys: counters grow, gauges go up and down
 PREFIX_CACHE_COUNTERS = ("hits", "misses", "evictions", "disk_hits", "spills", "disk_failures")
 PREFIX_CACHE_GAUGES = ("bytes", "entries", "disk_bytes", "disk_entries")
+SPECULATION_COUNTERS = (  # engine.info().detail["speculation"] keys
+    ("drafted", "Tokens drafted by prompt lookup for the model to check"),
+    ("accepted", "Drafted tokens the model agreed with (each saved one decoding pass)"),
+    ("steps", "Verifying passes (each checks one draft, or decodes plainly without one)"),
+)
 RUNNER_GAUGES = (  # (metric, help, EngineRunner attribute)
     ("tandem_queue_depth", "Requests waiting for a batch slot", "queued"),
     ("tandem_queue_capacity", "Waiting requests before 429 (--queue-size)", "queue_size"),
@@ -175,6 +180,9 @@ class ClusterCollector:
             cache = info.detail.get("prefix_cache")
             if isinstance(cache, dict):
                 yield from _prefix_cache(cache)
+            speculation = info.detail.get("speculation")
+            if isinstance(speculation, dict):
+                yield from _speculation(speculation)
             timing = info.detail.get("step_timing")
             if isinstance(timing, dict):
                 yield from _step_timing(timing)
@@ -211,6 +219,14 @@ def _prefix_cache(cache: dict[str, Any]) -> Iterator[Metric]:
             yield GaugeMetricFamily(
                 f"tandem_prefix_cache_{key}", f"Prefix cache {key} now", value=cache[key]
             )
+
+
+def _speculation(counts: dict[str, Any]) -> Iterator[Metric]:
+    """Speculative decoding's drafts (engines/speculation/lane.py SpeculationCounts)."""
+    for key, documentation in SPECULATION_COUNTERS:
+        family = CounterMetricFamily(f"tandem_speculation_{key}", documentation)
+        family.add_metric([], counts.get(key) or 0)
+        yield family
 
 
 def _step_timing(timing: dict[str, Any]) -> Iterator[Metric]:

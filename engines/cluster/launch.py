@@ -54,6 +54,7 @@ class LaunchSettings:
     max_batch: int = 16  # sequences decoded together
     kv_bits: int = 0  # every engine's KV cache quantized to this many bits; 0: not
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once it holds this many tokens
+    most_drafted: int = 0  # speculative decoding: tokens drafted per step of a lone sequence
     # What other machines resolve to the same files (repo@commit through their own Hugging
     # Face cache, or a path that must exist there); None: model_path.
     model_reference: str | None = None
@@ -107,6 +108,7 @@ def build_engine(
             "prefix_cache_disk_root": str(disk_root) if disk_root else None,
             "kv_bits": settings.kv_bits,
             "quantized_kv_start": settings.quantized_kv_start,
+            "most_drafted": settings.most_drafted,
         }
         return _spec("single", options, plan, settings, addresses)
     if membership is None or settings.cluster_key is None:

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from engines.core.engine import TopLogprobs
+from engines.core.engine import StepOutput, TopLogprobs
 from engines.core.request import GenerationRequest
 
 Sampler = Callable[[mx.array], mx.array]
@@ -38,37 +38,50 @@ def greedy(logprobs: mx.array) -> mx.array:
 
 
 def make_request_sampler(request: GenerationRequest, seed: int | None = None) -> Sampler:
-    """A sampler with its own random stream: the n-th draw uses key (seed, n), the seed being
-    `seed` or else the request's own (a greedy request needs none).
-
-    mlx-lm's samplers draw from mlx's global RNG, so a sequence's tokens would depend on
-    which other sequences share its batch; a per-request key keeps a seeded request
-    reproducible inside any batch, and identical on every tensor-parallel rank.
-    """
+    """The request's sampler: `greedy`, or a RequestSampler seeded with `seed` or else the
+    request's own (a greedy request needs none)."""
     if request.temperature <= 0:
         return greedy
     seed = request.seed if seed is None else seed
     if seed is None:
         raise ValueError(f"request {request.request_id} samples without a seed")
-    draws = 0
-    scale = 1.0 / request.temperature
-    top_p, top_k, min_p = request.top_p, request.top_k, request.min_p
-    nucleus = 0.0 < top_p < 1.0  # OpenAI's default 1.0 means "off"
+    return RequestSampler(request, seed)
 
-    def sample(logprobs: mx.array) -> mx.array:  # (B, V) -> (B,)
-        nonlocal draws
-        key = mx.random.key(mix64(seed, draws))
-        draws += 1
+
+class RequestSampler:
+    """A sampler with its own random stream: the n-th draw uses key (seed, n).
+
+    mlx-lm's samplers draw from mlx's global RNG, so a sequence's tokens would depend on
+    which other sequences share its batch; a per-request key keeps a seeded request
+    reproducible inside any batch, and identical on every tensor-parallel rank. `draws` is
+    the index of the next draw: speculative decoding draws each verified position with its
+    own index and sets it back to the positions it kept, so its tokens are those of
+    decoding one at a time.
+    """
+
+    def __init__(self, request: GenerationRequest, seed: int) -> None:
+        self.seed = seed
+        self.draws = 0
+        self.scale = 1.0 / request.temperature
+        self.top_p, self.top_k, self.min_p = request.top_p, request.top_k, request.min_p
+        self.nucleus = 0.0 < self.top_p < 1.0  # OpenAI's default 1.0 means "off"
+
+    def __call__(self, logprobs: mx.array) -> mx.array:  # (B, V) -> (B,)
+        token = self.draw(logprobs, self.draws)
+        self.draws += 1
+        return token
+
+    def draw(self, logprobs: mx.array, index: int) -> mx.array:
+        """Sample (B, V) -> (B,) with draw `index`'s key, leaving `draws` as it is."""
+        key = mx.random.key(mix64(self.seed, index))
         # mlx-lm's filters, in mlx-lm's own order (make_sampler's): top-p, min-p, top-k
-        if nucleus:
-            logprobs = apply_top_p(logprobs, top_p)
-        if min_p > 0:
-            logprobs = apply_min_p(logprobs, min_p)
-        if 0 < top_k < logprobs.shape[-1]:
-            logprobs = apply_top_k(logprobs, top_k)
-        return mx.random.categorical(logprobs * scale, key=key)
-
-    return sample
+        if self.nucleus:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p > 0:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if 0 < self.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return mx.random.categorical(logprobs * self.scale, key=key)
 
 
 class UnseededSamplers:
@@ -119,3 +132,11 @@ def token_logprobs(logprobs: mx.array, token: int, top: int) -> tuple[float, Top
     values = logprobs[best].tolist()
     pairs = sorted(zip(best.tolist(), values, strict=True), key=lambda pair: -pair[1])
     return chosen, tuple(pairs)
+
+
+def sampled(uid: int, token: int, logprobs: mx.array, top: int | None) -> StepOutput:
+    """The step output of a sampled token, with its logprob and the top `top` when asked."""
+    if top is None:
+        return StepOutput(uid, token)
+    chosen, best = token_logprobs(logprobs, token, top)
+    return StepOutput(uid, token, None, chosen, best)

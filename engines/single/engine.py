@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -59,8 +59,10 @@ class SingleEngine(Engine):
         prefix_cache_disk_root: Path | None = None,
         kv_bits: int = 0,
         quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+        most_drafted: int = 0,
     ) -> None:
         self.model_path = Path(model_path)
+        self.most_drafted = most_drafted  # prompt-lookup tokens drafted per step alone; 0: off
         self.kv_bits = kv_bits  # 8 or 4: every sequence's KV cache quantized; 0: as computed
         self.quantized_kv_start = quantized_kv_start  # ... once it holds this many tokens
         # the prefix cache: which token prefixes are kept (index) and their KV (store), in
@@ -107,7 +109,7 @@ class SingleEngine(Engine):
         keep = self._keep_prefix if self.prefix_index.enabled else None
         self._batch = DecodeBatch(
             self.model, self.max_batch, self.prefill_chunk, keep, self.kv_bits,
-            self.quantized_kv_start,
+            self.quantized_kv_start, self.most_drafted,
         )  # fmt: skip
         log.info("single engine loaded %s (batch of up to %d)", self.model_path, self.max_batch)
 
@@ -138,6 +140,7 @@ class SingleEngine(Engine):
         first = self._batch.insert(
             uid, prompt[len(prefix) :], sampler, processors,
             request.logprobs, caches, prefix,
+            speculate=request.grammar is None,  # a grammar's matcher advances one token at a time
         )  # fmt: skip
         if first is not None:  # reported by the next step, before the batch advances
             self._first_tokens.append(first)
@@ -238,6 +241,9 @@ class SingleEngine(Engine):
                 "shared_prefills": self._sharing.shared,
             },
         }
+        counts = self._batch.speculation() if self._batch is not None else None
+        if counts is not None:
+            detail["speculation"] = {"most_drafted": self.most_drafted, **asdict(counts)}
         return EngineInfo(strategy="single", world_size=1, detail=detail)
 
     def close(self) -> None:

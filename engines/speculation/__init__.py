@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts checked by the model, several tokens per forward pass."""
