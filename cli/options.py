@@ -144,7 +144,7 @@ def kv_bits_from(value: str) -> int:
     return int(value)
 
 
-DEFAULT_DRAFT_TOKENS = 4  # --num-draft-tokens: what a lone request drafts per step at most
+DEFAULT_DRAFT_TOKENS = 8  # --num-draft-tokens: what a lone request drafts per step at most
 MOST_DRAFT_TOKENS = 16  # beyond this a verifying pass costs like a prefill chunk
 
 

@@ -175,7 +175,7 @@ class ChatChunks:
             reason = "tool_calls"
         frames.append(self._chunk(ChatDelta(), reason))
         if self._include_usage:
-            usage = Usage.counted(final.prompt_tokens, final.completion_tokens, final.cached_tokens)
+            usage = Usage.of(final)
             chunk = ChatCompletionChunk(
                 id=self.id, created=self.created, model=self.model, choices=[], usage=usage
             )
@@ -254,9 +254,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
             chat_logprobs(tokenizer, outcome.scores) if sampling.logprobs is not None else None
         )
         choice = ChatChoice(message=message, finish_reason=finish_reason, logprobs=logprobs)
-        usage = Usage.counted(
-            outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens
-        )
+        usage = Usage.of(outcome)
         completion = ChatCompletion(
             id=completion_id, created=created, model=service.model_id, choices=[choice], usage=usage
         )

@@ -81,7 +81,7 @@ class CompletionChunks:
         reason = str(final.finish_reason)
         frames = [self._chunk([CompletionChoice(text="", finish_reason=reason)])]
         if self._include_usage:
-            usage = Usage.counted(final.prompt_tokens, final.completion_tokens, final.cached_tokens)
+            usage = Usage.of(final)
             frames.append(self._chunk([], usage))
         return frames
 
@@ -141,9 +141,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
             created=created,
             model=service.model_id,
             choices=[choice],
-            usage=Usage.counted(
-                outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens
-            ),
+            usage=Usage.of(outcome),
         )
         return JSONResponse(completion.model_dump())
 

@@ -87,6 +87,8 @@ class Outcome:
     scores: list[TokenScore]  # one per token, when the request asked for logprobs
     cached_tokens: int = 0
     stop_sequence: str | None = None  # the stop string that ended it (None: EOS or length)
+    drafted_tokens: int = 0  # speculative decoding's drafts, and those accepted
+    accepted_tokens: int = 0
 
 
 def check_serving(service: Service, model: str, param: str = "model") -> None:
@@ -274,6 +276,8 @@ async def collect(
                         scores,
                         event.cached_tokens,
                         event.stop_sequence,
+                        event.drafted_tokens,
+                        event.accepted_tokens,
                     )
                 if event.finish_reason is not None:
                     raise failure_of(event)

@@ -301,20 +301,48 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's counts of predicted tokens: here the drafts of speculative decoding that the
+    model accepted (each saved a decoding pass) and rejected."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+    completion_tokens_details: CompletionTokensDetails = CompletionTokensDetails()
 
     @classmethod
-    def counted(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def counted(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+        drafted_tokens: int = 0,
+        accepted_tokens: int = 0,
+    ) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=CompletionTokensDetails(
+                accepted_prediction_tokens=accepted_tokens,
+                rejected_prediction_tokens=drafted_tokens - accepted_tokens,
+            ),
         )
+
+    @classmethod
+    def of(cls, final: Any) -> Usage:
+        """The usage a final event (or a non-streaming Outcome) carries."""
+        return cls.counted(
+            final.prompt_tokens, final.completion_tokens, final.cached_tokens,
+            final.drafted_tokens, final.accepted_tokens,
+        )  # fmt: skip
 
 
 class TopLogprob(BaseModel):

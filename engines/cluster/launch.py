@@ -132,6 +132,7 @@ def _build_tensor_parallel(
         "prefix_cache_bytes": plan.prefix_cache_bytes,
         "kv_bits": settings.kv_bits,
         "quantized_kv_start": settings.quantized_kv_start,
+        "most_drafted": settings.most_drafted,
     }
     if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
         options["prefix_cache_disk_bytes"] = settings.prefix_cache_disk_bytes

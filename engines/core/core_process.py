@@ -84,7 +84,8 @@ def report_document(report: StepReport) -> dict[str, Any]:
         "k": "step",
         "a": report.admitted,
         "o": [
-            (o.uid, o.token, o.logprob, o.top_logprobs, o.cached_tokens) for o in report.outputs
+            (o.uid, o.token, o.logprob, o.top_logprobs, o.cached_tokens, o.drafted, o.accepted)
+            for o in report.outputs
         ],
         "e": [(r.uid, r.reason, r.error, r.step_times) for r in report.ended],
         "s": report.steps,
@@ -99,8 +100,9 @@ def report_of(message: dict[str, Any]) -> StepReport:
             StepOutput(
                 uid, token, logprob=logprob, cached_tokens=cached,
                 top_logprobs=tuple((int(t), float(p)) for t, p in top),
+                drafted=drafted, accepted=accepted,
             )
-            for uid, token, logprob, top, cached in message["o"]
+            for uid, token, logprob, top, cached, drafted, accepted in message["o"]
         ],  # fmt: skip
         ended=[Release(uid, reason, error, times) for uid, reason, error, times in message["e"]],
         steps=message["s"],

@@ -57,6 +57,8 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, not recomputed
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted for the model to check ...
+    accepted_tokens: int = 0  # ... and those it accepted (each one decoding pass saved)
     stop_sequence: str | None = None  # the stop string that ended a STOP (None: EOS)
 
 
@@ -72,6 +74,10 @@ class StepOutput:
     # On a sequence's first output only, when insert() could not say yet (it returned 0
     # and the sequence waited before joining the batch): its prompt tokens from the cache.
     cached_tokens: int | None = None
+    # On the first output of a speculative pass (engines/speculation/lane.py): the tokens it
+    # drafted, and how many of them the model accepted (the outputs after this one).
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

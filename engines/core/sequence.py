@@ -57,10 +57,14 @@ class ActiveSequence:
         self._deadline = time.monotonic() + self.request.timeout_s
         self._matched_stop: str | None = None  # the stop string that ended it
         self.completion_tokens = 0
+        self.drafted_tokens = 0  # speculative decoding's drafts for this request ...
+        self.accepted_tokens = 0  # ... and those accepted
 
     def accept(self, output: StepOutput) -> Finish | None:
         """Emit the token's text; return the finish reason when this token ends the sequence."""
         token = output.token
+        self.drafted_tokens += output.drafted
+        self.accepted_tokens += output.accepted
         if self.submission.first_token_at is None:
             self.submission.first_token_at = time.monotonic()
         if token in self._eos:
@@ -103,6 +107,8 @@ class ActiveSequence:
                 prompt_tokens=len(self.request.prompt_tokens),
                 completion_tokens=self.completion_tokens,
                 cached_tokens=self.cached_tokens,
+                drafted_tokens=self.drafted_tokens,
+                accepted_tokens=self.accepted_tokens,
                 stop_sequence=self._matched_stop,
             )
         )

@@ -42,6 +42,8 @@ class RequestRecord:
     time_to_first_token_s: float | None  # None when no token came
     prompt_token_ids: tuple[int, ...] = ()  # only ever logged when the operator asks for it
     http_status: int | None = None  # set for a request the API refused before the engine saw it
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted, and those accepted
+    accepted_tokens: int = 0
     # The engine's own step segments (engines/observability/step_timing.py: tp all_sum, pp hops and
     # sealing) summed over the steps that carried this request. Steps are shared by the
     # batch, so these overlap the other requests' and lie inside prefill + decode.
@@ -72,6 +74,8 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "finish_reason": self.finish_reason,
             "error": self.error,
             "duration_s": round(self.duration_s, 6),
@@ -115,6 +119,8 @@ def record_of(
         prompt_tokens=event.prompt_tokens or len(submission.request.prompt_tokens),
         completion_tokens=event.completion_tokens,
         cached_tokens=getattr(event, "cached_tokens", 0),  # the field may not exist yet
+        drafted_tokens=getattr(event, "drafted_tokens", 0),
+        accepted_tokens=getattr(event, "accepted_tokens", 0),
         started_at=time.time() - (time.monotonic() - received),
         parse_s=max(submitted - received, 0.0),
         queue_s=queue_end - submitted,

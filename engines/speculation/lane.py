@@ -13,7 +13,7 @@ distribution, and greedy tokens are those of plain decoding.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -167,7 +167,10 @@ class SpeculativeLane:
         sequence.draft_length.record(len(draft), accepted)
         self.counts.drafted += len(draft)
         self.counts.accepted += accepted
-        return self._advance(sequence, fed[: accepted + 1], kept, logprobs)
+        outputs = self._advance(sequence, fed[: accepted + 1], kept, logprobs)
+        if draft:
+            outputs[0] = replace(outputs[0], drafted=len(draft), accepted=accepted)
+        return outputs
 
     def _collect(self, sequence: LaneSequence) -> list[StepOutput]:
         drawn, logprobs = sequence.ahead

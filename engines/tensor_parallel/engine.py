@@ -83,6 +83,7 @@ class TensorParallelEngine(Engine):
         )
         self.prefix_index = self.prefixes.index
         self.prefilled_tokens = 0  # prompt tokens the ranks ran through the model
+        self.speculation: dict[str, int] | None = None  # rank 0's drafts, when it speculates
         self.step_timing = StepTimes()  # all_sum and compute per step (step_clock.py)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -265,6 +266,7 @@ class TensorParallelEngine(Engine):
                 self.prefixes.index_kept(message.get("kept", []))
                 self.prefixes.index_missed(message.get("missed", []))
                 self.prefilled_tokens = message.get("prefilled_tokens", self.prefilled_tokens)
+                self.speculation = message.get("speculation") or self.speculation
                 return message
             if "error" in message:  # rank 0 could not read the command: an engine bug
                 raise self._lose(f"rank 0 refused a step command: {message['error']}")
@@ -310,6 +312,9 @@ class TensorParallelEngine(Engine):
             "step_timing": self.step_timing.snapshot(),
             "healthy": self.healthy(),
         }
+        if self.spec.most_drafted:
+            counts = self.speculation or {"drafted": 0, "accepted": 0, "steps": 0}
+            detail["speculation"] = {"most_drafted": self.spec.most_drafted, **counts}
         if self._lost_reason is not None:
             detail["lost_reason"] = self._lost_reason
         return EngineInfo(strategy="tp", world_size=self.spec.world_size, detail=detail)

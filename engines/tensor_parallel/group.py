@@ -44,6 +44,7 @@ class WorkerSpec:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     kv_bits: int = 0  # every rank's KV cache quantized to 8 or 4 bits; 0: as computed
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once it holds this many tokens
+    most_drafted: int = 0  # prompt-lookup tokens a lone sequence drafts per step; 0: off
     blas_threads: int = 0  # this rank's share of its machine's cores; 0 keeps the default
     upcast_float32: bool = False  # half-precision weights to float32 when on the CPU
     prefix_cache_bytes: int = 0  # the whole group's prefix-cache budget; 0 keeps no entries

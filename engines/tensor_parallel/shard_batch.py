@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
@@ -50,6 +51,7 @@ class ShardBatch:
         disk: DiskTier | None = None,
         kv_bits: int = 0,
         quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+        most_drafted: int = 0,
         sum_across_ranks: Callable[[list[int]], list[int]] = list,
     ):
         self._grammars = grammars
@@ -62,8 +64,10 @@ class ShardBatch:
         self.prefixes = PrefixStore(disk if self.keep_prefixes else None)
         self._kept: list[list[int]] = []  # [entry, tokens held, bytes] since the last drain
         keep = self._keep if self.keep_prefixes else None
+        # speculation decides alike on every rank: the same tokens drafted from, the same
+        # tokens drawn, so the same verifying passes meet in the same all_sums
         self._batch = DecodeBatch(
-            model, max_batch, prefill_chunk, keep, kv_bits, quantized_kv_start
+            model, max_batch, prefill_chunk, keep, kv_bits, quantized_kv_start, most_drafted
         )
 
     def __len__(self) -> int:
@@ -110,8 +114,9 @@ class ShardBatch:
         rest = request.prompt_tokens[len(prefix) :]
         self.prefilled_tokens += len(rest)
         return self._batch.insert(
-            insert.uid, rest, sampler, processors, request.logprobs, caches, prefix
-        )
+            insert.uid, rest, sampler, processors, request.logprobs, caches, prefix,
+            speculate=grammar is None,  # a grammar's matcher advances one token at a time
+        )  # fmt: skip
 
     def _usable_entries(self, inserts: tuple[Insert, ...]) -> set[int]:
         """The entries these inserts start from that every rank holds and can read now: one
@@ -161,6 +166,11 @@ class ShardBatch:
         is not in the batch."""
         if uid in self._batch and (found := self._batch.prompt_cache(uid)) is not None:
             self._keep(entry, *found)
+
+    def speculation(self) -> dict[str, int] | None:
+        """Tokens drafted and accepted so far (engines/speculation/lane.py); None when off."""
+        counts = self._batch.speculation()
+        return None if counts is None else asdict(counts)
 
     def close(self) -> None:
         self.prefixes.close()

@@ -9,8 +9,8 @@ stdout: JSON lines only: {"event": "ready", ..., "stored_entries": [[entry, toke
         ...]} or {"event": "failed", "reason"} once loaded; rank 0 then answers every step with
         {"tokens": [[uid, token], ...], "refused": [[uid, reason], ...], "kept": [[entry,
         tokens held, bytes], ...], "missed": [[uid, entry], ...], "prefilled_tokens": n,
-        "timing": {"all_sum": s, "step": s}}, or {"error", "fatal": false} for a command it
-        cannot read.
+        "speculation": {"drafted", "accepted", "steps"} or null, "timing": {"all_sum": s,
+        "step": s}}, or {"error", "fatal": false} for a command it cannot read.
 stderr: logs.
 """
 
@@ -200,6 +200,7 @@ class Rank:
                         "kept": self.batch.drain_kept(),
                         "missed": self.batch.drain_missed(),
                         "prefilled_tokens": self.batch.prefilled_tokens,
+                        "speculation": self.batch.speculation(),
                         "timing": timing,
                     }
                 )
@@ -287,6 +288,7 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
             disk=disk,
             kv_bits=spec.kv_bits,
             quantized_kv_start=spec.quantized_kv_start,
+            most_drafted=spec.most_drafted,
             sum_across_ranks=lockstep.sum_across_ranks,
         )
         rank = Rank(spec, lockstep, batch, vocab_size, output, watchdog, grammars)

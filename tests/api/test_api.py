@@ -46,6 +46,10 @@ async def test_chat_completion_has_openai_shape_and_usage(
         "completion_tokens": 12,
         "total_tokens": len(prompt) + 12,
         "prompt_tokens_details": {"cached_tokens": 0},  # this runner keeps no prefix cache
+        "completion_tokens_details": {  # nothing drafted: this runner does not speculate
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }
 
 
@@ -123,6 +127,10 @@ async def test_completion_non_streaming(client: httpx.AsyncClient, runner: Engin
         "completion_tokens": 12,
         "total_tokens": prompt_tokens + 12,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {  # nothing drafted: this runner does not speculate
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }
 
 

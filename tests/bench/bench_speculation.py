@@ -29,7 +29,7 @@ from tests.helpers.smollm2 import smollm2_gguf
 
 HEADING = "## Speculative decoding"
 COMMAND = "python -m tests.bench.bench_speculation"
-DRAFTED = 4  # --num-draft-tokens
+DRAFTED = 8  # --num-draft-tokens
 ROUNDS = 5
 MAX_TOKENS = 96
 CODE = (

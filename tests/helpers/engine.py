@@ -24,6 +24,8 @@ class Outcome:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[float | None] = field(default_factory=list)  # per token, when asked
+    drafted_tokens: int = 0  # speculative decoding's drafts, and those accepted
+    accepted_tokens: int = 0
 
 
 async def collect(
@@ -53,6 +55,8 @@ async def collect(
                 event.completion_tokens,
                 event.cached_tokens,
                 logprobs,
+                event.drafted_tokens,
+                event.accepted_tokens,
             )
     raise AssertionError("the event stream ended without a final event")
 

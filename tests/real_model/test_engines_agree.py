@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct split over processes on 127.0.0.1 gives mlx-lm's own greedy tokens: a
 two-stage sealed pipeline and a three-rank tensor-parallel ring (9 heads over 3 KV heads: two
-ranks cannot split them, and the planner fails tp=2 closed to single)."""
+ranks cannot split them, and the planner fails tp=2 closed to single), speculating by prompt
+lookup."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ GIB = 1024**3
 # A real model's prefill on a shared 2-core machine: minutes of slack, not the demo's seconds.
 LOAD_TIMEOUT_S = 180.0
 STEP_TIMEOUT_S = 120.0
+DRAFTED = 4  # prompt-lookup tokens drafted per step (--num-draft-tokens)
 
 
 def assert_mlx_lm_tokens(engine: Engine, expected: list[Greedy]) -> None:
@@ -62,7 +64,10 @@ def test_a_two_stage_pipeline_gives_mlx_lm_greedy_tokens(
 def test_three_tensor_parallel_ranks_give_mlx_lm_greedy_tokens(
     smollm2_dir: Path, mlx_lm_answers: list[Greedy]
 ) -> None:
-    specs = loopback_ring_specs(3, smollm2_dir, stall_timeout_s=STEP_TIMEOUT_S)
+    # with prompt lookup on every rank ("The capital of France is ..." drafts from the question)
+    specs = loopback_ring_specs(
+        3, smollm2_dir, stall_timeout_s=STEP_TIMEOUT_S, most_drafted=DRAFTED
+    )
     ranks = [start_rank(spec) for spec in specs[1:]]
     lost: list[str] = []
     engine = TensorParallelEngine(
@@ -75,6 +80,8 @@ def test_three_tensor_parallel_ranks_give_mlx_lm_greedy_tokens(
     try:
         assert_mlx_lm_tokens(engine, mlx_lm_answers)
         assert not lost
+        speculation = engine.info().detail["speculation"]
+        assert speculation["accepted"] > 0, speculation  # drafts checked in one lockstep pass
     finally:
         engine.close()
         stop_processes(ranks)

@@ -13,6 +13,7 @@ import pytest
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
+from tests.helpers.api import MODEL_ID, make_service, open_client
 from tests.helpers.engine import Outcome, collect, run_one
 
 PARAGRAPH = (
@@ -65,6 +66,11 @@ def test_a_copying_answer_is_plain_decoding_in_fewer_passes(runners):
     assert "boxing wizards" in got.text  # it copies: the drafts had something to match
     accepted = after["accepted"] - before["accepted"]
     assert accepted >= len(got.tokens) // 3
+    # the request's own counts, as its usage and log line give them
+    assert (got.accepted_tokens, got.drafted_tokens) == (
+        accepted,
+        after["drafted"] - before["drafted"],
+    )
     assert after["steps"] - before["steps"] <= len(got.tokens) - accepted
     assert "speculation" not in plain.engine.info().detail
 
@@ -120,3 +126,21 @@ def test_a_prefix_cache_hit_after_a_speculated_answer_reuses_what_it_kept(runner
         answers.append(run_one(runner, GenerationRequest("f", tuple(ids), TOKENS)))
     assert answers[1].tokens == answers[0].tokens
     assert answers[1].cached_tokens > len(first.tokens)  # the speculated answer was reused
+
+
+@pytest.mark.anyio
+async def test_the_usage_counts_the_accepted_and_rejected_drafts(runners):
+    """OpenAI's completion_tokens_details prediction counts carry the request's drafts."""
+    _, speculating = runners
+    body = {
+        "model": MODEL_ID,
+        "messages": [{"role": "user", "content": COPY}],
+        "temperature": 0,
+        "max_tokens": TOKENS,
+    }
+    async with open_client(make_service(speculating)) as client:
+        reply = await client.post("/v1/chat/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    details = reply.json()["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] >= TOKENS // 4, details
+    assert details["rejected_prediction_tokens"] >= 0
