@@ -229,6 +229,7 @@ def _build_pipeline(
         "prefix_cache_dir": str(settings.prefix_cache_dir) if settings.prefix_cache_dir else None,
         "kv_bits": settings.kv_bits,
         "quantized_kv_start": settings.quantized_kv_start,
+        "most_drafted": settings.most_drafted,
     }
     spec = _spec("pipeline", options, plan, settings, addresses)
     return replace(spec, listener=listener)

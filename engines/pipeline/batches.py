@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.wire import PREFILL_GROUP, Row, WireError
@@ -35,6 +36,11 @@ class StageBatches:
     every micro-batch's steps count 1, 2, 3, ... As in mlx-lm's BatchGenerator, a newcomer is
     prefilled in a batch of its own and then merged (left-padded) into its micro-batch.
 
+    A sequence alone in its micro-batch may verify a draft: several positions in one decode
+    frame. Its next frame (or the END keeping it) then names a position behind what is held
+    here: the rejected positions, which roll_back() trims. Only then may a position go back,
+    and by no more than that pass's positions after its first.
+
     `prefix` holds this stage's layers of every prefix-cache entry; the coordinator's index
     decides which entries exist, and the stage refuses a frame naming one it does not hold.
     With a `disk` tier (this machine's, for this stage's layers) entries can be spilled there.
@@ -48,6 +54,8 @@ class StageBatches:
         self._groups: dict[int, _Group] = {}
         self._group_of: dict[int, int] = {}
         self._steps: dict[int, int] = {}  # group -> its last step
+        # uid -> positions its last pass, a verifying one, may have had rejected
+        self._rejectable: dict[int, int] = {}
         self.prefilled_tokens = 0  # prompt tokens run through these layers in prefill chunks
 
     @property
@@ -93,7 +101,8 @@ class StageBatches:
         on the coordinator matches prompts, a stage only needs the count)."""
         entry = uid if entry is None else entry
         held = self._positions.get(uid)
-        if held is None or held != tokens:
+        behind = held is not None and 0 < held - tokens <= self._rejectable.get(uid, 0)
+        if held is None or (held != tokens and not behind):
             raise WireError(f"keep sequence {uid} of {tokens} tokens: this stage holds {held}")
         if entry in self.prefix:
             raise WireError(f"prefix entry {entry} exists already")
@@ -104,6 +113,8 @@ class StageBatches:
             batch = self._groups[self._group_of[uid]]
             row = batch.members.index(uid)
             caches = [cache.extract(row) for cache in batch.caches]
+        if behind:  # ended right after a verifying pass: its rejected positions go
+            _trim(caches, held - tokens, uid)
         ids = token_ids if token_ids is not None else (0,) * tokens
         return self.prefix.put(entry, caches, ids)
 
@@ -146,8 +157,23 @@ class StageBatches:
         self.prefilled_tokens += hidden.shape[1]
         return hidden
 
+    def roll_back(self, group: int, rows: Sequence[Row]) -> dict[int, int]:
+        """Before a decode frame: trim the positions a lone member's last verifying pass
+        rejected (its row names fewer than held here); returns uid -> positions trimmed."""
+        batch = self._groups.get(group)
+        if batch is None or len(batch.members) != 1 or not rows:
+            return {}
+        uid, row = batch.members[0], rows[0]
+        rejected = self._positions[uid] - row.position
+        if row.uid != uid or not 0 < rejected <= self._rejectable.pop(uid, 0):
+            return {}  # (a position behind is then refused as any other mismatch)
+        _trim(batch.caches, rejected, uid)
+        self._positions[uid] = row.position
+        return {uid: rejected}
+
     def decode(self, group: int, rows: Sequence[Row], hidden: mx.array) -> mx.array:
-        """Run one decode step (B, 1, D) of micro-batch `group`, merging newcomers first."""
+        """Run one decode step (B, 1, D) of micro-batch `group`, merging newcomers first; a
+        verifying pass (1, L, D) of a micro-batch of one advances its position by L."""
         batch = self._groups.setdefault(group, _Group())
         uids = [row.uid for row in rows]
         held = len(batch.members)
@@ -164,13 +190,18 @@ class StageBatches:
                 )
         for row in rows:
             self._check_position(row)
+        if hidden.shape[1] > 1 and len(uids) != 1:  # (its first decode frame may verify)
+            raise WireError(f"a verifying pass of micro-batch {group} for sequences {uids}")
         for uid in newcomers:
             batch.caches = _extend(batch.caches, self._alone.pop(uid))
             batch.members.append(uid)
             self._group_of[uid] = group
-        hidden = self.stage.forward(hidden, batch.caches)  # (B, 1, D)
+        hidden = self.stage.forward(hidden, batch.caches)  # (B, L, D)
         for uid in uids:
-            self._positions[uid] += 1
+            self._positions[uid] += hidden.shape[1]
+            self._rejectable.pop(uid, None)
+        if hidden.shape[1] > 1:  # a verifying pass: all but its first position may go
+            self._rejectable[uids[0]] = hidden.shape[1] - 1
         return hidden
 
     def end(self, uids: Sequence[int]) -> None:
@@ -178,6 +209,7 @@ class StageBatches:
         leaving: dict[int, set[int]] = {}
         for uid in uids:
             self._positions.pop(uid, None)
+            self._rejectable.pop(uid, None)
             self._alone.pop(uid, None)
             group = self._group_of.pop(uid, None)
             if group is not None:
@@ -206,6 +238,13 @@ class StageBatches:
             raise WireError(
                 f"sequence {row.uid} holds {held} tokens here, the frame says {row.position}"
             )
+
+
+def _trim(caches: list[Any], count: int, uid: int) -> None:
+    """Take the last `count` positions off caches that can give them back."""
+    if not can_trim_prompt_cache(caches):
+        raise WireError(f"sequence {uid} goes back {count} positions: its caches cannot trim")
+    trim_prompt_cache(caches, count)
 
 
 def _extend(caches: list[Any] | None, newcomer: list[Any]) -> list[Any]:

@@ -125,6 +125,7 @@ class ChainUpkeep:
         lost = self._schedule.active
         self._schedule.clear()
         self._sampling.clear()
+        self.speculation.clear()
         self._hits.clear()  # the sequences are gone, and with the stages every entry
         self._sharing.clear()
         self._forget_prefix_cache()

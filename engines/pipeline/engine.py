@@ -8,6 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,15 @@ from engines.pipeline.frame_clock import FrameClock
 from engines.pipeline.prefix_keeping import PRIVATE_ENTRY_IDS, PrefixKeeping
 from engines.pipeline.schedule import MicroBatchSchedule, Planned
 from engines.pipeline.shared_prompts import SharedPrompts
+from engines.pipeline.speculation import PipelineSpeculation
 from engines.pipeline.stage_address import StageAddress
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.wire import Kind, Row
 from engines.prefix_cache.index import PrefixHit, PrefixIndex
 from engines.prefix_cache.shared_prefill import PrefillSharing
 from engines.prefix_cache.store import NOT_REUSABLE
+from engines.speculation.lane import DrafterFactory
+from engines.speculation.prompt_lookup import PromptLookup
 from planner.errors import ChannelError, EngineError
 from planner.memory import DEFAULT_QUANTIZED_KV_START
 
@@ -60,6 +64,11 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
     other, so every stage computes at once; each step() sends whatever is ready and returns
     the tokens of the one micro-batch that comes back. Every read has a timeout; a lost stage
     turns into EngineError for the whole batch and healthy() == False.
+
+    Speculation (`most_drafted` > 0): a sequence decoding alone, which the last stage only
+    samples, sends its next token and a prompt-lookup draft in one verifying frame and gets
+    back a token per position (speculation.py); greedy and seeded tokens are those of plain
+    decoding. Not with quantized KV, sliding windows or recurrent layers.
 
     Prefix cache (`prefix_cache_bytes` > 0): this coordinator's PrefixIndex decides hits and
     evictions; every stage (stage 0 here too) keeps its own layers of each entry in its
@@ -98,8 +107,12 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         prefix_cache_dir: Path | None = None,
         kv_bits: int = 0,
         quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+        most_drafted: int = 0,
+        drafter: DrafterFactory = PromptLookup,
     ) -> None:
-        """`return_listener`: an already listening socket for the last stage's connection (its
+        """`most_drafted`: tokens drafted at most per verifying pass (0: no speculation);
+        `drafter` makes a sequence's drafter from its tokens (tests script one).
+        `return_listener`: an already listening socket for the last stage's connection (its
         port must be known before the last stage starts); else one is opened on
         return_listen_host:return_listen_port. `channel_class` exists only so the benchmark
         can price sealing; keep the default."""
@@ -159,6 +172,7 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         self._last_entry_id = PRIVATE_ENTRY_IDS  # entries no runner uid names take ids above
         self.step_timing = StepTimes()  # per answered frame: stages, sealing, hops
         self._clock: FrameClock | None = None  # the current session's (frame_clock.py)
+        self.speculation = PipelineSpeculation(most_drafted, drafter)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -190,6 +204,8 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         parts = (*stage.blocks, stage.embed_tokens, stage.norm, stage.head)
         self._weight_bytes = parameter_bytes(*parts)
         self._load_grammars()
+        windows = self.stage.layout.windows  # every layer's, the whole chain's
+        self.speculation.check_model(self.stage.make_cache(), windows, self.kv_bits)
         if any(window is not None for window in self.stage.layout.windows):
             self.prefix_index.turn_off(NOT_REUSABLE)  # windows anywhere in the chain
         if self.prefix_index.disk_max_bytes and self._disk is None:  # each session opens it
@@ -288,6 +304,9 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
             "prefilled_tokens": self._local.prefilled_tokens if self._local is not None else 0,
             "step_timing": self.step_timing.snapshot(),
         }
+        speculation = self.speculation.snapshot()
+        if speculation is not None:
+            detail["speculation"] = speculation
         if self._failure:
             detail["failure"] = self._failure
         return EngineInfo(strategy="pp", world_size=1 + len(self.stages), detail=detail)
@@ -336,6 +355,7 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
             keep = self._caches_to_keep(uids) if connected else []
             known = self._schedule.remove(uids)
             self._sharing.forget(uids)
+            self.speculation.forget(uids)
             for uid in uids:
                 self._sampling.pop(uid, None)
                 self._recounted.pop(uid, None)
@@ -386,13 +406,14 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
             try:
                 self._let_in(self._sharing.released())  # owners gone, or waited long enough
                 self._send_loads()  # sequences starting from disk entries: read them back
-                for planned in self._schedule.plan():
+                drafts = self._draft if self.speculation.possible else None
+                for planned in self._schedule.plan(drafts):
                     self._run_stage_zero(planned)
                 if not self._awaiting:
                     return []
                 expected = self._awaiting[0]
-                produced, scores = self._receive_answer()
-                recount = {uid: self._recounted.pop(uid, None) for uid, _ in produced}
+                produced, scores, verdict = self._receive_answer()
+                recount = {uid: self._recounted.pop(uid, None) for uid in dict(produced)}
                 self._share_prompts(produced)  # owners' prompts done: their waiters go in
             except ChannelError as error:
                 waiting = f"for {expected.describe()}" if expected else "sending"
@@ -400,7 +421,18 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
             except Exception as error:  # the stages are mid-batch: this chain is unusable now
                 self._lost("in a step", ChannelError(str(error)))
                 raise
-        return [_output(uid, token, scores.get(uid), recount[uid]) for uid, token in produced]
+        outputs = []
+        for uid, token in produced:  # a sequence's first output corrects its cached count
+            outputs.append(_output(uid, token, scores.get(uid), recount.pop(uid, None)))
+        if verdict is not None:  # a verifying pass: its drafted and accepted on the first
+            outputs[0] = replace(outputs[0], drafted=verdict[0], accepted=verdict[1])
+        return outputs
+
+    def _draft(self, uid: int) -> list[int]:
+        """The draft of a sequence decoding alone: none once max_tokens is near."""
+        request = self._sampling[uid]
+        room = request.max_tokens - self._schedule.produced(uid) - 1
+        return self.speculation.draft(uid, request, self._schedule.tokens(uid), room)
 
     def _run_stage_zero(self, planned: Planned) -> None:
         """BEGIN the newcomers, embed and run stage 0 over the frame's tokens, send it down."""
@@ -422,17 +454,24 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         group, step, rows = planned.group, planned.step, planned.rows
         if planned.is_prefill:
             hidden = self._local.prefill(rows[0], self.stage.embed(tokens[None]))  # (1, L, D)
+        elif planned.verifies:  # one row: its next token and draft
+            hidden = self._local.decode(group, rows, self.stage.embed(tokens[None]))  # (1, L, D)
         else:
             hidden = self._local.decode(group, rows, self.stage.embed(tokens[:, None]))  # (B, 1, D)
         mx.eval(hidden)
         stage_zero_s = time.perf_counter() - started
         number = self._take_number()
         flags = wire.LAST_CHUNK if planned.last_chunk else 0  # the last stage samples it
+        flags |= wire.VERIFY if planned.verifies else 0  # ... every position of it
         self._send(wire.hidden_frame(number, group, step, rows, hidden, flags=flags))
         self._clock.sent(number, stage_zero_s)
         self._awaiting.append(wire.Frame(Kind.TOKEN, number, group, step, rows, flags))
 
-    def _receive_answer(self) -> tuple[list[tuple[int, int]], dict[int, wire.Score]]:
+    def _receive_answer(
+        self,
+    ) -> tuple[list[tuple[int, int]], dict[int, wire.Score], tuple[int, int] | None]:
+        """The next answer: (uid, token) produced, rows' scores, and for a verifying pass
+        (drafted, accepted)."""
         expected = self._awaiting[0]
         chain = self._chain
         if chain is None:
@@ -443,18 +482,36 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         self._awaiting.popleft()
         if expected.kind is Kind.READY:  # disk entries read back (prefix_keeping.py)
             self._loaded(expected.number, answer.document().get("reports"))
-            return [], {}
+            return [], {}, None
         if self._clock is not None:
             segments = self._clock.answered(expected.number, answer.times)
             # rows removed while their frame was out are not charged (nor kept)
             running = [uid for uid in expected.uids if uid in self._schedule]
             # a 1-stream token: a decode step while no other sequence shares the pipeline
-            alone = not expected.is_prefill and self._schedule.active == 1
+            # (a verifying pass is several positions' work, not one token's cost)
+            plain = not expected.is_prefill and not expected.verifies
+            alone = plain and self._schedule.active == 1
             self.step_timing.observe(segments, running, decode=alone)
         scores = {}
         if answer.flags & wire.SCORES:
             scores = dict(zip(answer.uids, answer.scores(), strict=True))
-        return self._schedule.answered(answer.tokens()), scores
+        planned = self._schedule.expected()
+        produced = self._schedule.answered(answer.tokens())
+        for uid, token in produced:
+            self.speculation.answered(uid, (token,))
+        verdict = self._verified(planned) if planned.verifies and produced else None
+        return produced, scores, verdict
+
+    def _verified(self, planned: Planned) -> tuple[int, int]:
+        """A verifying pass answered: stage 0 trims the positions rejected at once (the other
+        stages when the sequence's next frame or END says where it is)."""
+        uid = planned.rows[0].uid
+        row = Row(uid, self._schedule.position(uid))
+        self._local.roll_back(planned.group, (row,))
+        drafted = len(planned.draft)
+        accepted = row.position - planned.rows[0].position - 1
+        self.speculation.verified(uid, drafted, accepted)
+        return drafted, accepted
 
 
 def _output(uid: int, token: int, score: wire.Score, cached: int | None) -> StepOutput:

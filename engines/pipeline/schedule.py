@@ -8,11 +8,14 @@ hop is one ordered stream), so the frames in flight are a queue.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engines.pipeline.wire import PREFILL_GROUP, Row
+from engines.speculation.lane import accepted_prefix
 from planner.memory import quantizes_at
+
+Drafts = Callable[[int], list[int]]  # a lone decoding sequence's uid -> the tokens it drafts
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,13 +25,18 @@ class Planned:
     group: int
     step: int
     rows: tuple[Row, ...]
-    tokens: tuple[int, ...]  # decode: one per row; prefill: the chunk of the one row
+    tokens: tuple[int, ...]  # decode: one per row (then the draft); prefill: the chunk
     begins: tuple[int, ...] = ()  # uids whose BEGIN must go down before this frame
     last_chunk: bool = False  # a prefill chunk ending its prompt: it samples the first token
+    draft: tuple[int, ...] = ()  # a verifying pass: the one row's drafted tokens
 
     @property
     def is_prefill(self) -> bool:
         return self.group == PREFILL_GROUP
+
+    @property
+    def verifies(self) -> bool:
+        return bool(self.draft)
 
 
 @dataclass(slots=True)
@@ -69,6 +77,11 @@ class MicroBatchSchedule:
     With `quantized_kv_start` (KV quantized as mlx-lm does: after the pass that leaves a cache
     at that many tokens), a prompt whose all-but-last tokens reach it sends its last token
     alone, as mlx-lm's generate_step: that token attends over the quantized cache.
+
+    A sequence decoding alone (no other is scheduled) may verify a draft: its frame feeds its
+    next token and the drafted tokens after it, and the answer has a token per position. It
+    keeps the drafted tokens the model agrees with and the model's own next one, and its
+    position goes back to what it kept: every stage trims the rest when its next frame comes.
     """
 
     def __init__(
@@ -133,6 +146,14 @@ class MicroBatchSchedule:
         sequence = self._sequences[uid]
         return sequence.prompt + tuple(sequence.generated)
 
+    def produced(self, uid: int) -> int:
+        """Tokens answered for `uid` so far."""
+        return len(self._sequences[uid].generated)
+
+    def position(self, uid: int) -> int:
+        """Tokens the stages' caches hold for `uid` once every sent frame is processed."""
+        return self._sequences[uid].position
+
     def _queue(self, sequence: _Sequence) -> None:
         self._prefilling.append(sequence.uid)  # at least the prompt's last token is left
 
@@ -191,11 +212,12 @@ class MicroBatchSchedule:
 
     # -- planning ----------------------------------------------------------------------------
 
-    def plan(self) -> list[Planned]:
-        """The frames to send now, in order; they count as in flight from here on."""
-        frames = self._plan_decodes()
+    def plan(self, drafts: Drafts | None = None) -> list[Planned]:
+        """The frames to send now, in order; they count as in flight from here on. `drafts`
+        gives the draft of a sequence decoding alone (none: it decodes plainly)."""
+        frames = self._plan_decodes(drafts)
         frames += self._plan_prefills(decoding=bool(frames) or self._decoding())
-        frames += self._plan_decodes()  # a newcomer may have joined an idle micro-batch
+        frames += self._plan_decodes(drafts)  # a newcomer may have joined an idle micro-batch
         self._in_flight.extend(frames)
         return frames
 
@@ -210,6 +232,8 @@ class MicroBatchSchedule:
             return []
         if not frame.is_prefill:
             self._groups[frame.group].in_flight = False
+        if frame.verifies:
+            return self._verified(frame, tokens)
         produced = []
         for row, token in zip(frame.rows, tokens, strict=True):
             sequence = self._sequences.get(row.uid)
@@ -221,26 +245,48 @@ class MicroBatchSchedule:
                     self._join(sequence)
         return produced
 
+    def _verified(self, frame: Planned, tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """A verifying pass answered: the tokens kept, and the position after them."""
+        row = frame.rows[0]
+        if len(tokens) != len(frame.tokens):
+            raise ValueError(f"a pass verifying {len(frame.tokens)} positions got {len(tokens)}")
+        sequence = self._sequences.get(row.uid)
+        if sequence is None:  # removed while its pass was on the way
+            return []
+        kept = accepted_prefix(list(tokens), list(frame.draft))
+        sequence.position = row.position + len(kept)  # the stages trim the rest
+        sequence.next_token = kept[-1]
+        sequence.generated.extend(kept)
+        return [(row.uid, token) for token in kept]
+
     def _decoding(self) -> bool:
         return any(group.members for group in self._groups)
 
-    def _plan_decodes(self) -> list[Planned]:
+    def _plan_decodes(self, drafts: Drafts | None) -> list[Planned]:
         frames = []
         for index, group in enumerate(self._groups):
             if group.in_flight or not group.members:
                 continue
+            draft = self._draft(group, drafts)
             rows, tokens = [], []
             for uid in group.members:
                 sequence = self._sequences[uid]
                 rows.append(Row(uid, sequence.position))
-                tokens.append(sequence.next_token)
-                sequence.position += 1
+                tokens += [sequence.next_token, *draft]
+                sequence.position += 1 + len(draft)
                 sequence.next_token = None
             group.steps += 1
             group.in_flight = True
             begins = self._take_begins(group.members)
-            frames.append(Planned(index, group.steps, tuple(rows), tuple(tokens), begins))
+            rows, tokens = tuple(rows), tuple(tokens)
+            frames.append(Planned(index, group.steps, rows, tokens, begins, draft=draft))
         return frames
+
+    def _draft(self, group: _Group, drafts: Drafts | None) -> tuple[int, ...]:
+        """The draft of a micro-batch's one member when it is the only sequence scheduled."""
+        if drafts is None or len(self._sequences) != 1 or len(group.members) != 1:
+            return ()
+        return tuple(drafts(group.members[0]))
 
     def _plan_prefills(self, decoding: bool) -> list[Planned]:
         frames: list[Planned] = []

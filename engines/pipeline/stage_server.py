@@ -17,13 +17,14 @@ from discovery.handshake_gate import HandshakeGate
 from discovery.secure_channel import SecureChannel
 from engines.core.request import GenerationRequest
 from engines.decoding.grammar import GrammarCompiler
-from engines.decoding.sampling import make_request_sampler, token_logprobs
+from engines.decoding.sampling import RequestSampler, make_request_sampler, token_logprobs
 from engines.pipeline import sequence_documents, wire
 from engines.pipeline.chain_disk import ChainDiskTier, SessionDisk
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_session import _Scoring, _Session, scores
 from engines.pipeline.stage_spec import StageSpec
 from engines.pipeline.wire import PURPOSE, Kind, WireError
+from engines.speculation.lane import draw_each
 from planner.errors import ChannelError, EngineError
 
 log = logging.getLogger(__name__)
@@ -288,16 +289,17 @@ class EncryptedPipelineServer:
         if frame.is_prefill:
             hidden = batches.prefill(frame.rows[0], hidden)
         else:
+            self._roll_back(session, frame)
             hidden = batches.decode(frame.group, frame.rows, hidden)
         number, group, step, rows = frame.number, frame.group, frame.step, frame.rows
-        last_chunk = frame.flags & wire.LAST_CHUNK
+        flags = frame.flags & (wire.LAST_CHUNK | wire.VERIFY)  # the answer's, as asked
         if not self.spec.is_last:
             mx.eval(hidden)
             session.meter.compute_s += time.perf_counter() - started
             times = (*frame.times, session.meter.entry())
             wire.send(
                 session.outbound,
-                wire.hidden_frame(number, group, step, rows, hidden, times, last_chunk),
+                wire.hidden_frame(number, group, step, rows, hidden, times, flags),
                 self.stage.layers,
             )
             return
@@ -305,12 +307,29 @@ class EncryptedPipelineServer:
             mx.eval(batches.prefill_caches_of(rows[0].uid))
             tokens: list[int] = []
             scores = None
+        elif frame.verifies:  # a lone sequence's next token and draft: a token per position
+            tokens, scores = self._verify(session, rows[0].uid, hidden), None
         else:  # a decode step, or a prompt's last chunk: its last position's first token
             tokens, scores = self._sample(session, frame.uids, hidden[:, -1:, :])  # (B, 1, D)
         session.meter.compute_s += time.perf_counter() - started
         times = (*frame.times, session.meter.entry())
-        answer = wire.token_frame(number, group, step, rows, tokens, times, scores, last_chunk)
+        answer = wire.token_frame(number, group, step, rows, tokens, times, scores, flags)
         wire.send(session.outbound, answer, self.stage.layers)
+
+    def _roll_back(self, session: _Session, frame: wire.Frame) -> None:
+        """Trim what a lone sequence's last verifying pass rejected; on the last stage, give
+        back those positions' draws too, so each position keeps the draw of plain decoding."""
+        for uid, rejected in session.batches.roll_back(frame.group, frame.rows).items():
+            sampler = session.samplers.get(uid)
+            if self.spec.is_last and isinstance(sampler, RequestSampler):
+                sampler.draws -= rejected
+
+    def _verify(self, session: _Session, uid: int, hidden: mx.array) -> list[int]:
+        """Each position (1, L, D) sampled with the draw it has in plain decoding."""
+        if uid in session.scoring:  # the coordinator never drafts for a scored sequence
+            raise WireError(f"a verifying pass for sequence {uid}, which the last stage scores")
+        logprobs = self.stage.logits(hidden[0][:, None, :])  # (L, V)
+        return draw_each(session.samplers[uid], logprobs).tolist()
 
     def _sample(
         self, session: _Session, uids: list[int], hidden: mx.array

@@ -9,12 +9,15 @@ all big-endian. `number` counts the frames the coordinator sends down a session 
 an answer (TOKEN, READY) carries the number of the frame it answers. `group` is the micro-batch
 (PREFILL_GROUP for a prefill chunk) and `step` that micro-batch's frame count. Each row is a
 sequence (uid) and how many of its tokens the KV caches held before this frame (position).
-HIDDEN bodies are the raw row-major bytes of a (B, L, D) activation, one row per sequence;
-TOKEN bodies one u32 per row (empty for a prefill chunk's acknowledgement, one for a prefill
-chunk flagged LAST_CHUNK: it ends its prompt, and the last stage samples the sequence's first
-token from it), then, when flagged
-SCORES, a JSON list with each row's [logprob, [[id, logprob], ...]] or null, or a string when
-the last stage refused that row's sequence (its grammar did not compile there: the row's token
+HIDDEN bodies are the raw row-major bytes of a (B, L, D) activation, one row per sequence
+(L = 1 for a decode frame, but for one flagged VERIFY: one row, its next token and the tokens
+drafted after it, which the last stage samples at every position; the next frame's position
+of that row says how many were kept, and every stage trims the rest); TOKEN bodies one u32
+per row (empty for a prefill chunk's acknowledgement, one for a prefill chunk flagged
+LAST_CHUNK: it ends its prompt, and the last stage samples the sequence's first token from
+it; one per position for a decode frame flagged VERIFY), then, when flagged SCORES, a JSON
+list with each row's [logprob, [[id, logprob], ...]] or null, or a string when the last
+stage refused that row's sequence (its grammar did not compile there: the row's token
 means nothing); BEGIN / SETUP / STATUS / READY / END bodies UTF-8 JSON objects. A BEGIN
 row's position is where the sequence starts: 0, or the tokens it takes from the prefix-cache
 entry its document names; its document may carry an output grammar the last stage applies. An
@@ -45,9 +48,11 @@ from planner.errors import ChannelError
 # 6: BEGIN carries the request's document (a v5 last stage would ignore its penalties)
 # 7: a prompt's last chunk (LAST_CHUNK) samples its first token; END may spill entries to disk
 # 8: END may keep a running sequence's prompt as an entry (`share`); STATUS may adopt files
-VERSION = 8
+# 9: a VERIFY decode frame carries a lone sequence's next token and draft; its answer a token
+#    per position; a row's position may go back (rejected draft positions are trimmed)
+VERSION = 9
 PURPOSE = b"pipeline"  # the SecureChannel purpose of every pipeline hop
-AD_LABEL = b"tandem pipeline v8"
+AD_LABEL = b"tandem pipeline v9"
 HEADER = struct.Struct(">BBBBBQHIH")
 DIM = struct.Struct(">I")
 ROW = struct.Struct(">QI")
@@ -62,7 +67,9 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 STAGE_TIMES = 0x01  # flag: the frame carries the stages' running times (see above)
 SCORES = 0x02  # flag: a TOKEN frame that carries log-probabilities after its tokens
 LAST_CHUNK = 0x04  # flag: a prefill chunk ending its prompt, and its answer's first token
-KNOWN_FLAGS = STAGE_TIMES | SCORES | LAST_CHUNK
+VERIFY = 0x08  # flag: a one-row decode frame of several positions, and its token per position
+KNOWN_FLAGS = STAGE_TIMES | SCORES | LAST_CHUNK | VERIFY
+MAX_VERIFIED = 64  # positions of a VERIFY frame: the next token and at most 63 drafted
 TIMES_COUNT = struct.Struct(">B")
 STAGE_TIME = struct.Struct(">QQ")
 MAX_TIMED_STAGES = 255
@@ -156,9 +163,16 @@ class Frame:
         prefill chunk."""
         return not self.is_prefill or bool(self.flags & LAST_CHUNK)
 
+    @property
+    def verifies(self) -> bool:
+        return bool(self.flags & VERIFY)
+
     def tokens(self) -> list[int]:
-        """A TOKEN frame's sampled tokens, one per row (none for a prefill acknowledgement)."""
+        """A TOKEN frame's sampled tokens, one per row (none for a prefill acknowledgement,
+        one per position of a VERIFY frame's row)."""
         width = TOKEN.size * (len(self.rows) if self.samples else 0)
+        if self.verifies:
+            width = len(self.body)
         return [value for (value,) in TOKEN.iter_unpack(self.body[:width])]
 
     def scores(self) -> list[Score]:
@@ -221,7 +235,7 @@ def hidden_frame(
     flags: int = 0,
 ) -> Frame:
     """A HIDDEN frame from an evaluated (B, L, D) activation, one row per sequence; `flags`
-    LAST_CHUNK marks a prefill chunk that ends its prompt."""
+    LAST_CHUNK marks a prefill chunk that ends its prompt, VERIFY a lone sequence's draft."""
     code = DTYPE_CODES.get(hidden.dtype)
     if code is None:
         raise WireError(f"activations of dtype {hidden.dtype} cannot travel on the pipeline wire")
@@ -363,6 +377,10 @@ def _validate(frame: Frame) -> None:
         raise WireError(f"{kind.name} frame carries scores (flags {frame.flags:#x})")
     if frame.flags & LAST_CHUNK and not (kind in (Kind.HIDDEN, Kind.TOKEN) and frame.is_prefill):
         raise WireError(f"{kind.name} frame of group {frame.group} flags a prompt's last chunk")
+    if frame.verifies and (kind not in (Kind.HIDDEN, Kind.TOKEN) or frame.is_prefill):
+        raise WireError(f"{kind.name} frame of group {frame.group} flags a verifying pass")
+    if frame.verifies and (len(frame.rows) != 1 or frame.flags & SCORES):
+        raise WireError(f"a verifying {kind.name} frame has {len(frame.rows)} rows, not 1")
     if kind not in ROW_KINDS and frame.rows:
         raise WireError(f"{kind.name} frame carries {len(frame.rows)} rows")
     if kind is Kind.BEGIN and len(frame.rows) != 1:
@@ -378,7 +396,9 @@ def _validate(frame: Frame) -> None:
         raise WireError(f"{kind.name} frame carries a dtype or shape")
     if kind is Kind.TOKEN:
         expected = TOKEN.size * len(frame.rows) if frame.samples else 0
-        if frame.flags & SCORES and frame.samples:
+        if frame.verifies:
+            _validate_verified(frame)
+        elif frame.flags & SCORES and frame.samples:
             if len(frame.body) - expected > MAX_JSON_BYTES:
                 raise WireError(f"TOKEN frame scores exceed {MAX_JSON_BYTES} bytes")
             frame.scores()
@@ -403,14 +423,23 @@ def _validate_hidden(frame: Frame) -> None:
         )
     if frame.is_prefill and shape[0] != 1:
         raise WireError(f"a prefill chunk carries one sequence, this one {shape[0]}")
-    if not frame.is_prefill and shape[1] != 1:
+    if not frame.is_prefill and shape[1] != 1 and not frame.verifies:
         raise WireError(f"a decode micro-batch carries one token per row, this one {shape[1]}")
+    if frame.verifies and not 1 < shape[1] <= MAX_VERIFIED:
+        raise WireError(f"a verifying frame carries 2 to {MAX_VERIFIED} positions, not {shape[1]}")
     itemsize = np.dtype(DTYPES[frame.dtype][1]).itemsize
     expected = math.prod(shape) * itemsize
     if len(frame.body) != expected:
         raise WireError(
             f"HIDDEN frame of shape {shape} needs {expected} bytes, carries {len(frame.body)}"
         )
+
+
+def _validate_verified(frame: Frame) -> None:
+    """A VERIFY answer: a token per position of its one row."""
+    count, rest = divmod(len(frame.body), TOKEN.size)
+    if rest or not 1 < count <= MAX_VERIFIED:
+        raise WireError(f"a verifying TOKEN frame carries {len(frame.body)} bytes of tokens")
 
 
 def send(channel: Channel, frame: Frame, sender: range) -> None:
@@ -443,8 +472,8 @@ def receive_answer(channel: Channel, timeout_s: float, expected: Frame, sender: 
     `expected` are all bound, so an answer for another micro-batch or step does not open."""
     binding = binding_of(expected)
     frame = decode(channel.recv(timeout_s, associated_data(expected.number, sender, binding)))
-    last_chunk = (frame.flags ^ expected.flags) & LAST_CHUNK  # the answer samples as asked
-    if binding_of(frame) != binding or frame.number != expected.number or last_chunk:
+    unasked = (frame.flags ^ expected.flags) & (LAST_CHUNK | VERIFY)  # it samples as asked
+    if binding_of(frame) != binding or frame.number != expected.number or unasked:
         raise WireError(
             f"answer header says {frame.describe()}, the sealed binding says {expected.describe()}"
         )

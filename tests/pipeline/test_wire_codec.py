@@ -218,3 +218,25 @@ def test_a_last_chunk_is_answered_with_its_first_token_and_nothing_else() -> Non
     for tokens in ([], [7, 8]):  # a last chunk's answer carries exactly one token per row
         with pytest.raises(WireError, match="carries"):
             wire.decode(wire.encode(wire.token_frame(5, PREFILL_GROUP, 2, row, tokens, flags=last)))
+
+
+def test_a_verifying_pass_is_one_row_of_several_positions_answered_per_position() -> None:
+    row, verify = (Row(1, 30),), wire.VERIFY
+    hidden = mx.zeros((1, 3, 4), dtype=mx.float32)
+    frame = wire.decode(wire.encode(wire.hidden_frame(5, 0, 2, row, hidden, flags=verify)))
+    assert frame.verifies and frame.tensor().shape == (1, 3, 4)
+    asked = Frame(Kind.TOKEN, 5, 0, 2, row, verify)
+    answer = wire.token_frame(5, 0, 2, row, [7, 8, 9], flags=verify)
+    assert wire.receive_answer(Replay(answer), 1.0, asked, LAST).tokens() == [7, 8, 9]
+    with pytest.raises(WireError, match="binding says"):  # a plain step's answer
+        wire.receive_answer(Replay(wire.token_frame(5, 0, 2, row, [7])), 1.0, asked, LAST)
+    refused = [
+        wire.hidden_frame(5, 0, 2, row, hidden),  # several positions, unflagged
+        wire.hidden_frame(5, 0, 2, row, hidden[:, :1], flags=verify),  # one position
+        wire.hidden_frame(5, 0, 2, (*row, Row(2, 4)), mx.zeros((2, 3, 4)), flags=verify),
+        wire.hidden_frame(5, PREFILL_GROUP, 2, row, hidden, flags=verify),
+        wire.token_frame(5, 0, 2, row, [7], flags=verify),  # one token
+    ]
+    for sent in refused:
+        with pytest.raises(WireError):
+            wire.decode(wire.encode(sent))

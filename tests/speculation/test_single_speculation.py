@@ -15,29 +15,10 @@ from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.sampling import greedy, make_request_processors, make_request_sampler
 from engines.speculation.lane import SpeculationCounts
 from engines.speculation.prompt_lookup import PromptLookup
+from tests.helpers.scripted_drafter import ScriptedDrafter
 
 PROMPT = "the cat sat on the mat. the cat sat on the"
 MOST_DRAFTED = 4
-WRONG_EVERY = 3  # the scripted drafter's every third position is a wrong guess
-
-
-class ScriptedDrafter:
-    """Drafts what plain decoding wrote (a random-weight model quotes nothing for prompt lookup
-    to find), wrong at every WRONG_EVERY-th position: drafts are accepted and rejected."""
-
-    def __init__(self, script: list[int], tokens: list[int]) -> None:
-        self.script = script
-        self.known = len(tokens)
-
-    def extend(self, tokens: list[int]) -> None:
-        self.known += len(tokens)
-
-    def draft(self, most: int) -> list[int]:
-        guesses = self.script[self.known : self.known + most]
-        return [
-            token + 1 if (self.known + i) % WRONG_EVERY == 0 else token
-            for i, token in enumerate(guesses)
-        ]
 
 
 def decode(
