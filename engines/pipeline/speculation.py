@@ -35,7 +35,7 @@ class PipelineSpeculation:
         self.drafter = drafter
         self.counts = SpeculationCounts()
         self.possible = most_drafted > 0  # until the model's caches say otherwise
-        self._drafters: dict[int, Drafter] = {}
+        self._drafters: dict[int, Drafter | None] = {}  # None: a sequence that never drafts
         self._lengths: dict[int, DraftLength] = {}
 
     def check_model(self, caches: list[Any], windows: Sequence[int | None], kv_bits: int) -> None:
@@ -50,12 +50,14 @@ class PipelineSpeculation:
     ) -> list[int]:
         """The draft of lone sequence `uid` whose prompt and answered tokens are `tokens`;
         at most `room` tokens (what max_tokens leaves after its next one)."""
-        if not self.possible or scores(request):
+        if not self.possible:
             return []
-        drafter = self._drafters.get(uid)
-        if drafter is None:
-            drafter = self._drafters[uid] = self.drafter(list(tokens))
+        if uid not in self._drafters:  # its first step alone
+            self._drafters[uid] = None if scores(request) else self.drafter(list(tokens))
             self._lengths[uid] = DraftLength(self.most_drafted)
+        drafter = self._drafters[uid]
+        if drafter is None:
+            return []
         self.counts.steps += 1
         return drafter.draft(min(self._lengths[uid].next(), room))
 

@@ -173,9 +173,10 @@ def test_what_never_speculates(whole_model: StageModel) -> None:
     speculation = PipelineSpeculation(4, lambda tokens: ScriptedDrafter(script, tokens))
     speculation.check_model(caches, (None,) * 4, kv_bits=0)
     assert speculation.draft(1, plain, plain.prompt_tokens, room=8)
-    for scored in ({"logprobs": 0}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5}):
-        request = GenerationRequest("s", plain.prompt_tokens, 32, **scored)
-        assert speculation.draft(2, request, request.prompt_tokens, room=8) == []
+    scored = ({"logprobs": 0}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5})
+    for uid, options in enumerate(scored, start=2):
+        request = GenerationRequest("s", plain.prompt_tokens, 32, **options)
+        assert speculation.draft(uid, request, request.prompt_tokens, room=8) == []
     assert speculation.draft(1, plain, plain.prompt_tokens, room=0) == []
     for windows, kv_bits in (((None, 16, None, 16), 0), ((None,) * 4, 8)):
         off = PipelineSpeculation(4)

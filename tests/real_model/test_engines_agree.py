@@ -52,10 +52,13 @@ def test_a_two_stage_pipeline_gives_mlx_lm_greedy_tokens(
         smollm2_dir, ranges, key, tmp_path, read_timeout_s=STEP_TIMEOUT_S
     )
     engine = make_engine(
-        smollm2_dir, ranges, key, listener, workers, token_timeout_s=STEP_TIMEOUT_S
-    )
+        smollm2_dir, ranges, key, listener, workers, token_timeout_s=STEP_TIMEOUT_S,
+        most_drafted=DRAFTED,
+    )  # fmt: skip
     try:
         assert_mlx_lm_tokens(engine, mlx_lm_answers)
+        speculation = engine.info().detail["speculation"]
+        assert speculation["accepted"] > 0, speculation  # drafts checked in one trip down
     finally:
         engine.close()
         stop_workers(workers)
