@@ -210,6 +210,17 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     return plan_nodes(facts, settings, nodes, verified, weights, speeds), members
 
 
+def draft_model_path(config: ServeConfig) -> Path | None:
+    """--draft-model resolved as --model is (a directory, a GGUF imported once, a repo)."""
+    if config.draft_model is None:
+        return None
+    from .model_source import resolve_model
+
+    path = resolve_model(config.draft_model, config.cache_dir).path
+    log.info("draft model: %s (drafts on the single engine; tp and pp use prompt lookup)", path)
+    return Path(path)
+
+
 def open_request_log(config: ServeConfig, service: Any) -> Any:
     """The JSON-lines request log the flags ask for, listening to `service`; None when off."""
     from engines.observability.request_log import RequestLog, RequestLogSettings
@@ -328,6 +339,7 @@ def serve(config: ServeConfig) -> int:
         kv_bits=config.kv_bits,
         quantized_kv_start=config.quantized_kv_start,
         most_drafted=config.most_drafted,
+        draft_model_path=draft_model_path(config),
         engine_core=config.engine_core,
         core_lost_after_s=config.lost_after_s,
         prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,

@@ -158,6 +158,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flag(
         parser,
+        "--draft-model",
+        default=None,
+        metavar="MODEL",
+        help="draft with this smaller model (named as --model names one; it must share the "
+        "served model's tokenizer) instead of by prompt lookup; on one machine only",
+    )
+    add_flag(
+        parser,
         "--lost-after",
         default=5.0,
         cast=float,
@@ -239,6 +247,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         kv_bits=kv_bits_from(args.kv_bits),
         quantized_kv_start=quantized_kv_start_from(args.quantized_kv_start),
         most_drafted=draft_tokens_from(args.num_draft_tokens),
+        draft_model=args.draft_model,
         engine_core=args.engine_core,
         cpu_float32=args.cpu_float32 == "auto",
         measure_speeds=args.measure_speeds,

@@ -54,6 +54,7 @@ class ServeConfig:
     kv_bits: int = 0  # the KV cache's quantization in every engine; 0: none
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once a sequence holds this many
     most_drafted: int = 0  # prompt-lookup tokens drafted per step of a lone request; 0: off
+    draft_model: str | None = None  # --draft-model: drafts from it instead of prompt lookup
     engine_core: str = "process"  # process | thread (engines/cluster/launch.py)
     # --model-alias: (name or pattern, the served id it names; None: the served model)
     model_aliases: tuple[tuple[str, str | None], ...] = ()

@@ -55,6 +55,7 @@ class LaunchSettings:
     kv_bits: int = 0  # every engine's KV cache quantized to this many bits; 0: not
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once it holds this many tokens
     most_drafted: int = 0  # speculative decoding: tokens drafted per step of a lone sequence
+    draft_model_path: Path | None = None  # drafts from this model (single only), else lookup
     # What other machines resolve to the same files (repo@commit through their own Hugging
     # Face cache, or a path that must exist there); None: model_path.
     model_reference: str | None = None
@@ -109,6 +110,7 @@ def build_engine(
             "kv_bits": settings.kv_bits,
             "quantized_kv_start": settings.quantized_kv_start,
             "most_drafted": settings.most_drafted,
+            "draft_model_path": str(settings.draft_model_path or "") or None,
         }
         return _spec("single", options, plan, settings, addresses)
     if membership is None or settings.cluster_key is None:

@@ -6,10 +6,12 @@ import logging
 import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load as load_model_and_tokenizer
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from engines.core.engine import (
@@ -30,6 +32,9 @@ from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.index import PrefixIndex
 from engines.prefix_cache.shared_prefill import PrefillSharing
 from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
+from engines.speculation.draft_model import DraftModelDrafter, check_draft_model
+from engines.speculation.lane import DrafterFactory
+from engines.speculation.prompt_lookup import PromptLookup
 from planner.errors import EngineError
 from planner.memory import DEFAULT_QUANTIZED_KV_START
 
@@ -60,9 +65,13 @@ class SingleEngine(Engine):
         kv_bits: int = 0,
         quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
         most_drafted: int = 0,
+        draft_model_path: Path | str | None = None,
     ) -> None:
         self.model_path = Path(model_path)
-        self.most_drafted = most_drafted  # prompt-lookup tokens drafted per step alone; 0: off
+        self.most_drafted = most_drafted  # tokens drafted per step of a lone request; 0: off
+        # drafts from this model (--draft-model) instead of by prompt lookup
+        self.draft_model_path = Path(draft_model_path) if draft_model_path else None
+        self.draft_model = None
         self.kv_bits = kv_bits  # 8 or 4: every sequence's KV cache quantized; 0: as computed
         self.quantized_kv_start = quantized_kv_start  # ... once it holds this many tokens
         # the prefix cache: which token prefixes are kept (index) and their KV (store), in
@@ -109,9 +118,26 @@ class SingleEngine(Engine):
         keep = self._keep_prefix if self.prefix_index.enabled else None
         self._batch = DecodeBatch(
             self.model, self.max_batch, self.prefill_chunk, keep, self.kv_bits,
-            self.quantized_kv_start, self.most_drafted,
+            self.quantized_kv_start, self.most_drafted, self._load_drafter(),
         )  # fmt: skip
         log.info("single engine loaded %s (batch of up to %d)", self.model_path, self.max_batch)
+
+    def _load_drafter(self) -> DrafterFactory:
+        """Prompt lookup, or drafts from --draft-model once it is loaded and checked."""
+        if self.draft_model_path is None or not self.most_drafted:
+            return PromptLookup
+        try:
+            self.draft_model, draft_tokenizer = load_model_and_tokenizer(
+                str(self.draft_model_path)
+            )
+        except (OSError, ValueError, RuntimeError) as error:
+            where = self.draft_model_path
+            raise EngineError(f"cannot load draft model {where}: {error}") from error
+        check_draft_model(self.draft_model, draft_tokenizer, self.tokenizer)
+        upcast_on_cpu(self.draft_model, self.upcast)
+        self._weight_bytes += parameter_bytes(self.draft_model)
+        log.info("drafting from %s", self.draft_model_path)
+        return partial(DraftModelDrafter, self.draft_model, generation_stream)
 
     def insert(self, uid: int, request: GenerationRequest) -> int:
         if self._batch is None:
@@ -243,7 +269,11 @@ class SingleEngine(Engine):
         }
         counts = self._batch.speculation() if self._batch is not None else None
         if counts is not None:
-            detail["speculation"] = {"most_drafted": self.most_drafted, **asdict(counts)}
+            detail["speculation"] = {
+                "most_drafted": self.most_drafted,
+                "drafter": str(self.draft_model_path or "prompt lookup"),
+                **asdict(counts),
+            }
         return EngineInfo(strategy="single", world_size=1, detail=detail)
 
     def close(self) -> None:
@@ -254,5 +284,6 @@ class SingleEngine(Engine):
         self.prefix_store.close()
         self.prefix_index.clear()
         self.model = None
+        self.draft_model = None
         self._weight_bytes = 0
         mx.clear_cache()
