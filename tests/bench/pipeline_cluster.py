@@ -29,9 +29,10 @@ def open_pipeline_runner(
     prefix_cache_bytes: int = 0,
     prefix_cache_disk_bytes: int = 0,
     prefix_cache_dir: Path | None = None,
+    most_drafted: int = 0,
 ) -> Iterator[EngineRunner]:
     """`prefix_cache_dir`: each stage keeps its disk tier under its own subdirectory of it, as
-    if on its own machine."""
+    if on its own machine; `most_drafted`: speculation by prompt lookup (0: off)."""
     disk = {}
     if prefix_cache_disk_bytes and prefix_cache_dir is not None:
         disk = {"prefix_cache_disk_bytes": prefix_cache_disk_bytes}
@@ -74,6 +75,7 @@ def open_pipeline_runner(
             return_listener=listener,
             prefix_cache_bytes=prefix_cache_bytes,
             prefix_cache_dir=prefix_cache_dir / "stage-0" if disk else None,
+            most_drafted=most_drafted,
             **disk,
         )
         runner = EngineRunner(engine, queue_size=64, max_batch=max_batch)
