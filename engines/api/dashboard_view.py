@@ -155,6 +155,8 @@ def render_requests(records: Sequence[RequestRecord]) -> str:
         tokens = f"{record.prompt_tokens}→{record.completion_tokens}"
         if record.cached_tokens:
             tokens += f" ({record.cached_tokens} cached)"
+        if record.drafted_tokens:  # speculative decoding: how many drafts the model kept
+            tokens += f" ({record.accepted_tokens}/{record.drafted_tokens} drafts accepted)"
         status = record.finish_reason + (f": {record.error}" if record.error else "")
         rows.append(
             f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(record.started_at))}</td>"
