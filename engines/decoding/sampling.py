@@ -84,6 +84,24 @@ class RequestSampler:
         return mx.random.categorical(logprobs * self.scale, key=key)
 
 
+def draw_each(sampler: Sampler, logprobs: mx.array) -> mx.array:
+    """A token per position; a RequestSampler draws position i with its draw draws + i."""
+    if not isinstance(sampler, RequestSampler):
+        return sampler(logprobs)  # greedy: one argmax over every position
+    first = sampler.draws
+    sampler.draws += logprobs.shape[0]
+    return mx.concatenate(
+        [sampler.draw(logprobs[i : i + 1], first + i) for i in range(logprobs.shape[0])]
+    )
+
+
+def give_back_draws(sampler: Sampler | None, count: int) -> None:
+    """The last `count` draws (of positions speculation rejected) are drawn again next, so
+    each kept position has the draw of plain decoding; greedy draws nothing."""
+    if isinstance(sampler, RequestSampler):
+        sampler.draws -= count
+
+
 class UnseededSamplers:
     """One sampler per setting of SAMPLER_FIELDS for the requests that name no seed.
 

@@ -17,14 +17,18 @@ from discovery.handshake_gate import HandshakeGate
 from discovery.secure_channel import SecureChannel
 from engines.core.request import GenerationRequest
 from engines.decoding.grammar import GrammarCompiler
-from engines.decoding.sampling import RequestSampler, make_request_sampler, token_logprobs
+from engines.decoding.sampling import (
+    draw_each,
+    give_back_draws,
+    make_request_sampler,
+    token_logprobs,
+)
 from engines.pipeline import sequence_documents, wire
 from engines.pipeline.chain_disk import ChainDiskTier, SessionDisk
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_session import _Scoring, _Session, scores
 from engines.pipeline.stage_spec import StageSpec
 from engines.pipeline.wire import PURPOSE, Kind, WireError
-from engines.speculation.lane import draw_each
 from planner.errors import ChannelError, EngineError
 
 log = logging.getLogger(__name__)
@@ -320,9 +324,8 @@ class EncryptedPipelineServer:
         """Trim what a lone sequence's last verifying pass rejected; on the last stage, give
         back those positions' draws too, so each position keeps the draw of plain decoding."""
         for uid, rejected in session.batches.roll_back(frame.group, frame.rows).items():
-            sampler = session.samplers.get(uid)
-            if self.spec.is_last and isinstance(sampler, RequestSampler):
-                sampler.draws -= rejected
+            if self.spec.is_last:
+                give_back_draws(session.samplers.get(uid), rejected)
 
     def _verify(self, session: _Session, uid: int, hidden: mx.array) -> list[int]:
         """Each position (1, L, D) sampled with the draw it has in plain decoding."""

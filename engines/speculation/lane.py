@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from engines.core.engine import StepOutput
-from engines.decoding.sampling import Processor, RequestSampler, Sampler, sampled
+from engines.decoding.sampling import Processor, Sampler, draw_each, give_back_draws, sampled
 from engines.speculation.draft_length import DraftLength
 from engines.speculation.prompt_lookup import PromptLookup
 
@@ -105,8 +105,7 @@ class SpeculativeLane:
         reported token and which has already drawn the token after it: that token is given up
         and drawn again here (the last one is fed again)."""
         trim_prompt_cache(caches, 1)
-        if isinstance(sampler, RequestSampler):
-            sampler.draws -= 1
+        give_back_draws(sampler, 1)
         self.sequence = LaneSequence(
             uid, caches, list(tokens[:-1]), tokens[-1], sampler, processors, top_logprobs,
             DraftLength(self.most_drafted), self.drafter(list(tokens)),
@@ -162,8 +161,7 @@ class SpeculativeLane:
         kept = accepted_prefix(drawn.tolist(), draft)
         accepted = len(kept) - 1
         trim_prompt_cache(sequence.caches, len(draft) - accepted)
-        if isinstance(sequence.sampler, RequestSampler):
-            sequence.sampler.draws -= len(fed) - len(kept)  # the draws of rejected positions
+        give_back_draws(sequence.sampler, len(fed) - len(kept))  # rejected positions' draws
         sequence.draft_length.record(len(draft), accepted)
         self.counts.drafted += len(draft)
         self.counts.accepted += accepted
@@ -193,8 +191,7 @@ class SpeculativeLane:
     def _take_back(self, sequence: LaneSequence) -> None:
         sequence.ahead = None
         trim_prompt_cache(sequence.caches, 1)
-        if isinstance(sequence.sampler, RequestSampler):
-            sequence.sampler.draws -= 1
+        give_back_draws(sequence.sampler, 1)
 
 
 def processed(
@@ -203,24 +200,13 @@ def processed(
     """Each position's logits through the processors, each seeing the tokens before it and
     its own input, as in decoding one token at a time."""
     rows = []
+    context = mx.array([*tokens, *fed])
     for i in range(len(fed)):
-        context = mx.array([*tokens, *fed[: i + 1]])
         row = logits[i : i + 1]
         for processor in processors:
-            row = processor(context, row)
+            row = processor(context[: len(tokens) + i + 1], row)
         rows.append(row)
     return mx.concatenate(rows, axis=0)
-
-
-def draw_each(sampler: Sampler | Callable, logprobs: mx.array) -> mx.array:
-    """A token per position; a RequestSampler draws position i with its draw draws + i."""
-    if not isinstance(sampler, RequestSampler):
-        return sampler(logprobs)  # greedy: one argmax over every position
-    first = sampler.draws
-    sampler.draws += logprobs.shape[0]
-    return mx.concatenate(
-        [sampler.draw(logprobs[i : i + 1], first + i) for i in range(logprobs.shape[0])]
-    )
 
 
 def accepted_prefix(drawn: list[int], draft: list[int]) -> list[int]:
