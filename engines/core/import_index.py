@@ -43,13 +43,17 @@ def _stamp(module_file: str) -> str:
 
 
 def _encode(structure: Structure) -> list[Any]:
-    return [[sorted(backends), {m: sorted(names) for m, names in modules.items()}]
-            for backends, modules in structure.items()]
+    return [
+        [sorted(backends), {m: sorted(names) for m, names in modules.items()}]
+        for backends, modules in structure.items()
+    ]
 
 
 def _decode(rows: list[Any]) -> Structure:
-    return {frozenset(backends): {m: set(names) for m, names in modules.items()}
-            for backends, modules in rows}
+    return {
+        frozenset(backends): {m: set(names) for m, names in modules.items()}
+        for backends, modules in rows
+    }
 
 
 class IndexOnDisk:

@@ -31,7 +31,11 @@ print(AutoTokenizer.__module__)
 def run_python(code: str, cache_home: Path) -> tuple[str, float]:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"PATH": "/usr/bin:/bin", "HOME": str(cache_home), "XDG_CACHE_HOME": str(cache_home)},
     )
     assert done.returncode == 0, done.stderr
