@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from planner import ClusterPlan, NodeResources, Parallelism
-from planner.errors import ConfigError, PlanError
+from planner.errors import PlanError
 
 from .serve_config import ServeConfig
 
@@ -221,8 +221,8 @@ def draft_model_path(config: ServeConfig) -> Path | None:
     return Path(path)
 
 
-def open_request_log(config: ServeConfig, service: Any) -> Any:
-    """The JSON-lines request log the flags ask for, listening to `service`; None when off."""
+def open_request_log(config: ServeConfig, models: Any) -> Any:
+    """The JSON-lines request log the flags ask for, listening to every model; None when off."""
     from engines.observability.request_log import RequestLog, RequestLogSettings
 
     observability = config.observability
@@ -235,8 +235,8 @@ def open_request_log(config: ServeConfig, service: Any) -> Any:
     )
     if not settings.enabled:
         return None
-    request_log = RequestLog(settings, tokenizer=lambda: service.tokenizer)
-    service.request_listeners.append(request_log.write)
+    request_log = RequestLog(settings, tokenizer=lambda model: models.get(model).tokenizer)
+    models.listen(request_log.write)
     log.info("request log: %s", settings.path or "stdout")
     return request_log
 
@@ -249,20 +249,17 @@ def serve(config: ServeConfig) -> int:
     if config.engine_core == PROCESS_CORE:
         prewarm_core()  # first: its imports overlap ours, fetching the model and planning
     from engines.api.app import create_app
-    from engines.cluster.launch import LaunchSettings
-    from engines.cluster.pressure import watch_memory
-    from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
-    from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
     from engines.core import blas
-    from engines.core.service import Service, ServiceLimits
+    from engines.core.served_models import ServedModels
+    from engines.core.service import ServiceLimits
 
     from .http_server import run_http_server
-    from .model_source import resolve_model
+    from .model_manager import ModelManager, ServingContext
     from .progress import loading
+    from .served_model import MemberEvents, ServedModel, check_ids, model_choices, place
 
     log.info("BLAS: %s", blas.status().describe())
-    facts = resolve_model(config.model, config.cache_dir)
-    model_id = config.model_id or default_model_id(config.model, facts)
+    choices = model_choices(config)
     wants_cluster = config.parallelism != Parallelism.SINGLE
     key, created = resolve_cluster_key(
         config.cluster_key, config.cluster_key_file, config.state_dir, create=wants_cluster
@@ -273,42 +270,15 @@ def serve(config: ServeConfig) -> int:
         log.info("on every other machine run:  %s", join_command(key, config.interface))
     node_id = f"{socket.gethostname()}-coordinator"
     coordinator = coordinator_resources(node_id, config.memory_limit)
-    for _, target in config.model_aliases:
-        if target not in (None, model_id):
-            raise ConfigError(
-                f"--model-alias names '{target}', but this server serves '{model_id}'"
-            )
-    service = Service(
-        model_id=model_id,
-        model_aliases=tuple((name, model_id) for name, _ in config.model_aliases),
-        model_revision=facts.revision,
-        tokenizer=None,
-        limits=ServiceLimits(
-            max_tokens_cap=config.max_tokens_cap,
-            default_max_tokens=min(256, config.max_tokens_cap),
-            request_timeout_s=config.request_timeout_s,
-            api_key=config.api_key,
-        ),
+    limits = ServiceLimits(
+        max_tokens_cap=config.max_tokens_cap,
+        default_max_tokens=min(256, config.max_tokens_cap),
+        request_timeout_s=config.request_timeout_s,
+        api_key=config.api_key,
     )
-    supervisor = ClusterSupervisor(
-        service,
-        facts,
-        PlanSettings(
-            config.parallelism,
-            config.collective,
-            config.context_tokens,
-            config.queue_size,
-            config.max_batch,
-            config.rediscover_interval_s,
-            config.cpu_float32,
-            config.prefix_cache_bytes,
-            measure=config.measure_speeds,
-            kv_bits=config.kv_bits,
-            quantized_kv_start=config.quantized_kv_start,
-        ),
-        launch_settings=None,  # set below, once the members (and so our address) are known
-        coordinator=lambda: coordinator,
-    )
+    served = [ServedModel.open(config, choice, limits, coordinator) for choice in choices]
+    check_ids(served, config)
+    models = ServedModels(model.service for model in served)
     membership = None
     if wants_cluster and key is not None:
         membership = open_membership(
@@ -317,73 +287,50 @@ def serve(config: ServeConfig) -> int:
             config.discovery_timeout_s,
             config.hostfile,
             config.lost_after_s,
-            supervisor,
+            # every model's supervisor, those loaded later too (`manager` is bound below,
+            # before anything can join or fail)
+            MemberEvents(lambda: manager.supervisors()),
         )
-        supervisor.membership = membership
     address = coordinator_address(config.interface, membership.members() if membership else [])
-    if membership is not None or wants_measuring(config.measure_speeds, [coordinator]):
-        # alone (no cluster key for single), "on" still measures this machine for its prediction
-        supervisor.survey = SpeedSurvey(membership, node_id, address)
-    weights = None
-    if membership is not None and key is not None and config.send_weights:
-        from engines.weights.source import WeightSource
-
-        weights = WeightSource(facts.path, key, address, config.cache_dir)
-    supervisor.launch_settings = LaunchSettings(
-        model_path=facts.path,
-        model_reference=facts.reference,
-        weights=weights,
-        cluster_key=key,
-        coordinator_address=address,
-        max_batch=config.max_batch,
-        kv_bits=config.kv_bits,
-        quantized_kv_start=config.quantized_kv_start,
-        most_drafted=config.most_drafted,
-        draft_model_path=draft_model_path(config),
-        engine_core=config.engine_core,
-        core_lost_after_s=config.lost_after_s,
-        prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
-        prefix_cache_dir=config.cache_dir / "prefix-cache",
-        rdma_rows=rdma_rows(config.hostfile),
-        rdma_devices={node_id: own_active_rdma()},
-    )
-    service.cluster_status = supervisor.status
-    service.pressure = watch_memory(service, supervisor, node_id, config.memory_budget)
-    request_log = open_request_log(config, service)
-    if weights is not None:
-        service.cluster_status = lambda: {**supervisor.status(), "weights": weights.status()}
+    context = ServingContext(config, limits, coordinator, membership, key, address, node_id)
+    manager = ModelManager(context, models, served)  # closes every model, those loaded later too
+    request_log = open_request_log(config, models)
     try:
-        try:
-            with loading("starting the engine"):
-                supervisor.start()
-        except PlanError as error:
-            raise PlanError(f"refusing to serve: {error}") from error
+        for model in served:
+            model.attach(config, membership, key, address, node_id)
+        if len(served) > 1:
+            place(served, coordinator, membership)
+        for model in served:
+            try:
+                with loading(f"starting {model.service.model_id}"):
+                    model.supervisor.start()
+            except PlanError as error:
+                raise PlanError(f"refusing to serve {model.service.model_id}: {error}") from error
         stopping = threading.Event()
         app = create_app(
-            service,
+            models,
             max_prompt_tokens=config.context_tokens,
             max_body_bytes=config.max_body_bytes,
             metrics_open=config.observability.metrics_open,
             dashboard_open=config.observability.dashboard_open,
             stopping=stopping,
+            model_loader=manager,
         )
-        log.info(
-            "serving %s (%s) on http://%s:%d/v1",
-            model_id,
-            facts.display_name,
-            config.host,
-            config.port,
-        )
+        for model in served:
+            log.info(
+                "serving %s (%s) on http://%s:%d/v1",
+                model.service.model_id,
+                model.facts.display_name,
+                config.host,
+                config.port,
+            )
         log.info("dashboard: http://%s:%d/  metrics: /metrics", config.host, config.port)
         run_http_server(app, config.host, config.port, stopping, config.http)
     finally:
         discard_spare()
-        service.pressure.close()
-        supervisor.close()
+        manager.close()
         if membership is not None:
             membership.close()
         if request_log is not None:  # last: the requests failed by the shutdown are logged too
             request_log.close()
-        if weights is not None:
-            weights.close()
     return 0

@@ -37,10 +37,12 @@ DEFAULT_PORT = 8000
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="plan the cluster and serve the OpenAI API")
-    add_flag(
-        parser,
+    parser.add_argument(
         "--model",
-        help=MODEL_HELP,
+        action="append",
+        metavar="MODEL",
+        help=f"{MODEL_HELP}; repeat it to serve several models at once, placed over the "
+        "cluster together (the first is the default) [env TANDEM_MODEL: one model]",
     )
     add_flag(
         parser,
@@ -227,6 +229,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ConfigError(f"--max-connections must be at least 1, got {args.max_connections}")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
+    models = args.model or [env_default("MODEL")]
     prefix_cache_bytes = prefix_cache_bytes_from(args.prefix_cache_bytes)
     try:
         disk = str(args.prefix_cache_disk_bytes).strip()
@@ -234,7 +237,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     except ConfigError as error:
         raise ConfigError(f"--prefix-cache-disk-bytes: {error}, or 0") from None
     return ServeConfig(
-        model=args.model,
+        model=models[0],
+        more_models=tuple(models[1:]),
         model_id=args.model_id,
         model_aliases=parse_model_aliases(args.model_alias or []),
         parallelism=Parallelism(args.parallelism),

@@ -56,5 +56,7 @@ class ServeConfig:
     most_drafted: int = 0  # prompt-lookup tokens drafted per step of a lone request; 0: off
     draft_model: str | None = None  # --draft-model: drafts from it instead of prompt lookup
     engine_core: str = "process"  # process | thread (engines/cluster/launch.py)
-    # --model-alias: (name or pattern, the served id it names; None: the served model)
+    # --model-alias: (name or pattern, the served id it names; None: the first model)
     model_aliases: tuple[tuple[str, str | None], ...] = ()
+    # every --model after the first: served beside it, placed over the cluster together
+    more_models: tuple[str, ...] = ()

@@ -373,6 +373,12 @@ class Membership(AssignmentWaits, LinkProbes):
         """release() every connected member at once; True when all reported idle in time."""
         return self._release_nodes([member.node_id for member in self.members()], reason, wait_s)
 
+    def release_nodes(
+        self, node_ids: list[str], reason: str = "released by the coordinator", wait_s: float = 0.0
+    ) -> bool:
+        """release() these members at once (those connected); True when all reported idle."""
+        return self._release_nodes(node_ids, reason, wait_s)
+
     def _release_nodes(self, node_ids: list[str], reason: str, wait_s: float) -> bool:
         sent_at = time.monotonic()
         released = []

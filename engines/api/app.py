@@ -10,7 +10,16 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from engines.api import anthropic, chat, chat_page, completions, dashboard, ollama, responses
+from engines.api import (
+    anthropic,
+    chat,
+    chat_page,
+    completions,
+    dashboard,
+    model_admin,
+    ollama,
+    responses,
+)
 from engines.api.auth import PROTECTED_PREFIXES, BearerKeyMiddleware
 from engines.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from engines.api.error_handlers import install_error_handlers
@@ -22,9 +31,11 @@ from engines.api.errors import (
     model_not_found,
 )
 from engines.api.metrics import Metrics, MetricsMiddleware
+from engines.api.model_admin import ModelLoader, card_of
 from engines.api.openapi import install_openapi
 from engines.api.prompts import DEFAULT_MAX_PROMPT_TOKENS
 from engines.api.schemas import ModelCard, ModelList
+from engines.core.served_models import ServedModels
 from engines.core.service import Service
 
 METRICS_PATH = "/metrics"
@@ -32,7 +43,7 @@ DASHBOARD_PATHS = ("/", "/dashboard", chat_page.PAGE_PATH)  # the browser pages
 
 
 def create_app(
-    service: Service,
+    served: Service | ServedModels,
     *,
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     metrics_open: bool = False,
@@ -40,16 +51,20 @@ def create_app(
     dashboard_interval_s: float = dashboard.UPDATE_INTERVAL_S,
     stopping: threading.Event | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model_loader: ModelLoader | None = None,
 ) -> FastAPI:
     """Build the app around `service`; nothing here touches mlx or blocks the event loop.
 
     With an API key, /metrics and the dashboard need it too unless `metrics_open` /
     `dashboard_open` leave them open (a trusted network). Once `stopping` is set (the server
     is shutting down) the dashboard's endless event streams end. Bodies over
-    `max_body_bytes` get 413 before they are read in full.
+    `max_body_bytes` get 413 before they are read in full. With `model_loader`, models
+    are loaded and unloaded at run time (POST and DELETE /v1/models).
     """
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be at least 1, got {max_prompt_tokens}")
+    models = served if isinstance(served, ServedModels) else ServedModels([served])
+    service = models.default  # limits are the server's, the same for every model
     # strict_content_type off: a JSON body without a Content-Type (curl -d ...) is still read.
     app = FastAPI(
         title="tandem",
@@ -71,12 +86,13 @@ def create_app(
     metrics = Metrics(service)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 413s too
     install_openapi(app, service)
-    app.include_router(chat.create_router(service, max_prompt_tokens))
-    app.include_router(completions.create_router(service, max_prompt_tokens))
-    app.include_router(anthropic.create_router(service, max_prompt_tokens))
-    app.include_router(responses.create_router(service, max_prompt_tokens))
-    app.include_router(ollama.create_router(service, max_prompt_tokens))
-    app.include_router(create_info_router(service))
+    app.include_router(chat.create_router(models, max_prompt_tokens))
+    app.include_router(completions.create_router(models, max_prompt_tokens))
+    app.include_router(anthropic.create_router(models, max_prompt_tokens))
+    app.include_router(responses.create_router(models, max_prompt_tokens))
+    app.include_router(ollama.create_router(models, max_prompt_tokens))
+    app.include_router(create_info_router(models))
+    app.include_router(model_admin.create_router(models, model_loader))
     app.include_router(dashboard.create_router(service, dashboard_interval_s, stopping))
     app.include_router(chat_page.create_router(service))
 
@@ -98,25 +114,26 @@ def error_dialects() -> ErrorDialects:
     )
 
 
-def create_info_router(service: Service) -> APIRouter:
+def create_info_router(models: ServedModels) -> APIRouter:
     router = APIRouter()
     started = int(time.time())
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=service.model_id, created=started, revision=service.model_revision)
+    def model_card(service: Service) -> ModelCard:
+        return card_of(service, started)
 
     @router.get("/v1/models", responses={**UNAUTHORIZED, **SERVER_FAILURE})
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(service) for service in models.all()])
 
     @router.get(
         "/v1/models/{model_id:path}",
         responses={**UNAUTHORIZED, 404: documented("no such model"), **SERVER_FAILURE},
     )
     async def retrieve_model(model_id: str) -> ModelCard:
-        if service.served_id(model_id) is None:
-            raise model_not_found(model_id, service.model_id)
-        return model_card()
+        service = models.find(model_id)
+        if service is None:
+            raise model_not_found(model_id, models.describe_ids())
+        return model_card(service)
 
     @router.get(
         "/health",
@@ -128,7 +145,7 @@ def create_info_router(service: Service) -> APIRouter:
         },
     )
     async def health() -> JSONResponse:
-        status = service.health()
+        status = server_health(models)
         return JSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)
 
     @router.get(
@@ -141,9 +158,32 @@ def create_info_router(service: Service) -> APIRouter:
         },
     )
     async def cluster() -> JSONResponse:
-        return JSONResponse(service.cluster_status())
+        return JSONResponse(cluster_status(models))
 
     return router
+
+
+def server_health(models: ServedModels) -> dict[str, Any]:
+    """The default model's health; with several models, each one's under "models", and the
+    server "ok" only while every one is (a model loading or re-planning is not served)."""
+    services = models.all()
+    status = services[0].health()
+    if len(services) > 1:
+        each = {service.model_id: service.health() for service in services}
+        status["models"] = each
+        worst = next((h for h in each.values() if h["status"] != "ok"), None)
+        if worst is not None and status["status"] == "ok":
+            status |= {"status": worst["status"], "reason": f"{worst['model']}: {worst['reason']}"}
+    return status
+
+
+def cluster_status(models: ServedModels) -> dict[str, Any]:
+    """The /v1/cluster body: the default model's, and with several, each one's by id."""
+    services = models.all()
+    status = services[0].cluster_status()
+    if len(services) > 1:
+        status["models"] = {service.model_id: service.cluster_status() for service in services}
+    return status
 
 
 FORM_CONTENT_TYPE = b"application/x-www-form-urlencoded"

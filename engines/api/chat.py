@@ -19,9 +19,9 @@ from engines.api.generation import (
     build_request,
     check_features,
     check_max_tokens,
-    check_serving,
     collect,
     engine_features,
+    serving,
     wait_budget_s,
 )
 from engines.api.logprobs import TokenScore, chat_logprobs
@@ -45,6 +45,7 @@ from engines.api.schemas import (
 from engines.api.streaming import OPENAI_SSE, Frame, stream_response
 from engines.api.tools import tool_format_for
 from engines.core.engine import TokenEvent
+from engines.core.served_models import ServedModels
 from engines.core.service import Service
 
 
@@ -202,7 +203,7 @@ class ChatChunks:
         return (None, chunk)
 
 
-def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
+def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
 
     @router.post(
@@ -211,7 +212,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         responses={200: {"model": ChatCompletion, "content": STREAMED}, **ERROR_RESPONSES},
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        check_serving(service, body.model)
+        service = serving(models, body.model)
         check_chat_fields(body)
         chat = chat_input_of(body)
         sampling = sampling_of(body, service)

@@ -17,9 +17,9 @@ from engines.api.generation import (
     build_request,
     check_features,
     check_max_tokens,
-    check_serving,
     collect,
     engine_features,
+    serving,
     wait_budget_s,
 )
 from engines.api.logprobs import TokenScore, completion_logprobs
@@ -28,6 +28,7 @@ from engines.api.prompts import completion_prompt_tokens
 from engines.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
 from engines.api.streaming import OPENAI_SSE, Frame, stream_response
 from engines.core.engine import TokenEvent
+from engines.core.served_models import ServedModels
 from engines.core.service import Service
 
 
@@ -95,7 +96,7 @@ class CompletionChunks:
         return (None, completion)
 
 
-def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
+def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
 
     @router.post(
@@ -104,7 +105,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         responses={200: {"model": Completion, "content": STREAMED}, **ERROR_RESPONSES},
     )
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        check_serving(service, body.model)
+        service = serving(models, body.model)
         check_completion_fields(body)
         sampling = sampling_of(body, service)
         check_features(engine_features(service), sampling)

@@ -119,8 +119,9 @@ def overloaded(error: OverloadedError) -> APIError:
 
 
 def model_not_found(requested: str, served: str, param: str = "model") -> APIError:
+    """`served`: what is served, quoted ('a', or 'a' and 'b': ServedModels.describe_ids)."""
     message = (
-        f"the model '{requested}' does not exist; this server serves '{served}' "
+        f"the model '{requested}' does not exist; this server serves {served} "
         "(--model-alias gives it other names)"
     )
     return APIError(404, message, param=param, code="model_not_found")

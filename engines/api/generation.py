@@ -14,6 +14,7 @@ from engines.api.logprobs import TokenScore
 from engines.core.engine import Failure, TokenEvent
 from engines.core.request import GenerationRequest
 from engines.core.runner import Submission
+from engines.core.served_models import ServedModels
 from engines.core.service import Service, ServiceLimits
 from planner.errors import RequestError
 
@@ -91,14 +92,21 @@ class Outcome:
     accepted_tokens: int = 0
 
 
-def check_serving(service: Service, model: str, param: str = "model") -> None:
-    """404 unless `model` names the served model (or one of its aliases); 503 while no
-    tokenizer is there (none until the first engine has loaded)."""
-    if service.served_id(model) is None:
-        raise model_not_found(model, service.model_id, param)
+def serving(models: ServedModels, requested: str, param: str = "model") -> Service:
+    """The served model `requested` names (its id or an alias); 404 naming what is served
+    otherwise; 503 while it has no tokenizer (none until its first engine has loaded)."""
+    service = models.find(requested)
+    if service is None:
+        raise model_not_found(requested, models.describe_ids(), param)
+    return check_loaded(service)
+
+
+def check_loaded(service: Service) -> Service:
+    """`service`, or 503 while it has no tokenizer (none until its first engine loaded)."""
     if service.tokenizer is None:
         reason = f": {service.state_reason}" if service.state_reason else ""
         raise engine_unavailable(f"the model is not loaded yet ({service.state}{reason})")
+    return service
 
 
 def engine_features(service: Service) -> frozenset[str]:

@@ -482,6 +482,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tandem"
     revision: str | None = None  # Hugging Face commit of the weights (tandem extension)
+    # tandem extensions: "ok" (answering), "starting" (loading), "degraded" (re-planning),
+    # "unloading" or "failed", and why when it is not "ok"
+    state: str = "ok"
+    state_reason: str = ""
 
 
 class ModelList(BaseModel):

@@ -128,8 +128,12 @@ class ClusterSupervisor:
         coordinator: Callable[[], NodeResources],
         membership: Any | None = None,
         engine_factory: Callable[[ClusterPlan], Engine | EngineSpec] | None = None,
+        member_group: frozenset[str] | None = None,
     ) -> None:
         self.service = service
+        # The members this model may use when several models share the cluster (their
+        # placement, planner/placement.py); None: every member, and those that join later.
+        self.member_group = member_group
         self.facts = facts
         self.plan_settings = plan_settings
         self.launch_settings = launch_settings
@@ -178,8 +182,15 @@ class ClusterSupervisor:
         nodes = [self.coordinator()]
         if self.membership is not None:
             excluded = self.exclusions.excluded_now()
-            nodes += [n for n in self.membership.to_resources() if n.node_id not in excluded]
+            nodes += [
+                node
+                for node in self.membership.to_resources()
+                if node.node_id not in excluded and self._may_use(node.node_id)
+            ]
         return nodes
+
+    def _may_use(self, node_id: str) -> bool:
+        return self.member_group is None or node_id in self.member_group
 
     def start(self) -> ClusterPlan:
         """First plan and engine; raises PlanError (refusal) or EngineError (launch failed)."""
@@ -327,7 +338,13 @@ class ClusterSupervisor:
         return self._discovery_enabled() and idle and time.monotonic() >= due_at
 
     def _discovery_enabled(self) -> bool:
-        return self.membership is not None and self.plan_settings.rediscover_interval_s > 0
+        # A model placed beside others keeps its group: a machine that joins later waits for
+        # the next placement rather than go to whichever model looks first.
+        return (
+            self.membership is not None
+            and self.plan_settings.rediscover_interval_s > 0
+            and self.member_group is None
+        )
 
     def _adopt_new_members(self, browse: bool = True) -> None:
         """Agents that joined after start-up: re-plan when they change the plan.
@@ -386,10 +403,17 @@ class ClusterSupervisor:
             return
 
     def _release_workers(self, reason: str) -> None:
-        if self.membership is not None:
-            # Wait for every agent to confirm its worker stopped: their ports are reused next.
-            if not self.membership.release_all(reason, wait_s=RELEASE_WAIT_S):
-                log.warning("not every agent confirmed the release within %g s", RELEASE_WAIT_S)
+        if self.membership is None:
+            return
+        # Wait for every agent to confirm its worker stopped: their ports are reused next.
+        if self.member_group is None:
+            released = self.membership.release_all(reason, wait_s=RELEASE_WAIT_S)
+        else:  # only this model's: the other models' workers keep serving
+            released = self.membership.release_nodes(
+                sorted(self.member_group), reason, wait_s=RELEASE_WAIT_S
+            )
+        if not released:
+            log.warning("not every agent confirmed the release within %g s", RELEASE_WAIT_S)
 
     # -- status and shutdown -----------------------------------------------------------------
 

@@ -37,7 +37,7 @@ class JsonLineFormatter(logging.Formatter):
     """Turns the RequestRecord a log record carries into one JSON line (on the listener thread,
     so neither JSON nor decoding a prompt costs the scheduler a step)."""
 
-    def __init__(self, decode_prompt: Callable[[tuple[int, ...]], str] | None) -> None:
+    def __init__(self, decode_prompt: Callable[[str, tuple[int, ...]], str] | None) -> None:
         super().__init__()
         self._decode_prompt = decode_prompt
 
@@ -48,7 +48,7 @@ class JsonLineFormatter(logging.Formatter):
         line: dict[str, Any] = request.to_dict()
         if self._decode_prompt is not None:
             try:
-                line["prompt"] = self._decode_prompt(request.prompt_token_ids)
+                line["prompt"] = self._decode_prompt(request.model, request.prompt_token_ids)
             except Exception as error:  # a prompt that fails to decode still leaves its line
                 line["prompt_error"] = str(error)
         return json.dumps(line, separators=(",", ":"))
@@ -57,7 +57,8 @@ class JsonLineFormatter(logging.Formatter):
 class RequestLog:
     """A queue handler on the `tandem.requests` logger, drained by a listener thread."""
 
-    def __init__(self, settings: RequestLogSettings, tokenizer: Callable[[], Any]) -> None:
+    def __init__(self, settings: RequestLogSettings, tokenizer: Callable[[str], Any]) -> None:
+        """`tokenizer(model_id)`: the tokenizer that decodes that model's prompts."""
         self.settings = settings
         self._handlers: list[logging.Handler] = []
         if settings.path is not None:
@@ -74,7 +75,7 @@ class RequestLog:
             self._handlers.append(logging.StreamHandler(sys.stdout))
         decode = None
         if settings.include_prompt:
-            decode = lambda ids: tokenizer().decode(list(ids))  # noqa: E731
+            decode = lambda model, ids: tokenizer(model).decode(list(ids))  # noqa: E731
         for handler in self._handlers:
             handler.setFormatter(JsonLineFormatter(decode))
         self._queue: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()

@@ -147,7 +147,7 @@ async def test_every_request_leaves_one_log_line_whose_segments_add_up(
     records: list[RequestRecord] = []
     service.request_listeners.append(records.append)
     log_path = tmp_path / "requests.log"
-    request_log = RequestLog(RequestLogSettings(path=log_path), tokenizer=lambda: None)
+    request_log = RequestLog(RequestLogSettings(path=log_path), tokenizer=lambda model: None)
     service.request_listeners.append(request_log.write)
     walls: dict[str, float] = {}
     try:
@@ -209,7 +209,7 @@ async def test_a_request_refused_up_front_leaves_one_rejected_record(runner: Any
 async def test_the_log_carries_the_prompt_only_when_asked(runner: Any, tmp_path: Path) -> None:
     service = make_service(runner)
     settings = RequestLogSettings(path=tmp_path / "with-prompts.log", include_prompt=True)
-    request_log = RequestLog(settings, tokenizer=lambda: service.tokenizer)
+    request_log = RequestLog(settings, tokenizer=lambda model: service.tokenizer)
     service.request_listeners.append(request_log.write)
     try:
         async with open_client(service) as client:

@@ -27,9 +27,9 @@ from engines.api.errors import STREAMED
 from engines.api.generation import (
     build_request,
     check_features,
-    check_serving,
     collect,
     engine_features,
+    serving,
     wait_budget_s,
 )
 from engines.api.metrics import mark_submitted, received_at
@@ -37,7 +37,7 @@ from engines.api.prompts import chat_prompt_tokens
 from engines.api.reply import ReplyStream
 from engines.api.streaming import stream_response
 from engines.api.tools import tool_format_for
-from engines.core.service import Service
+from engines.core.served_models import ServedModels
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class UnknownFields:
             log.debug("ignoring the Messages field '%s' (unknown here; logged once)", name)
 
 
-def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
+def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
     unknown = UnknownFields()
 
@@ -83,7 +83,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
     )
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         unknown.note(body)
-        check_serving(service, body.model)
+        service = serving(models, body.model)
         chat = chat_input_of(body)
         sampling = sampling_of(body, service.limits)
         check_features(engine_features(service), sampling, chat.grammar_param())
@@ -130,7 +130,7 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
     async def count_tokens(body: CountTokensRequest) -> TokenCount:
         """The prompt's tokens as the chat template renders it, tools included."""
         unknown.note(body)
-        check_serving(service, body.model)
+        service = serving(models, body.model)
         chat = chat_input_of(body)
         tools = tool_format_for(chat, service.tokenizer)
         output_grammar(chat, service.tokenizer, tools)  # the same 400s as a message gets

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.api.errors import APIError
+from engines.core.served_models import ServedModels
 from engines.core.service import Service
 from engines.model.info import FLOAT_DTYPE_BYTES, read_config, read_tensor_table
 from planner.errors import ModelError
@@ -32,17 +33,17 @@ def listed_name(model_id: str) -> str:
     return model_id if ":" in tail else model_id + LATEST
 
 
-def served_model(service: Service, requested: str, param: str = "model") -> str:
-    """The served id a request's model names (its id or an alias, with or without
+def served_model(models: ServedModels, requested: str, param: str = "model") -> Service:
+    """The served model a request's model names (its id or an alias, with or without
     `:latest`); 404 in tandem's words otherwise."""
-    found = service.served_id(requested)
+    found = models.find(requested)
     if found is None and requested.endswith(LATEST):
-        found = service.served_id(requested.removesuffix(LATEST))
+        found = models.find(requested.removesuffix(LATEST))
     if found is None:
+        served = ", ".join(f"'{listed_name(model_id)}'" for model_id in models.ids())
         message = (
-            f"model '{requested}' is not served here: this server serves "
-            f"'{listed_name(service.model_id)}' (--model-alias gives it other names); "
-            "tandem cannot pull models"
+            f"model '{requested}' is not served here: this server serves {served} "
+            "(--model-alias gives it other names); tandem cannot pull models"
         )
         raise APIError(404, message, param=param, code="model_not_found")
     return found

@@ -19,7 +19,7 @@ from engines.api.generation import (
     Sampling,
     build_request,
     check_features,
-    check_serving,
+    check_loaded,
     collect,
     engine_features,
     wait_budget_s,
@@ -34,6 +34,7 @@ from engines.api.prompts import chat_prompt_tokens, completion_prompt_tokens
 from engines.api.reply import ReplyStream
 from engines.api.streaming import stream_response
 from engines.api.tools import ToolFormat, tool_format_for
+from engines.core.served_models import ServedModels
 from engines.core.service import Service
 
 ERROR_PREFIX = "/api"
@@ -60,11 +61,12 @@ def render_error(error: APIError) -> Response:
     return JSONResponse({"error": message}, status_code=error.status, headers=error.headers)
 
 
-def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
+def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     # Not in the OpenAPI document: Ollama's own docs describe these shapes.
     router = APIRouter(include_in_schema=False)
 
     async def run(
+        service: Service,
         request: Request,
         body: GenerationFields,
         chat: ChatInput,
@@ -88,7 +90,9 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
         outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
         return JSONResponse(replies.whole(outcome))
 
-    def prepare(body: GenerationFields, chat: ChatInput, prompt_param: str) -> tuple[Sampling, int]:
+    def prepare(
+        service: Service, body: GenerationFields, chat: ChatInput, prompt_param: str
+    ) -> tuple[Sampling, int]:
         """The checks before templating: thinking, options, what the engine honours."""
         if chat.thinking and not getattr(service.tokenizer, "has_thinking", False):
             raise APIError(
@@ -122,40 +126,44 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
 
     @router.post("/api/chat")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        check_serving(service, served_model(service, body.model))
+        service = check_loaded(served_model(models, body.model))
         if not body.messages:
             return JSONResponse(loaded(body.model, chat=True))
         conversation = chat_input_of(body)
-        sampling, context = prepare(body, conversation, "messages")
+        sampling, context = prepare(service, body, conversation, "messages")
         tools = tool_format_for(conversation, service.tokenizer)
         # Templating and tokenizing a long prompt takes a while: never on the event loop.
         prompt = await tokenized(chat_prompt_tokens, service.tokenizer, conversation, context)
-        return await run(request, body, conversation, tools, prompt, sampling, context)
+        return await run(service, request, body, conversation, tools, prompt, sampling, context)
 
     @router.post("/api/generate")
     async def generate_text(body: GenerateRequest, request: Request) -> Response:
-        check_serving(service, served_model(service, body.model))
+        service = check_loaded(served_model(models, body.model))
         if not body.prompt:
             return JSONResponse(loaded(body.model, chat=False))
         conversation = generate_input_of(body)
-        sampling, context = prepare(body, conversation, "prompt")
+        sampling, context = prepare(service, body, conversation, "prompt")
         tokenizer = service.tokenizer
         if body.raw:
             prompt = await tokenized(completion_prompt_tokens, tokenizer, body.prompt, context)
         else:
             prompt = await tokenized(chat_prompt_tokens, tokenizer, conversation, context)
-        return await run(request, body, conversation, None, prompt, sampling, context)
+        return await run(service, request, body, conversation, None, prompt, sampling, context)
 
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        name = listed_name(service.model_id)
-        return {"models": [model_card(service).listing(name)]}
+        return {
+            "models": [
+                model_card(service).listing(listed_name(service.model_id))
+                for service in models.all()
+            ]
+        }
 
     @router.post("/api/show")
     async def show(body: ShowRequest) -> dict[str, Any]:
         if not body.requested():
             raise APIError(400, "'model' is required", param="model", code="invalid_value")
-        served_model(service, body.requested())
+        service = served_model(models, body.requested())
         card = model_card(service)
         tokenizer = service.tokenizer
         capabilities = ["completion"]
@@ -177,14 +185,16 @@ def create_router(service: Service, max_prompt_tokens: int) -> APIRouter:
 
     @router.get("/api/ps")
     async def running() -> dict[str, Any]:
-        if service.runner is None or service.tokenizer is None:
-            return {"models": []}
-        card = model_card(service)
-        entry = card.listing(listed_name(service.model_id))
-        entry.pop("modified_at")
-        # size_vram 0: tandem does not say where the weights sit (CPU, GPU, several machines)
-        entry |= {"expires_at": NEVER, "size_vram": 0, "context_length": max_prompt_tokens}
-        return {"models": [entry]}
+        entries = []
+        for service in models.all():
+            if service.runner is None or service.tokenizer is None:
+                continue
+            entry = model_card(service).listing(listed_name(service.model_id))
+            entry.pop("modified_at")
+            # size_vram 0: tandem does not say where the weights sit (CPU, GPU, machines)
+            entry |= {"expires_at": NEVER, "size_vram": 0, "context_length": max_prompt_tokens}
+            entries.append(entry)
+        return {"models": entries}
 
     @router.get("/api/version")
     async def version() -> dict[str, str]:

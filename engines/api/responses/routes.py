@@ -17,9 +17,9 @@ from engines.api.errors import ERROR_RESPONSES, STREAMED, UNAUTHORIZED, APIError
 from engines.api.generation import (
     build_request,
     check_features,
-    check_serving,
     collect,
     engine_features,
+    serving,
     wait_budget_s,
 )
 from engines.api.metrics import mark_submitted, received_at
@@ -40,7 +40,7 @@ from engines.api.responses.schemas import ResponsesRequest
 from engines.api.responses.store import ResponseStore
 from engines.api.streaming import stream_response
 from engines.api.tools import tool_format_for
-from engines.core.service import Service
+from engines.core.served_models import ServedModels
 
 STORED = {**UNAUTHORIZED, 404: documented("no stored response has this id")}
 SEALED_INCLUDE = "reasoning.encrypted_content"
@@ -69,7 +69,7 @@ def not_stored(response_id: str, param: str | None = None) -> APIError:
 
 
 def create_router(
-    service: Service, max_prompt_tokens: int, store: ResponseStore | None = None
+    models: ServedModels, max_prompt_tokens: int, store: ResponseStore | None = None
 ) -> APIRouter:
     router = APIRouter()
     store = store if store is not None else ResponseStore()
@@ -88,7 +88,7 @@ def create_router(
         responses={200: {"description": "the response", "content": STREAMED}, **ERROR_RESPONSES},
     )
     async def create_response(body: ResponsesRequest, request: Request) -> HTTPResponse:
-        check_serving(service, body.model)
+        service = serving(models, body.model)
         check_fields(body)
         note_ignored(body)
         conversation = conversation_of(body, earlier_turns(body))

@@ -1,0 +1,233 @@
+"""One model of `tandem serve`: its Service, its supervisor and what they launch with, and how
+several of them share the cluster (planner/placement.py places them; each then plans and
+re-plans within its own group of machines)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from planner import NodeResources
+from planner.errors import ConfigError, PlanError
+
+from .coordinator import default_model_id, draft_model_path, own_active_rdma, rdma_rows
+from .serve_config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChoice:
+    """A model the operator asked for: its reference (None: the default model) and the id
+    clients name it by (None: derived from the reference once it is resolved)."""
+
+    reference: str | None
+    model_id: str | None
+    first: bool = True  # the first --model: --model-id, --draft-model and bare aliases are its
+
+
+def model_choices(config: ServeConfig) -> list[ModelChoice]:
+    """Every --model in order; their ids are checked once resolved (check_ids)."""
+    references = [config.model, *config.more_models]
+    return [
+        ModelChoice(reference, config.model_id if index == 0 else None, first=index == 0)
+        for index, reference in enumerate(references)
+    ]
+
+
+@dataclass
+class ServedModel:
+    """A model's Service and ClusterSupervisor, and the weight server its agents fetch from."""
+
+    facts: Any  # engines.model.info.ModelFacts
+    service: Any  # engines.core.service.Service
+    supervisor: Any  # engines.cluster.supervisor.ClusterSupervisor
+    choice: ModelChoice
+    weights: Any = None  # engines.weights.source.WeightSource, when agents may fetch
+
+    @classmethod
+    def open(
+        cls, config: ServeConfig, choice: ModelChoice, limits: Any, coordinator: NodeResources
+    ) -> ServedModel:
+        from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
+        from engines.core.service import Service
+
+        from .model_source import resolve_model
+
+        facts = resolve_model(choice.reference, config.cache_dir)
+        model_id = choice.model_id or default_model_id(choice.reference, facts)
+        service = Service(
+            model_id=model_id,
+            model_aliases=_aliases_of(choice, model_id, config.model_aliases),
+            model_revision=facts.revision,
+            tokenizer=None,
+            limits=limits,
+        )
+        several = bool(config.more_models)
+        supervisor = ClusterSupervisor(
+            service,
+            facts,
+            PlanSettings(
+                config.parallelism,
+                config.collective,
+                config.context_tokens,
+                config.queue_size,
+                config.max_batch,
+                config.rediscover_interval_s,
+                config.cpu_float32,
+                config.prefix_cache_bytes,
+                measure=config.measure_speeds,
+                kv_bits=config.kv_bits,
+                quantized_kv_start=config.quantized_kv_start,
+            ),
+            launch_settings=None,  # set by attach(), once the members (and our address) are known
+            coordinator=lambda: coordinator,
+            member_group=frozenset() if several else None,  # placed by place() before start
+        )
+        return cls(facts, service, supervisor, choice)
+
+    def attach(
+        self, config: ServeConfig, membership: Any, key: bytes | None, address: str, node_id: str
+    ) -> None:
+        """The membership, the weight server and the launch settings, once both are known."""
+        from engines.cluster.launch import LaunchSettings
+        from engines.cluster.pressure import watch_memory
+        from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
+
+        supervisor, service = self.supervisor, self.service
+        supervisor.membership = membership
+        if membership is not None or wants_measuring(
+            config.measure_speeds, [supervisor.coordinator()]
+        ):
+            # alone (no cluster key for single), "on" still measures this machine
+            supervisor.survey = SpeedSurvey(membership, node_id, address)
+        if membership is not None and key is not None and config.send_weights:
+            from engines.weights.source import WeightSource
+
+            self.weights = WeightSource(self.facts.path, key, address, config.cache_dir)
+        supervisor.launch_settings = LaunchSettings(
+            model_path=self.facts.path,
+            model_reference=self.facts.reference,
+            weights=self.weights,
+            cluster_key=key,
+            coordinator_address=address,
+            max_batch=config.max_batch,
+            kv_bits=config.kv_bits,
+            quantized_kv_start=config.quantized_kv_start,
+            most_drafted=config.most_drafted,
+            draft_model_path=draft_model_path(config) if self.choice.first else None,
+            engine_core=config.engine_core,
+            core_lost_after_s=config.lost_after_s,
+            prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
+            prefix_cache_dir=prefix_cache_dir(config.cache_dir, service.model_id, self.choice),
+            rdma_rows=rdma_rows(config.hostfile),
+            rdma_devices={node_id: own_active_rdma()},
+        )
+        weights = self.weights
+        service.cluster_status = (
+            supervisor.status
+            if weights is None
+            else lambda: {**supervisor.status(), "weights": weights.status()}
+        )
+        service.pressure = watch_memory(service, supervisor, node_id, config.memory_budget)
+
+    def close(self) -> None:
+        if self.service.pressure is not None:
+            self.service.pressure.close()
+        self.supervisor.close()
+        if self.weights is not None:
+            self.weights.close()
+
+
+def _aliases_of(
+    choice: ModelChoice, model_id: str, aliases: tuple[tuple[str, str | None], ...]
+) -> tuple[tuple[str, str], ...]:
+    """(pattern, model_id) for the --model-alias that name this model: NAME=ID by its id, a
+    bare NAME the first model."""
+    return tuple(
+        (name, model_id)
+        for name, target in aliases
+        if target == model_id or (target is None and choice.first)
+    )
+
+
+def check_ids(models: list[ServedModel], config: ServeConfig) -> None:
+    """Every model's id is its own, and every --model-alias NAME=ID names one of them."""
+    ids = [model.service.model_id for model in models]
+    repeated = sorted({model_id for model_id in ids if ids.count(model_id) > 1})
+    if repeated:
+        raise ConfigError(
+            f"two --model share the id '{repeated[0]}'; serve each once, or give the first "
+            "another name with --model-id"
+        )
+    for _, target in config.model_aliases:
+        if target is not None and target not in ids:
+            served = ", ".join(f"'{model_id}'" for model_id in ids)
+            raise ConfigError(f"--model-alias names '{target}', but this server serves {served}")
+
+
+def prefix_cache_dir(cache_dir: Path, model_id: str, choice: ModelChoice) -> Path:
+    """The first model's disk tier where it always was; each other model's a folder of its
+    own: entries are keyed by tokens, which mean different things to different models."""
+    if choice.first:
+        return cache_dir / "prefix-cache"
+    return cache_dir / f"prefix-cache-{re.sub(r'[^A-Za-z0-9._-]+', '_', model_id)}"
+
+
+class MemberEvents:
+    """The membership's callbacks, to every model's supervisor: each acts only on a member
+    that has a part in its own plan."""
+
+    def __init__(self, supervisors: Callable[[], list[Any]]) -> None:
+        self.supervisors = supervisors
+
+    def on_member_lost(self, node_id: str, reason: str) -> None:
+        for supervisor in self.supervisors():
+            supervisor.on_member_lost(node_id, reason)
+
+    def on_assignment_failed(self, node_id: str, assignment_id: str, reason: str) -> None:
+        for supervisor in self.supervisors():
+            group = supervisor.member_group
+            if group is None or node_id in group:
+                supervisor.on_assignment_failed(node_id, assignment_id, reason)
+
+
+def place(models: list[ServedModel], coordinator: NodeResources, membership: Any) -> Any:
+    """Place the models over the coordinator and the verified members (planner/placement.py):
+    each supervisor gets its group of members and the coordinator's memory less what the
+    others need there. Raises PlanError, with the numbers, when the set does not fit."""
+    from planner.placement import ModelToPlace, place_models
+
+    from engines.cluster.supervisor import plan_nodes
+
+    members = membership.members() if membership is not None else []
+    nodes = [coordinator, *(membership.to_resources() if membership is not None else [])]
+    by_id = {model.service.model_id: model for model in models}
+
+    def plan(wanted: ModelToPlace, group: list[NodeResources]) -> Any:
+        model = by_id[wanted.model_id]
+        settings = model.supervisor.plan_settings
+        return plan_nodes(model.facts, settings, group, members, model.weights)
+
+    wanted = [ModelToPlace(i, model.supervisor.plan_settings.choice) for i, model in by_id.items()]
+    placement = place_models(wanted, nodes, plan)
+    if placement.refusal is not None:
+        raise PlanError(f"refusing to serve: {placement.refusal}")
+    for line in placement.describe():
+        log.info("placement: %s", line)
+    needs = {
+        model_id: next(
+            (fit.need_bytes for fit in plan.fits if fit.node_id == coordinator.node_id), 0
+        )
+        for model_id, plan in placement.plans.items()
+    }
+    for model_id, model in by_id.items():
+        others = sum(need for other, need in needs.items() if other != model_id)
+        share = replace(coordinator, memory_bytes=max(1, coordinator.memory_bytes - others))
+        model.supervisor.coordinator = lambda share=share: share
+        model.supervisor.member_group = frozenset(placement.groups[model_id][1:])
+    return placement

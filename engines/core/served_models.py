@@ -1,0 +1,79 @@
+"""ServedModels: every model this server serves, each behind a Service of its own, and the
+one question every API route asks of them: which model does a request's `model` name?
+
+A model is listed from when it is known (loading) until it is unloaded; its Service's state
+says whether it answers ("ok"), is loading, re-planning ("degraded"), unloading or failed.
+The first model added is the default: the one the browser pages open on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+
+from engines.core.service import Service
+from engines.observability.request_timing import RequestRecord
+
+
+class ServedModels:
+    def __init__(self, services: Iterable[Service] = ()) -> None:
+        self._lock = threading.Lock()
+        self._services: dict[str, Service] = {}
+        self._listeners: list[Callable[[RequestRecord], None]] = []
+        for service in services:
+            self.add(service)
+
+    def add(self, service: Service) -> None:
+        with self._lock:
+            if service.model_id in self._services:
+                raise ValueError(f"the model '{service.model_id}' is served already")
+            self._services[service.model_id] = service
+            service.request_listeners.extend(self._listeners)
+
+    def listen(self, listener: Callable[[RequestRecord], None]) -> None:
+        """Hand every model's finished requests to `listener` (metrics, dashboard, log),
+        those of models added later too."""
+        with self._lock:
+            self._listeners.append(listener)
+            for service in self._services.values():
+                service.request_listeners.append(listener)
+
+    def remove(self, model_id: str) -> Service | None:
+        with self._lock:
+            return self._services.pop(model_id, None)
+
+    def all(self) -> list[Service]:
+        with self._lock:
+            return list(self._services.values())
+
+    def ids(self) -> list[str]:
+        return [service.model_id for service in self.all()]
+
+    @property
+    def default(self) -> Service:
+        services = self.all()
+        if not services:
+            raise LookupError("no model is served")
+        return services[0]
+
+    def get(self, model_id: str) -> Service | None:
+        with self._lock:
+            return self._services.get(model_id)
+
+    def find(self, requested: str) -> Service | None:
+        """The model a request's `model` names: by id first, then by an alias (NAME may be a
+        pattern such as 'claude-*'; the first model whose alias matches wins)."""
+        services = self.all()
+        exact = [service for service in services if service.model_id == requested]
+        return next(iter(exact + [s for s in services if s.served_id(requested)]), None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._services)
+
+    def describe_ids(self) -> str:
+        """'a', or 'a', 'b' and 'c': for messages naming what is served."""
+        quoted = [f"'{model_id}'" for model_id in self.ids()]
+        if len(quoted) < 2:
+            return "".join(quoted) or "no model"
+        return f"{', '.join(quoted[:-1])} and {quoted[-1]}"
