@@ -98,13 +98,9 @@ def report_of(message: dict[str, Any]) -> StepReport:
         admitted=[tuple(entry) for entry in message["a"]],
         outputs=[
             StepOutput(
-                uid,
-                token,
-                logprob=logprob,
-                cached_tokens=cached,
+                uid, token, logprob=logprob, cached_tokens=cached,
                 top_logprobs=tuple((int(t), float(p)) for t, p in top),
-                drafted=drafted,
-                accepted=accepted,
+                drafted=drafted, accepted=accepted,
             )
             for uid, token, logprob, top, cached, drafted, accepted in message["o"]
         ],  # fmt: skip
