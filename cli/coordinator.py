@@ -298,9 +298,16 @@ def serve(config: ServeConfig) -> int:
     try:
         for model in served:
             model.attach(config, membership, key, address, node_id)
-        if len(served) > 1:
+        if config.load_on_demand or config.keep_alive_s:
+            models.on_demand = manager  # a request naming an unloaded model loads it
+        if config.keep_alive_s:
+            manager.keep_alive(config.keep_alive_s)
+        if config.load_on_demand:
+            for model in served:
+                manager.start_known(model)
+        elif len(served) > 1:
             place(served, coordinator, membership)
-        for model in served:
+        for model in served if not config.load_on_demand else ():
             try:
                 with loading(f"starting {model.service.model_id}"):
                     model.supervisor.start()

@@ -1,27 +1,37 @@
-"""Models loaded and unloaded while serving (`POST /v1/models`, `DELETE /v1/models/{id}`).
+"""Models loaded and unloaded while serving: `POST /v1/models`, `DELETE /v1/models/{id}`,
+`--load-on-demand` (a request naming an unloaded model loads it) and `--keep-alive` (an idle
+model is unloaded).
 
 A model loaded at run time never moves one already served: it is planned over what they
-leave, the coordinator's memory less their needs there and the members none of them uses,
-and refused with the planner's numbers when it does not fit there. Unloading closes its
-supervisor (its engine core exits and its agents are released), so its memory returns on
-every machine it used.
+leave, the coordinator's memory less their needs there and the members none of them uses.
+When it does not fit, a load a request asked for first unloads the least recently used idle
+model (no request running or queued) and tries again; a load through `POST /v1/models`
+never evicts, it is refused with the planner's numbers. Unloading closes the model's
+supervisor (its engine core exits, its agents are released), so its memory returns on every
+machine it used.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from engines.api.model_admin import ModelExists
 from planner import NodeResources, Parallelism
-from planner.errors import PlanError, TandemError
+from planner.errors import EngineError, PlanError, TandemError
 
 from .serve_config import ServeConfig
 from .served_model import ModelChoice, ServedModel
 
 log = logging.getLogger(__name__)
+
+UNLOADED, STARTING, FAILED = "unloaded", "starting", "failed"
+WAIT_POLL_S = 0.05
+KEEP_ALIVE_POLL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,39 +48,94 @@ class ServingContext:
 
 
 class ModelManager:
+    """Every model this server knows: loaded, loading, or unloaded and loaded on demand."""
+
     def __init__(self, context: ServingContext, models: Any, served: list[ServedModel]) -> None:
         self.context = context
         self.models = models  # engines.core.served_models.ServedModels
         self._served = {model.service.model_id: model for model in served}
-        self._lock = threading.Lock()  # one load or unload at a time
+        self._lock = threading.RLock()  # one load or unload at a time
+        self._closed = threading.Event()
+        self._keeper: threading.Thread | None = None
+
+    # -- loading ---------------------------------------------------------------------------
 
     def load(
         self, reference: str, parallelism: str | None = None, model_id: str | None = None
     ) -> Any:
-        """Resolve, place and start loading `reference`; returns its Service (state
-        "starting" until its engine has loaded, "failed" with the reason if it does not).
-        Raises ConfigError (bad or repeated model) or PlanError (does not fit) at once."""
-        context = self.context
-        choice = Parallelism(parallelism) if parallelism else context.config.parallelism
-        config = replace(context.config, parallelism=choice)
+        """POST /v1/models: resolve, place and start loading `reference`; returns its Service
+        ("starting" until its engine has loaded, "failed" with the reason if it does not).
+        Raises ConfigError (a bad or repeated model) or PlanError (does not fit) at once."""
+        choice = Parallelism(parallelism) if parallelism else self.context.config.parallelism
         with self._lock:
-            model = ServedModel.open(
-                config, ModelChoice(reference, model_id, first=False), context.limits,
-                context.coordinator,
-            )  # fmt: skip
+            model = self._open(ModelChoice(reference, model_id, first=False), choice)
             model_id = model.service.model_id
-            if model_id in self._served or self.models.get(model_id) is not None:
-                raise ModelExists(f"the model '{model_id}' is served already")
-            model.attach(config, context.membership, context.key, context.address, context.node_id)
-            try:
-                self._place(model)
-            except TandemError:
+            if model_id in self._served:
                 model.close()
-                raise
+                raise ModelExists(f"the model '{model_id}' is served already")
+            self._place_or_close(model, evict=False)
             self._served[model_id] = model
             self.models.add(model.service)
-        threading.Thread(target=self._start, args=(model,), name=f"load {model_id}").start()
+        self._start_in_background(model)
         return model.service
+
+    def start_known(self, model: ServedModel) -> None:
+        """A --model with --load-on-demand: listed as unloaded until a request names it."""
+        model.service.swap_runner(None, UNLOADED, "loads when a request names it")
+
+    async def wait_loaded(self, model_id: str) -> Any:
+        """ServedModels.on_demand: the model's Service once it answers, loading it first when
+        it is unloaded; EngineError when it fails, does not fit, or takes longer than the
+        request timeout."""
+        model = self._served.get(model_id)
+        if model is None:
+            raise EngineError(f"the model '{model_id}' is not served any more")
+        if model.service.state == UNLOADED:
+            model = await asyncio.to_thread(self._load_known, model_id)
+        deadline = time.monotonic() + self.context.limits.request_timeout_s
+        while model.service.runner is None:
+            if model.service.state == FAILED:
+                raise EngineError(f"'{model_id}' failed to load: {model.service.state_reason}")
+            if time.monotonic() >= deadline:
+                raise EngineError(f"'{model_id}' is still loading ({model.service.state_reason})")
+            await asyncio.sleep(WAIT_POLL_S)
+        return model.service
+
+    def _load_known(self, model_id: str) -> ServedModel:
+        """Replace an unloaded model's entry by a model being loaded (the first request to
+        come does it; the others find it starting)."""
+        with self._lock:
+            known = self._served[model_id]
+            if known.service.state != UNLOADED:
+                return known
+            model = self._open(known.choice, known.supervisor.plan_settings.choice)
+            try:
+                self._place_or_close(model, evict=True)
+            except PlanError as error:
+                raise EngineError(f"cannot load '{model_id}': {error}") from None
+            self._served[model_id] = model
+            self.models.replace(model.service)
+        self._start_in_background(model)
+        return model
+
+    def _open(self, choice: ModelChoice, parallelism: Parallelism) -> ServedModel:
+        context = self.context
+        config = replace(context.config, parallelism=parallelism)
+        model = ServedModel.open(config, choice, context.limits, context.coordinator)
+        model.attach(config, context.membership, context.key, context.address, context.node_id)
+        return model
+
+    def _place_or_close(self, model: ServedModel, evict: bool) -> None:
+        try:
+            while True:
+                try:
+                    return self._place(model)
+                except PlanError:
+                    if not evict or not self._evict_one(but=model.service.model_id):
+                        raise
+        except TandemError:
+            model.close()
+            raise
 
     def _place(self, model: ServedModel) -> None:
         """Plan it over what the served models leave; PlanError with the numbers if it
@@ -78,15 +143,18 @@ class ModelManager:
         from engines.cluster.supervisor import plan_nodes
 
         coordinator = self.context.coordinator
+        others = [
+            m
+            for m in self._served.values()
+            if m.service.model_id != model.service.model_id and holds_memory(m)
+        ]
         taken: set[str] = set()
-        for served in self._served.values():
+        for served in others:
             supervisor = served.supervisor
             if supervisor.member_group is None:  # it stops adopting members: they are shared now
                 supervisor.member_group = plan_members(supervisor.plan, coordinator.node_id)
             taken |= supervisor.member_group
-        needs = sum(
-            coordinator_need(m.supervisor.plan, coordinator.node_id) for m in self._served.values()
-        )
+        needs = sum(coordinator_need(m.supervisor.plan, coordinator.node_id) for m in others)
         share = replace(coordinator, memory_bytes=max(1, coordinator.memory_bytes - needs))
         membership = self.context.membership
         free = [
@@ -104,16 +172,37 @@ class ModelManager:
         model.supervisor.coordinator = lambda: share
         model.supervisor.member_group = frozenset(node.node_id for node in free)
 
-    def _start(self, model: ServedModel) -> None:
-        try:
-            model.supervisor.start()
-        except TandemError as error:
-            log.error("loading %s failed: %s", model.service.model_id, error)
-            model.service.swap_runner(None, "failed", str(error))
-            model.supervisor.close()
+    def _evict_one(self, but: str) -> bool:
+        """Unload the least recently used idle model (not `but`) to make room; False when
+        none is idle."""
+        idle = [
+            m
+            for m in self._served.values()
+            if m.service.model_id != but and m.service.runner is not None and m.service.runner.idle
+        ]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda m: m.service.last_used)
+        log.info("unloading %s (idle the longest) to make room", victim.service.model_id)
+        self._unload_to_known(victim.service.model_id, "unloaded to make room for another model")
+        return True
+
+    def _start_in_background(self, model: ServedModel) -> None:
+        def start() -> None:
+            try:
+                model.supervisor.start()
+            except TandemError as error:
+                log.error("loading %s failed: %s", model.service.model_id, error)
+                model.supervisor.close()
+                model.service.swap_runner(None, FAILED, str(error))
+
+        threading.Thread(target=start, name=f"load {model.service.model_id}", daemon=True).start()
+
+    # -- unloading -------------------------------------------------------------------------
 
     def unload(self, model_id: str) -> bool:
-        """Stop serving `model_id` and free its memory everywhere; False if it is not served."""
+        """DELETE /v1/models/{id}: stop serving `model_id`, free its memory everywhere, and
+        forget it; False if it is not served."""
         with self._lock:
             model = self._served.pop(model_id, None)
             if model is None:
@@ -126,15 +215,45 @@ class ModelManager:
         log.info("unloaded %s", model_id)
         return True
 
+    def _unload_to_known(self, model_id: str, reason: str) -> None:
+        """Free a model's memory but keep it listed, unloaded: a request loads it again."""
+        with self._lock:
+            model = self._served[model_id]
+            model.close()
+            model.service.swap_runner(None, UNLOADED, reason)
+
+    def keep_alive(self, idle_s: float) -> None:
+        """Unload every model idle for `idle_s` (no request since, none running or queued)."""
+
+        def watch() -> None:
+            while not self._closed.wait(KEEP_ALIVE_POLL_S):
+                now = time.monotonic()
+                for model in list(self._served.values()):
+                    service = model.service
+                    runner = service.runner
+                    if runner is None or not runner.idle or now - service.last_used < idle_s:
+                        continue
+                    log.info("unloading %s: idle for %g s (--keep-alive)", service.model_id, idle_s)
+                    self._unload_to_known(service.model_id, f"idle for {idle_s:g} s")
+
+        self._keeper = threading.Thread(target=watch, name="keep-alive", daemon=True)
+        self._keeper.start()
+
     def supervisors(self) -> list[Any]:
         with self._lock:
             return [model.supervisor for model in self._served.values()]
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             served, self._served = list(self._served.values()), {}
         for model in served:
             model.close()
+
+
+def holds_memory(model: ServedModel) -> bool:
+    """Loaded, or loading: its plan's memory is taken."""
+    return model.service.state not in (UNLOADED, FAILED)
 
 
 def plan_members(plan: Any, coordinator_id: str) -> frozenset[str]:

@@ -66,6 +66,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=[p.value for p in Parallelism],
         help="tp, pp, single, or auto (let the planner choose)",
     )
+    parser.add_argument(
+        "--load-on-demand",
+        action="store_true",
+        default=env_default("LOAD_ON_DEMAND", "") in ("1", "true", "yes"),
+        help="load no model at start: a request naming one loads it and waits (up to "
+        "--request-timeout); /v1/models lists it unloaded until then [env "
+        "TANDEM_LOAD_ON_DEMAND=1]",
+    )
+    add_flag(
+        parser,
+        "--keep-alive",
+        default=0.0,
+        cast=float,
+        metavar="SECONDS",
+        help="unload a model no request has used for this long (it loads again when one "
+        "names it); 0 keeps every model loaded",
+    )
     add_flag(parser, "--host", default="127.0.0.1", help="HTTP bind address")
     add_flag(parser, "--port", default=DEFAULT_PORT, cast=int, help="HTTP port")
     add_flag(
@@ -230,6 +247,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
     models = args.model or [env_default("MODEL")]
+    if args.keep_alive < 0:
+        raise ConfigError(f"--keep-alive must be 0 or more seconds, got {args.keep_alive}")
     prefix_cache_bytes = prefix_cache_bytes_from(args.prefix_cache_bytes)
     try:
         disk = str(args.prefix_cache_disk_bytes).strip()
@@ -239,6 +258,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         model=models[0],
         more_models=tuple(models[1:]),
+        load_on_demand=bool(args.load_on_demand),
+        keep_alive_s=args.keep_alive,
         model_id=args.model_id,
         model_aliases=parse_model_aliases(args.model_alias or []),
         parallelism=Parallelism(args.parallelism),

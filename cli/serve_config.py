@@ -60,3 +60,5 @@ class ServeConfig:
     model_aliases: tuple[tuple[str, str | None], ...] = ()
     # every --model after the first: served beside it, placed over the cluster together
     more_models: tuple[str, ...] = ()
+    load_on_demand: bool = False  # no model loads at start: the first request naming it does
+    keep_alive_s: float = 0.0  # unload a model idle this long (it reloads on demand); 0: never

@@ -163,23 +163,34 @@ def create_info_router(models: ServedModels) -> APIRouter:
     return router
 
 
+HEALTHY = ("ok", "unloaded")  # an unloaded model loads when a request names it
+
+
 def server_health(models: ServedModels) -> dict[str, Any]:
-    """The default model's health; with several models, each one's under "models", and the
-    server "ok" only while every one is (a model loading or re-planning is not served)."""
+    """The default model's health; with several models each one's under "models". The
+    server is "ok" while every model is ok or unloaded; else the first that is not says why
+    (a model loading or re-planning does not answer)."""
     services = models.all()
-    status = services[0].health()
+    if not services:
+        return {"status": "ok", "reason": "no model is served", "models": {}}
+    each = {service.model_id: service.health() for service in services}
+    first = each[services[0].model_id]
+    status = dict(first)
     if len(services) > 1:
-        each = {service.model_id: service.health() for service in services}
         status["models"] = each
-        worst = next((h for h in each.values() if h["status"] != "ok"), None)
-        if worst is not None and status["status"] == "ok":
-            status |= {"status": worst["status"], "reason": f"{worst['model']}: {worst['reason']}"}
+    worst = next((h for h in each.values() if h["status"] not in HEALTHY), None)
+    if worst is None:
+        status["status"] = "ok"
+    elif worst is not first:
+        status |= {"status": worst["status"], "reason": f"{worst['model']}: {worst['reason']}"}
     return status
 
 
 def cluster_status(models: ServedModels) -> dict[str, Any]:
     """The /v1/cluster body: the default model's, and with several, each one's by id."""
     services = models.all()
+    if not services:
+        return {"state": "ok", "state_reason": "no model is served", "models": {}}
     status = services[0].cluster_status()
     if len(services) > 1:
         status["models"] = {service.model_id: service.cluster_status() for service in services}

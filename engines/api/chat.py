@@ -212,7 +212,7 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
         responses={200: {"model": ChatCompletion, "content": STREAMED}, **ERROR_RESPONSES},
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        service = serving(models, body.model)
+        service = await serving(models, body.model)
         check_chat_fields(body)
         chat = chat_input_of(body)
         sampling = sampling_of(body, service)

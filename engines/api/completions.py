@@ -105,7 +105,7 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
         responses={200: {"model": Completion, "content": STREAMED}, **ERROR_RESPONSES},
     )
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        service = serving(models, body.model)
+        service = await serving(models, body.model)
         check_completion_fields(body)
         sampling = sampling_of(body, service)
         check_features(engine_features(service), sampling)

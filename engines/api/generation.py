@@ -16,7 +16,7 @@ from engines.core.request import GenerationRequest
 from engines.core.runner import Submission
 from engines.core.served_models import ServedModels
 from engines.core.service import Service, ServiceLimits
-from planner.errors import RequestError
+from planner.errors import EngineError, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +92,24 @@ class Outcome:
     accepted_tokens: int = 0
 
 
-def serving(models: ServedModels, requested: str, param: str = "model") -> Service:
+async def serving(models: ServedModels, requested: str, param: str = "model") -> Service:
     """The served model `requested` names (its id or an alias); 404 naming what is served
     otherwise; 503 while it has no tokenizer (none until its first engine has loaded)."""
     service = models.find(requested)
     if service is None:
         raise model_not_found(requested, models.describe_ids(), param)
-    return check_loaded(service)
+    return await ready_service(models, service)
 
 
-def check_loaded(service: Service) -> Service:
-    """`service`, or 503 while it has no tokenizer (none until its first engine loaded)."""
+async def ready_service(models: ServedModels, service: Service) -> Service:
+    """`service` once it answers: with --load-on-demand an unloaded model is loaded first and
+    the request waits for it (bounded); else 503 while it has no tokenizer."""
+    waits = service.state in ("unloaded", "starting") and service.runner is None
+    if waits and models.on_demand is not None:
+        try:
+            service = await models.on_demand.wait_loaded(service.model_id)
+        except EngineError as error:
+            raise engine_unavailable(str(error)) from None
     if service.tokenizer is None:
         reason = f": {service.state_reason}" if service.state_reason else ""
         raise engine_unavailable(f"the model is not loaded yet ({service.state}{reason})")

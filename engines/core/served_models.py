@@ -1,8 +1,9 @@
 """ServedModels: every model this server serves, each behind a Service of its own, and the
 one question every API route asks of them: which model does a request's `model` name?
 
-A model is listed from when it is known (loading) until it is unloaded; its Service's state
-says whether it answers ("ok"), is loading, re-planning ("degraded"), unloading or failed.
+A model is listed from when it is known until it is unloaded through the API; its Service's
+state says whether it answers ("ok"), is loading ("starting"), re-planning ("degraded"),
+unloading, unloaded (--load-on-demand loads it when a request names it) or failed.
 The first model added is the default: the one the browser pages open on.
 """
 
@@ -10,13 +11,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from engines.core.service import Service
 from engines.observability.request_timing import RequestRecord
 
 
+class OnDemand(Protocol):
+    async def wait_loaded(self, model_id: str) -> Service:
+        """The model's Service once it answers, loading it first if it is unloaded; raises
+        EngineError when it failed to load or did not within the bound."""
+        ...
+
+
 class ServedModels:
     def __init__(self, services: Iterable[Service] = ()) -> None:
+        self.on_demand: OnDemand | None = None  # loads a model a request names (--load-on-demand)
         self._lock = threading.Lock()
         self._services: dict[str, Service] = {}
         self._listeners: list[Callable[[RequestRecord], None]] = []
@@ -27,6 +37,15 @@ class ServedModels:
         with self._lock:
             if service.model_id in self._services:
                 raise ValueError(f"the model '{service.model_id}' is served already")
+            self._services[service.model_id] = service
+            service.request_listeners.extend(self._listeners)
+
+    def replace(self, service: Service) -> None:
+        """Put `service` in the place of the model with its id (reloaded: a Service of its
+        own), keeping its order."""
+        with self._lock:
+            if service.model_id not in self._services:
+                raise KeyError(service.model_id)
             self._services[service.model_id] = service
             service.request_listeners.extend(self._listeners)
 

@@ -127,9 +127,7 @@ class SingleEngine(Engine):
         if self.draft_model_path is None or not self.most_drafted:
             return PromptLookup
         try:
-            self.draft_model, draft_tokenizer = load_model_and_tokenizer(
-                str(self.draft_model_path)
-            )
+            self.draft_model, draft_tokenizer = load_model_and_tokenizer(str(self.draft_model_path))
         except (OSError, ValueError, RuntimeError) as error:
             where = self.draft_model_path
             raise EngineError(f"cannot load draft model {where}: {error}") from error

@@ -83,7 +83,7 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     )
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         unknown.note(body)
-        service = serving(models, body.model)
+        service = await serving(models, body.model)
         chat = chat_input_of(body)
         sampling = sampling_of(body, service.limits)
         check_features(engine_features(service), sampling, chat.grammar_param())
@@ -130,7 +130,7 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     async def count_tokens(body: CountTokensRequest) -> TokenCount:
         """The prompt's tokens as the chat template renders it, tools included."""
         unknown.note(body)
-        service = serving(models, body.model)
+        service = await serving(models, body.model)
         chat = chat_input_of(body)
         tools = tool_format_for(chat, service.tokenizer)
         output_grammar(chat, service.tokenizer, tools)  # the same 400s as a message gets

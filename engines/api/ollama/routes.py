@@ -19,9 +19,9 @@ from engines.api.generation import (
     Sampling,
     build_request,
     check_features,
-    check_loaded,
     collect,
     engine_features,
+    ready_service,
     wait_budget_s,
 )
 from engines.api.metrics import mark_submitted, received_at
@@ -126,7 +126,7 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
 
     @router.post("/api/chat")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        service = check_loaded(served_model(models, body.model))
+        service = await ready_service(models, served_model(models, body.model))
         if not body.messages:
             return JSONResponse(loaded(body.model, chat=True))
         conversation = chat_input_of(body)
@@ -138,7 +138,7 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
 
     @router.post("/api/generate")
     async def generate_text(body: GenerateRequest, request: Request) -> Response:
-        service = check_loaded(served_model(models, body.model))
+        service = await ready_service(models, served_model(models, body.model))
         if not body.prompt:
             return JSONResponse(loaded(body.model, chat=False))
         conversation = generate_input_of(body)

@@ -88,7 +88,7 @@ def create_router(
         responses={200: {"description": "the response", "content": STREAMED}, **ERROR_RESPONSES},
     )
     async def create_response(body: ResponsesRequest, request: Request) -> HTTPResponse:
-        service = serving(models, body.model)
+        service = await serving(models, body.model)
         check_fields(body)
         note_ignored(body)
         conversation = conversation_of(body, earlier_turns(body))
