@@ -14,6 +14,7 @@ from .options import (
     add_interface_flag,
     add_key_flags,
     add_planning_flags,
+    env_default,
     kv_bits_from,
     quantized_kv_start_from,
 )
@@ -24,10 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="dry-run the planner: for given inputs (--world-size) or against the live cluster",
     )
-    add_flag(
-        parser,
+    parser.add_argument(
         "--model",
-        help=MODEL_HELP,
+        action="append",
+        help=f"{MODEL_HELP}; repeat it to preview placing several models "
+        "[env TANDEM_MODEL, one model]",
     )
     add_flag(
         parser,
@@ -37,7 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="operator choice",
     )
     parser.add_argument(
-        "--world-size", type=int, help="plan for N machines instead of the live cluster"
+        "--world-size",
+        type=int,
+        help="plan for N machines instead of the live cluster (with several --model: N "
+        "machines like this one, --memory-limit capping each)",
     )
     parser.add_argument(
         "--no-tp-variant", action="store_true", help="pretend the model has no tp variant"
@@ -85,7 +90,12 @@ def run(args: argparse.Namespace) -> int:
 
     kv_bits_from(args.kv_bits)  # a bad value is refused before anything is looked up
     quantized_kv_start_from(args.quantized_kv_start)
-    facts = resolve_model(args.model, args.cache_dir)
+    references = args.model or [env_default("MODEL")]
+    if len(references) > 1:
+        from .plan_placement import print_placement
+
+        return print_placement(args, [resolve_model(ref, args.cache_dir) for ref in references])
+    facts = resolve_model(references[0], args.cache_dir)
     if args.world_size is not None:
         return print_dry_run(args, facts)
     from .coordinator import plan_live_cluster
