@@ -25,7 +25,7 @@ from planner import NodeResources, Parallelism
 from planner.errors import EngineError, PlanError, TandemError
 
 from .serve_config import ServeConfig
-from .served_model import ModelChoice, ServedModel
+from .served_model import ModelChoice, ServedModel, placement_of
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +239,22 @@ class ModelManager:
         self._keeper = threading.Thread(target=watch, name="keep-alive", daemon=True)
         self._keeper.start()
 
+    def placements(self) -> dict[str, Any]:
+        """GET /v1/placements: every model known placed afresh over the machines there now
+        (every candidate, each node's memory before and after, predicted speeds when
+        measured), beside where each model runs now."""
+        with self._lock:
+            served = list(self._served.values())
+        placement = placement_of(served, self.context.coordinator, self.context.membership)
+        current = {
+            model.service.model_id: {
+                "state": model.service.state,
+                "nodes": list(plan_nodes_of(model.supervisor.plan)),
+            }
+            for model in served
+        }
+        return {"current": current, "preview": placement.to_dict()}
+
     def supervisors(self) -> list[Any]:
         with self._lock:
             return [model.supervisor for model in self._served.values()]
@@ -256,12 +272,16 @@ def holds_memory(model: ServedModel) -> bool:
     return model.service.state not in (UNLOADED, FAILED)
 
 
+def plan_nodes_of(plan: Any) -> tuple[str, ...]:
+    """The nodes a plan runs on, the coordinator first (none before it has a plan)."""
+    if plan is None:
+        return ()
+    return tuple(dict.fromkeys([*plan.ranks, *(stage.node_id for stage in plan.stages)]))
+
+
 def plan_members(plan: Any, coordinator_id: str) -> frozenset[str]:
     """The members (not the coordinator) a plan runs on."""
-    if plan is None:
-        return frozenset()
-    nodes = {*plan.ranks, *(stage.node_id for stage in plan.stages)}
-    return frozenset(nodes - {coordinator_id})
+    return frozenset(plan_nodes_of(plan)) - {coordinator_id}
 
 
 def coordinator_need(plan: Any, coordinator_id: str) -> int:

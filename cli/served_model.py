@@ -196,13 +196,11 @@ class MemberEvents:
                 supervisor.on_assignment_failed(node_id, assignment_id, reason)
 
 
-def place(models: list[ServedModel], coordinator: NodeResources, membership: Any) -> Any:
-    """Place the models over the coordinator and the verified members (planner/placement.py):
-    each supervisor gets its group of members and the coordinator's memory less what the
-    others need there. Raises PlanError, with the numbers, when the set does not fit."""
-    from planner.placement import ModelToPlace, place_models
-
+def placement_of(models: list[ServedModel], coordinator: NodeResources, membership: Any) -> Any:
+    """Where the models would go over the coordinator and the verified members
+    (planner/placement.py), each planned as its supervisor plans it."""
     from engines.cluster.supervisor import plan_nodes
+    from planner.placement import ModelToPlace, place_models
 
     members = membership.members() if membership is not None else []
     nodes = [coordinator, *(membership.to_resources() if membership is not None else [])]
@@ -214,7 +212,14 @@ def place(models: list[ServedModel], coordinator: NodeResources, membership: Any
         return plan_nodes(model.facts, settings, group, members, model.weights)
 
     wanted = [ModelToPlace(i, model.supervisor.plan_settings.choice) for i, model in by_id.items()]
-    placement = place_models(wanted, nodes, plan)
+    return place_models(wanted, nodes, plan)
+
+
+def place(models: list[ServedModel], coordinator: NodeResources, membership: Any) -> Any:
+    """Place the models (placement_of): each supervisor gets its group of members and the
+    coordinator's memory less what the others need there. Raises PlanError, with the
+    numbers, when the set does not fit."""
+    placement = placement_of(models, coordinator, membership)
     if placement.refusal is not None:
         raise PlanError(f"refusing to serve: {placement.refusal}")
     for line in placement.describe():
@@ -225,7 +230,8 @@ def place(models: list[ServedModel], coordinator: NodeResources, membership: Any
         )
         for model_id, plan in placement.plans.items()
     }
-    for model_id, model in by_id.items():
+    for model in models:
+        model_id = model.service.model_id
         others = sum(need for other, need in needs.items() if other != model_id)
         share = replace(coordinator, memory_bytes=max(1, coordinator.memory_bytes - others))
         model.supervisor.coordinator = lambda share=share: share

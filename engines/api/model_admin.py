@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -34,6 +34,8 @@ class ModelLoader(Protocol):
     ) -> Service: ...
 
     def unload(self, model_id: str) -> bool: ...
+
+    def placements(self) -> dict[str, Any]: ...
 
 
 class LoadModelRequest(BaseModel):
@@ -102,5 +104,12 @@ def create_router(models: ServedModels, loader: ModelLoader | None) -> APIRouter
             message = f"the model '{model_id}' is not served; served: {models.describe_ids()}"
             raise APIError(404, message, param="model_id", code="model_not_found")
         return DeletedModel(id=service.model_id)
+
+    @router.get("/v1/placements", responses={**UNAUTHORIZED, **SERVER_FAILURE})
+    async def placements() -> JSONResponse:
+        """Where every model known would go if placed now: each candidate placement, each
+        machine's memory before and after, predicted speeds when measured."""
+        manager = require_loader()
+        return JSONResponse(await asyncio.to_thread(manager.placements))
 
     return router
