@@ -15,6 +15,7 @@ from .options import add_flag
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TIMEOUT_S = 5.0
+MODEL_LABEL = "model"  # every model's series carry it (engines/api/cluster_metrics.py)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,27 +62,36 @@ def fetch(url: str, api_key: str | None) -> str:
         raise PeerError(f"cannot reach {url}: {error}; is `tandem serve` running?") from None
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sample name (with its labels, if any, as `name{a="b"}`) → value."""
+def parse_metrics(text: str, model: str | None = None) -> dict[str, float]:
+    """Sample name (with its labels but `model`, if any, as `name{a="b"}`) → value: the
+    samples of `model`, or without one every model's added up (the whole server's)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+            labels = dict(sample.labels)
+            if model is not None and labels.get(MODEL_LABEL, model) != model:
+                continue
+            labels.pop(MODEL_LABEL, None)
+            pairs = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            key = f"{sample.name}{{{pairs}}}" if pairs else sample.name
+            values[key] = values.get(key, 0.0) + sample.value
     return values
 
 
 def describe(
     base: str, cluster: dict[str, Any], metrics: dict[str, float], tokens_per_s: float | None
 ) -> list[str]:
-    engine = cluster.get("engine") or {}
-    batch = engine.get("batch") or {}
+    """The server at a glance: its traffic over every model (`metrics` as parse_metrics
+    adds them up); the default model's plan; with several models, a line for each."""
+    models = cluster.get("models") or {}
+    default = f" (of {next(iter(models))}, the default model)" if len(models) > 1 else ""
     lines = [
         f"tandem at {base}: {cluster.get('state')}",
-        f"strategy  {cluster.get('strategy')} — {cluster.get('reason')}",
-        f"batch     {batch.get('active', 0)}/{batch.get('capacity', 0)} active, "
+        f"strategy  {cluster.get('strategy')} — {cluster.get('reason')}{default}",
+        f"batch     {int(metrics.get('tandem_active_sequences', 0))}/"
+        f"{int(metrics.get('tandem_batch_capacity', 0))} active, "
         f"{int(metrics.get('tandem_queue_depth', 0))}/"
         f"{int(metrics.get('tandem_queue_capacity', 0))} queued",
     ]
@@ -102,6 +112,8 @@ def describe(
     if steps:
         lines.append(f"steps     {steps}")
     lines.append(f"re-plans  {cluster.get('replans', 0)} {cluster.get('last_replan_reason') or ''}")
+    if len(models) > 1:
+        lines += ["", *describe_models(models)]
     lines.append("")
     lines.append(f"{'NODE':<28} {'STATE':<12} {'MEMORY':>10} {'TIER':<8} {'HEARTBEAT':>9} WORKER")
     coordinator = cluster.get("coordinator") or {}
@@ -114,6 +126,26 @@ def describe(
             f"{str(node.get('memory_tier') or '-'):<8} "
             f"{'-' if age is None else f'{age:.1f} s':>9} {node.get('worker_state') or '-'}"
             + _receiving(node.get("transfer"))
+        )
+    return lines
+
+
+def describe_models(models: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per served model: its state, its plan's strategy and nodes, its batch."""
+    lines = [f"{'MODEL':<28} {'STATE':<12} {'STRATEGY':<9} {'NODES':<28} BATCH"]
+    for model_id, each in models.items():
+        status = each if isinstance(each, dict) else {}
+        nodes = ", ".join(map(str, (status.get("plan") or {}).get("ranks") or ())) or "-"
+        batch = (status.get("engine") or {}).get("batch") or {}
+        load = (
+            f"{batch.get('active', 0)}/{batch.get('capacity', 0)} active, "
+            f"{batch.get('queued', 0)} queued"
+            if batch
+            else "-"
+        )
+        lines.append(
+            f"{model_id:<28} {str(status.get('state') or '-'):<12} "
+            f"{str(status.get('strategy') or '-'):<9} {nodes:<28} {load}"
         )
     return lines
 

@@ -83,7 +83,7 @@ def create_app(
             dialects=dialects,
         )
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, dialects=dialects)
-    metrics = Metrics(service)
+    metrics = Metrics(models)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 413s too
     install_openapi(app, service)
     app.include_router(chat.create_router(models, max_prompt_tokens))
@@ -93,7 +93,7 @@ def create_app(
     app.include_router(ollama.create_router(models, max_prompt_tokens))
     app.include_router(create_info_router(models))
     app.include_router(model_admin.create_router(models, model_loader))
-    app.include_router(dashboard.create_router(service, dashboard_interval_s, stopping))
+    app.include_router(dashboard.create_router(models, dashboard_interval_s, stopping))
     app.include_router(chat_page.create_router(service))
 
     @app.get(METRICS_PATH, include_in_schema=False)

@@ -1,4 +1,6 @@
-"""GET / (and /dashboard): the live cluster page; /dashboard/events streams its fragments (SSE)."""
+"""GET / (and /dashboard): the live cluster page; /dashboard/events streams its fragments (SSE).
+
+It lists every served model; the sections below show the default model (the first)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import AsyncIterator
 from html import escape
 from importlib import resources
 from string import Template
+from typing import Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse, Response
@@ -18,6 +21,7 @@ from starlette.responses import StreamingResponse
 
 from engines.api import dashboard_view as view
 from engines.api.errors import APIError
+from engines.core.served_models import ServedModels
 from engines.core.service import Service
 from engines.observability.request_timing import RequestRecord
 
@@ -30,30 +34,31 @@ STATIC_FILES = ("dashboard.js", "dashboard.css")
 
 
 class DashboardState:
-    """What the page shows beyond /v1/cluster: recent requests and a short live history."""
+    """What the page shows beyond /v1/cluster: recent requests of every model and a short
+    live history of the default one."""
 
     def __init__(
         self,
-        service: Service,
+        models: ServedModels,
         interval_s: float = UPDATE_INTERVAL_S,
         stopping: threading.Event | None = None,
     ) -> None:
-        self.service = service
+        self.models = models
         self.interval_s = interval_s
         self.stopping = stopping or threading.Event()
         self.recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
         self.samples: deque[view.Sample] = deque(maxlen=SAMPLES_KEPT)
-        service.request_listeners.append(self.recent.append)  # deque.append is thread-safe
+        models.listen(self.recent.append)  # deque.append is thread-safe
 
-    def sample(self) -> None:
+    def sample(self, service: Service) -> None:
         now = time.monotonic()
         if self.samples and now - self.samples[-1].at < min(SAMPLE_INTERVAL_S, self.interval_s):
             return
-        runner = self.service.runner
+        runner = service.runner
         self.samples.append(
             view.Sample(
                 at=now,
-                generated_tokens=self.service.generated_tokens,
+                generated_tokens=service.generated_tokens,
                 queued=runner.queued if runner else 0,
                 active=runner.active if runner else 0,
                 capacity=runner.max_batch if runner else 0,
@@ -62,15 +67,22 @@ class DashboardState:
 
     def fragments(self) -> dict[str, str]:
         """Every section of the page, by element id."""
-        self.sample()
-        status = self.service.cluster_status()
-        health = self.service.health()
+        services = self.models.all()
+        looks = [(service, service.cluster_status(), service.health()) for service in services]
+        rows = [model_row(*look) for look in looks]
+        if looks:
+            default, status, health = looks[0]
+            self.sample(default)
+            model = default.model_id
+        else:
+            status, health, model = {}, {"status": "ok", "reason": "no model is served"}, "—"
         return {
-            "summary": view.render_summary(status, health, self.service.model_id),
+            "summary": view.render_summary(status, health, model),
+            "models": view.render_models(rows),
             "rules": view.render_rules(status),
             "members": view.render_members(status),
             "charts": view.render_charts(list(self.samples)),
-            "requests": view.render_requests(list(self.recent)),
+            "requests": view.render_requests(list(self.recent), by_model=len(services) > 1),
             "replans": view.render_replans(status),
             "predictions": view.render_predictions(status),
         }
@@ -88,18 +100,34 @@ class DashboardState:
                 await asyncio.sleep(self.interval_s)
 
 
+def model_row(service: Service, status: dict[str, Any], health: dict[str, Any]) -> view.ModelRow:
+    """A model's line in the Models section: its state, its plan, its runner's load."""
+    return view.ModelRow(
+        model_id=service.model_id,
+        state=str(health.get("status", service.state)),
+        reason=str(health.get("reason") or ""),
+        strategy=status.get("strategy"),
+        nodes=tuple(map(str, (status.get("plan") or {}).get("ranks") or ())),
+        active=int(health.get("active", 0)),
+        capacity=int(health.get("max_batch", 0)),
+        queued=int(health.get("queued", 0)),
+        generated_tokens=service.generated_tokens,
+    )
+
+
 def create_router(
-    service: Service,
+    served: Service | ServedModels,
     interval_s: float = UPDATE_INTERVAL_S,
     stopping: threading.Event | None = None,
 ) -> APIRouter:
     router = APIRouter(include_in_schema=False)
-    state = DashboardState(service, interval_s, stopping)
+    models = served if isinstance(served, ServedModels) else ServedModels([served])
+    state = DashboardState(models, interval_s, stopping)
     page = Template(_static_text("dashboard.html"))
 
     async def dashboard() -> HTMLResponse:
         fragments = await asyncio.to_thread(state.fragments)
-        return HTMLResponse(page.substitute(title=_title(service), **fragments))
+        return HTMLResponse(page.substitute(title=_title(models), **fragments))
 
     router.add_api_route("/", dashboard, methods=["GET"])
     router.add_api_route("/dashboard", dashboard, methods=["GET"])
@@ -122,8 +150,8 @@ def create_router(
     return router
 
 
-def _title(service: Service) -> str:
-    return escape(f"tandem · {service.model_id}")
+def _title(models: ServedModels) -> str:
+    return escape(f"tandem · {', '.join(models.ids()) or 'no model'}")
 
 
 def _static_text(name: str) -> str:

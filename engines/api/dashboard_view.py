@@ -1,4 +1,5 @@
-"""The dashboard's HTML fragments, rendered from /v1/cluster, live samples and recent requests."""
+"""The dashboard's HTML fragments, rendered from /v1/cluster, the served models, live samples
+and recent requests."""
 
 from __future__ import annotations
 
@@ -24,6 +25,43 @@ class Sample:
     queued: int
     active: int
     capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRow:
+    """One served model as the Models section lists it."""
+
+    model_id: str
+    state: str  # its health: ok, starting, degraded, unloaded, failed ...
+    reason: str
+    strategy: str | None  # None until it has a plan
+    nodes: tuple[str, ...]  # the nodes its plan runs on, in rank order
+    active: int
+    capacity: int
+    queued: int
+    generated_tokens: int
+
+
+def render_models(rows: Sequence[ModelRow]) -> str:
+    """Every served model: state and why, its plan's strategy and nodes, its load."""
+    if not rows:
+        return '<p class="muted">no model is served</p>'
+    cells = []
+    for row in rows:
+        reason = f' <span class="muted">{escape(row.reason)}</span>' if row.reason else ""
+        cells.append(
+            f'<tr data-model="{escape(row.model_id)}"><td>{escape(row.model_id)}</td>'
+            f'<td><span class="badge {_state_class(row.state)}">{escape(row.state)}</span>'
+            f"{reason}</td><td>{escape(row.strategy or '—')}</td>"
+            f"<td>{escape(', '.join(row.nodes) or '—')}</td>"
+            f'<td class="num">{row.active}/{row.capacity}</td>'
+            f'<td class="num">{row.queued}</td><td class="num">{row.generated_tokens}</td></tr>'
+        )
+    head = (
+        "<tr><th>model</th><th>state</th><th>strategy</th><th>nodes</th><th>active</th>"
+        "<th>queued</th><th>tokens</th></tr>"
+    )
+    return f'<div class="scroll"><table class="models">{head}{"".join(cells)}</table></div>'
 
 
 def render_summary(status: dict[str, Any], health: dict[str, Any], model: str) -> str:
@@ -140,7 +178,8 @@ def render_charts(samples: Sequence[Sample]) -> str:
     )
 
 
-def render_requests(records: Sequence[RequestRecord]) -> str:
+def render_requests(records: Sequence[RequestRecord], by_model: bool = False) -> str:
+    """The last requests, newest first; `by_model` (several models served) names each one's."""
     if not records:
         return '<p class="muted">no requests yet</p>'
     legend = "".join(f'<span class="seg-{name}">{name}</span>' for name in SEGMENTS)
@@ -158,14 +197,16 @@ def render_requests(records: Sequence[RequestRecord]) -> str:
         if record.drafted_tokens:  # speculative decoding: how many drafts the model kept
             tokens += f" ({record.accepted_tokens}/{record.drafted_tokens} drafts accepted)"
         status = record.finish_reason + (f": {record.error}" if record.error else "")
+        model = f"<td>{escape(record.model)}</td>" if by_model else ""
         rows.append(
             f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(record.started_at))}</td>"
-            f'<td title="{escape(record.request_id)}">{escape(record.request_id[-8:])}</td>'
+            f'{model}<td title="{escape(record.request_id)}">{escape(record.request_id[-8:])}</td>'
             f"<td>{escape(status)}</td><td>{escape(tokens)}</td>"
             f"<td>{record.duration_s * 1000:.0f} ms</td>"
             f'<td class="breakdown"><div class="bar">{bar}</div>{_engine_line(record)}</td></tr>'
         )
-    head = "<tr><th>time</th><th>id</th><th>finish</th><th>tokens</th><th>total</th>"
+    head = "<tr><th>time</th>" + ("<th>model</th>" if by_model else "")
+    head += "<th>id</th><th>finish</th><th>tokens</th><th>total</th>"
     head += "<th>breakdown</th></tr>"
     return (
         f'<div class="legend">{legend}</div><div class="scroll"><table class="requests">'
@@ -342,4 +383,4 @@ def _gib(value: int | None) -> str:
 
 
 def _state_class(state: str) -> str:
-    return {"ok": "ok", "starting": "warn", "degraded": "bad"}.get(state, "warn")
+    return {"ok": "ok", "starting": "warn", "degraded": "bad", "failed": "bad"}.get(state, "warn")

@@ -97,6 +97,7 @@ def test_status_prints_the_cluster_at_a_glance(live: Any) -> None:
     assert "strategy  pp" in result.stdout
     assert "seal " in result.stdout  # the engine step timing line
     assert agent.node_id in result.stdout and "connected" in result.stdout
+    assert "MODEL " not in result.stdout  # one model: no line for each
     refused = run_cli(["status", "--url", "http://127.0.0.1:9", "--sample", "0"])
     assert refused.returncode != 0 and "cannot reach" in refused.stderr
 
@@ -118,6 +119,9 @@ def test_the_dashboard_stream_delivers_updates_over_http(live: Any) -> None:
     assert [update["sequence"] for update in updates] == [1, 2]
     assert agent.node_id in updates[-1]["fragments"]["members"]
     assert "pp stage 1" in updates[-1]["fragments"]["members"]
+    models = updates[-1]["fragments"]["models"]  # the one model's row: its plan and nodes
+    assert models.count("<tr data-model=") == 1 and f'data-model="{MODEL_ID}"' in models
+    assert "<td>pp</td>" in models and agent.node_id in models
 
 
 def test_the_dashboard_in_a_real_browser(live: Any, tmp_path: Path) -> None:

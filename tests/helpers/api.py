@@ -22,6 +22,7 @@ import uvicorn
 from discovery.framing import free_port
 from engines.api import create_app
 from engines.core.runner import EngineRunner
+from engines.core.served_models import ServedModels
 from engines.core.service import Service, ServiceLimits
 from engines.single.engine import SingleEngine
 
@@ -65,9 +66,11 @@ def wait_idle(runner: EngineRunner, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def make_service(runner: EngineRunner | None, tokenizer: Any = None, **limits: Any) -> Service:
+def make_service(
+    runner: EngineRunner | None, tokenizer: Any = None, model_id: str = MODEL_ID, **limits: Any
+) -> Service:
     return Service(
-        model_id=MODEL_ID,
+        model_id=model_id,
         tokenizer=tokenizer if tokenizer is not None else runner.engine.tokenizer,
         limits=ServiceLimits(**limits),
         runner=runner,
@@ -77,8 +80,10 @@ def make_service(runner: EngineRunner | None, tokenizer: Any = None, **limits: A
 
 
 @asynccontextmanager
-async def open_client(service: Service, **app_options: Any) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=create_app(service, **app_options))
+async def open_client(
+    served: Service | ServedModels, **app_options: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=create_app(served, **app_options))
     async with httpx.AsyncClient(transport=transport, base_url="http://tandem.test") as client:
         yield client
 

@@ -14,6 +14,7 @@ from engines.observability.request_timing import RequestRecord
 from tests.helpers.api import MODEL_ID, make_service, open_client
 
 PROMPTS = ("Hello there", "Once upon a time, in a land far away, there lived")
+MODEL = f"model={MODEL_ID}"  # the label every model's series carry, in Flow's keys
 
 
 @dataclass
@@ -27,10 +28,10 @@ class Flow:
         return self.after.get(key, 0.0) - self.before.get(key, 0.0)
 
     def step_count(self, segment: str) -> float:
-        return self.delta(f"tandem_engine_step_seconds_count{{segment={segment}}}")
+        return self.delta(f"tandem_engine_step_seconds_count{{{MODEL},segment={segment}}}")
 
     def step_sum(self, segment: str) -> float:
-        return self.delta(f"tandem_engine_step_seconds_sum{{segment={segment}}}")
+        return self.delta(f"tandem_engine_step_seconds_sum{{{MODEL},segment={segment}}}")
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -77,5 +78,5 @@ def check_request_shares(result: Flow, segments: tuple[str, ...]) -> None:
         for segment in segments:
             assert shares[segment] <= record.prefill_s + record.decode_s, (segment, record)
     for segment in segments:
-        key = f"tandem_request_engine_seconds_count{{segment={segment}}}"
+        key = f"tandem_request_engine_seconds_count{{{MODEL},segment={segment}}}"
         assert result.delta(key) == len(PROMPTS), segment

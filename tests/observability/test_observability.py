@@ -7,19 +7,27 @@ import base64
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cli.main import build_parser
+from engines.api import create_app
+from engines.api.cluster_metrics import MODEL_LABEL, Families, add_prefix_cache
 from engines.api.dashboard_view import render_members, render_predictions, render_summary
-from engines.api.metrics import _prefix_cache
+from engines.cluster.cluster_status import engine_status
 from engines.cluster.replan_history import ReplanHistory, reason_kind
+from engines.core.runner import EngineRunner
+from engines.core.served_models import ServedModels
 from engines.observability.request_log import RequestLog, RequestLogSettings
 from engines.observability.request_timing import SEGMENTS, RequestRecord
 from planner.speed import Prediction
 from tests.helpers.api import (
+    CLUSTER,
     HELLO,
     LONG,
     MODEL_ID,
@@ -29,6 +37,8 @@ from tests.helpers.api import (
     make_service,
     open_client,
     runner,  # noqa: F401
+    serve_on_loopback,
+    start_runner,
     wait_idle,
 )
 
@@ -58,6 +68,28 @@ def chat(max_tokens: int = 6, stream: bool = False, **extra: Any) -> dict[str, A
     return body | extra
 
 
+@pytest.fixture(scope="module")
+def second_runner(demo_model_factory: Callable[..., Path]) -> Iterator[EngineRunner]:
+    """A second model beside `runner`'s (2 layers, other weights): two models served at once."""
+    second = start_runner(demo_model_factory(layers=2, seed=7), queue_size=8)
+    yield second
+    second.close()
+
+
+def two_models(first: EngineRunner, second: EngineRunner) -> ServedModels:
+    """Model "a" on the demo model and "b" on the second, each planned on a node of its own."""
+    services = []
+    for model_id, each, node in (("a", first, "node-a"), ("b", second, "node-b")):
+        service = make_service(each, model_id=model_id)
+        status = CLUSTER | {"state": "ok", "plan": {"ranks": [node]}, "members": []}
+        # as the supervisor's status: the plan's nodes, the running engine's batch
+        service.cluster_status = lambda status=status, each=each: (
+            status | {"engine": engine_status(each)}
+        )
+        services.append(service)
+    return ServedModels(services)
+
+
 async def test_metrics_move_as_requests_flow(runner: Any) -> None:
     service = make_service(runner)
     async with open_client(service) as client:
@@ -80,22 +112,26 @@ async def test_metrics_move_as_requests_flow(runner: Any) -> None:
     assert delta(ok) == 3
     assert delta(ok.replace("200", "400")) == 1
     assert delta("tandem_http_requests_total{method=GET,route=other,status=404}") == 1
-    assert delta("tandem_requests_finished_total{finish_reason=length}") == 3
-    assert delta("tandem_tokens_total{kind=completion}") == completion_tokens + 5
-    assert delta("tandem_tokens_total{kind=prompt}") > 0
-    assert delta("tandem_tokens_total{kind=cached}") == 0
-    assert delta("tandem_request_duration_seconds_count{}") == 3
-    assert delta("tandem_time_to_first_token_seconds_count{}") == 3
-    assert delta("tandem_inter_token_latency_seconds_count{}") == 3
+    model = f"model={MODEL_ID}"  # one model served: its series carry its id all the same
+    assert delta(f"tandem_requests_finished_total{{finish_reason=length,{model}}}") == 3
+    assert delta(f"tandem_tokens_total{{kind=completion,{model}}}") == completion_tokens + 5
+    assert delta(f"tandem_tokens_total{{kind=prompt,{model}}}") > 0
+    assert delta(f"tandem_tokens_total{{kind=cached,{model}}}") == 0
+    assert delta(f"tandem_request_duration_seconds_count{{{model}}}") == 3
+    assert delta(f"tandem_time_to_first_token_seconds_count{{{model}}}") == 3
+    assert delta(f"tandem_inter_token_latency_seconds_count{{{model}}}") == 3
     for segment in SEGMENTS:
-        assert delta(f"tandem_request_segment_seconds_count{{segment={segment}}}") == 3
-    segments = sum(delta(f"tandem_request_segment_seconds_sum{{segment={s}}}") for s in SEGMENTS)
-    assert segments == pytest.approx(delta("tandem_request_duration_seconds_sum{}"), abs=1e-6)
-    assert delta("tandem_generated_tokens_total{}") >= completion_tokens + 5
-    assert after["tandem_batch_capacity{}"] == runner.max_batch
-    assert after["tandem_queue_capacity{}"] == runner.queue_size
-    assert after["tandem_serving{state=ok}"] == 1
-    assert after["tandem_engine_info{strategy=single,world_size=1}"] == 1
+        assert delta(f"tandem_request_segment_seconds_count{{{model},segment={segment}}}") == 3
+    segments = sum(
+        delta(f"tandem_request_segment_seconds_sum{{{model},segment={s}}}") for s in SEGMENTS
+    )
+    duration = delta(f"tandem_request_duration_seconds_sum{{{model}}}")
+    assert segments == pytest.approx(duration, abs=1e-6)
+    assert delta(f"tandem_generated_tokens_total{{{model}}}") >= completion_tokens + 5
+    assert after[f"tandem_batch_capacity{{{model}}}"] == runner.max_batch
+    assert after[f"tandem_queue_capacity{{{model}}}"] == runner.queue_size
+    assert after[f"tandem_serving{{{model},state=ok}}"] == 1
+    assert after[f"tandem_engine_info{{{model},strategy=single,world_size=1}}"] == 1
 
 
 async def test_active_sequences_and_queue_show_a_running_request(runner: Any) -> None:
@@ -111,8 +147,8 @@ async def test_active_sequences_and_queue_show_a_running_request(runner: Any) ->
             submission.cancel()
         assert (await task).status_code == 503  # the generation ended "cancelled"
     wait_idle(runner)
-    assert during["tandem_active_sequences{}"] == 1
-    assert during["tandem_queue_depth{}"] == 0
+    assert during[f"tandem_active_sequences{{model={MODEL_ID}}}"] == 1
+    assert during[f"tandem_queue_depth{{model={MODEL_ID}}}"] == 0
 
 
 @pytest.mark.parametrize(
@@ -200,8 +236,9 @@ async def test_a_request_refused_up_front_leaves_one_rejected_record(runner: Any
     for record in records:
         assert record.duration_s == pytest.approx(sum(record.segments().values()))
     assert invalid.to_dict()["id"] is None and invalid.to_dict()["http_status"] == 400
-    assert metrics["tandem_requests_finished_total{finish_reason=rejected}"] == 2
-    assert metrics["tandem_request_duration_seconds_count{}"] == 1  # rejections stay out
+    model = f"model={MODEL_ID}"  # refused before its model was known: the default model
+    assert metrics[f"tandem_requests_finished_total{{finish_reason=rejected,{model}}}"] == 2
+    assert metrics[f"tandem_request_duration_seconds_count{{{model}}}"] == 1  # rejections out
     route = "tandem_http_requests_total{method=POST,route=/v1/chat/completions,status=401}"
     assert metrics[route] == 1
 
@@ -262,6 +299,7 @@ async def test_the_dashboard_stream_delivers_updates(runner: Any) -> None:
     assert [update["sequence"] for update in updates] == [1, 2, 3]
     last = updates[-1]["fragments"]
     sections = {"summary", "rules", "members", "charts", "requests", "replans", "predictions"}
+    sections.add("models")
     assert set(last) == sections
     assert done.json()["id"][-8:] in last["requests"]
     assert "tokens/s" in last["charts"]
@@ -318,15 +356,19 @@ def test_member_and_prefix_cache_metrics(runner: Any) -> None:
     service = make_service(runner)
     service.cluster_status = lambda: status
     values = scrape_text(Metrics(service).render()[0].decode())
-    assert values["tandem_member_heartbeat_age_seconds{node=m1}"] == 0.25
-    assert values["tandem_member_memory_available_bytes{node=m1}"] == 1024
-    assert values["tandem_member_memory_tier{node=m1,tier=roomy}"] == 1
-    assert values["tandem_member_worker_up{node=m1}"] == 1
-    assert values["tandem_member_worker_up{node=m2}"] == 0
-    assert values["tandem_member_connected{node=m2}"] == 0
-    assert values["tandem_replans_total{reason=member_lost}"] == 2
+    model = f"model={MODEL_ID}"
+    assert values[f"tandem_member_heartbeat_age_seconds{{{model},node=m1}}"] == 0.25
+    assert values[f"tandem_member_memory_available_bytes{{{model},node=m1}}"] == 1024
+    assert values[f"tandem_member_memory_tier{{{model},node=m1,tier=roomy}}"] == 1
+    assert values[f"tandem_member_worker_up{{{model},node=m1}}"] == 1
+    assert values[f"tandem_member_worker_up{{{model},node=m2}}"] == 0
+    assert values[f"tandem_member_connected{{{model},node=m2}}"] == 0
+    assert values[f"tandem_replans_total{{{model},reason=member_lost}}"] == 2
     cache = {"hits": 5, "misses": 2, "bytes": 4096, "entries": 3, "evictions": 1}
-    names = {family.name: family.samples[0].value for family in _prefix_cache(cache)}
+    families = Families()
+    add_prefix_cache(families, "demo", cache)
+    names = {family.name: family.samples[0].value for family in families}
+    assert {family.samples[0].labels[MODEL_LABEL] for family in families} == {"demo"}
     assert names == {
         "tandem_prefix_cache_hits": 5,
         "tandem_prefix_cache_misses": 2,
@@ -334,7 +376,9 @@ def test_member_and_prefix_cache_metrics(runner: Any) -> None:
         "tandem_prefix_cache_bytes": 4096,
         "tandem_prefix_cache_entries": 3,
     }
-    assert list(_prefix_cache({"hits": "n/a"})) == []
+    nothing = Families()
+    add_prefix_cache(nothing, "demo", {"hits": "n/a"})
+    assert list(nothing) == []
 
 
 @pytest.mark.parametrize(
@@ -370,7 +414,8 @@ async def test_process_memory_accounts_for_the_weights_next_to_rss(runner: Any) 
         memory = {
             key.split("kind=")[1].split(",")[0]: value
             for key, value in (await scrape(client)).items()
-            if key.startswith("tandem_process_memory_bytes{") and key.endswith(",process=serve}")
+            if key.startswith("tandem_process_memory_bytes{")
+            and key.endswith(f",model={MODEL_ID},process=serve}}")
         }
     # float32 demo weights: what the engine holds is what the files hold, give or take headers
     assert abs(memory["weights"] - model_bytes) < 0.05 * model_bytes
@@ -432,3 +477,80 @@ def test_the_dashboard_sets_a_pipelines_stages_predicted_beside_served() -> None
     served["segments_ms"] = {"stage0": 24.6, "stage1": 21.9, "transit": 1.2}
     html = render_predictions(status)
     assert "stage0 on c 18.1 -&gt; 24.6; stage1 on a 19.4 -&gt; 21.9; transit 0.2 -&gt; 1.2" in html
+
+
+async def test_two_models_each_have_their_series_their_row_and_their_requests(
+    runner: Any, second_runner: EngineRunner
+) -> None:
+    models = two_models(runner, second_runner)
+    completion = {"a": 0, "b": 0}
+    async with open_client(models, dashboard_interval_s=0.05) as client:
+        before = await scrape(client)
+        for model_id, max_tokens in (("a", 3), ("a", 4), ("b", 5)):
+            answer = await client.post(CHAT, json=chat(max_tokens, model=model_id))
+            assert answer.status_code == 200, answer.text
+            completion[model_id] += answer.json()["usage"]["completion_tokens"]
+        after = await scrape(client)
+        events = await client.get("/dashboard/events", params={"updates": 1})
+        removed = models.remove("b")
+        assert removed is not None
+        without_b = await scrape(client)
+        models.add(removed)  # loaded again: its live series are back at the next scrape
+        with_b = await scrape(client)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for model_id, requests in (("a", 2), ("b", 1)):
+        model = f"model={model_id}"
+        assert delta(f"tandem_requests_finished_total{{finish_reason=length,{model}}}") == requests
+        assert delta(f"tandem_request_duration_seconds_count{{{model}}}") == requests
+        assert delta(f"tandem_tokens_total{{kind=completion,{model}}}") == completion[model_id]
+        assert delta(f"tandem_generated_tokens_total{{{model}}}") >= completion[model_id]
+        assert after[f"tandem_serving{{{model},state=ok}}"] == 1
+        assert after[f"tandem_engine_info{{{model},strategy=single,world_size=1}}"] == 1
+    assert after["tandem_batch_capacity{model=b}"] == second_runner.max_batch
+    ok = "tandem_http_requests_total{method=POST,route=/v1/chat/completions,status=200}"
+    assert delta(ok) == 3  # the HTTP counters stay the server's, unlabelled
+    assert "tandem_serving{model=b,state=ok}" not in without_b
+    assert "tandem_serving{model=a,state=ok}" in without_b
+    assert with_b["tandem_serving{model=b,state=ok}"] == 1
+    assert with_b["tandem_requests_finished_total{finish_reason=length,model=b}"] == 1
+
+    (update,) = [
+        json.loads(block.split("data: ", 1)[1])
+        for block in events.text.split("\n\n")
+        if block.startswith("event: update")
+    ]
+    fragments = update["fragments"]
+    rows = fragments["models"]
+    assert rows.index('data-model="a"') < rows.index('data-model="b"')
+    assert rows.count("<td>single</td>") == 2
+    assert "<td>node-a</td>" in rows and "<td>node-b</td>" in rows
+    assert f'<td class="num">0/{second_runner.max_batch}</td>' in rows
+    requests = fragments["requests"]
+    assert "<th>model</th>" in requests
+    assert requests.count("<td>a</td>") == 2 and requests.count("<td>b</td>") == 1
+    assert '<b id="strategy">single</b>' in fragments["summary"]  # the default model, "a"
+
+
+def test_status_lists_every_model_beside_the_server_totals(
+    runner: Any, second_runner: EngineRunner, capsys: pytest.CaptureFixture[str]
+) -> None:
+    models = two_models(runner, second_runner)
+    with serve_on_loopback(create_app(models)) as url:
+        for model_id in ("a", "b"):
+            answer = httpx.post(url + CHAT, json=chat(3, model=model_id), timeout=60)
+            assert answer.status_code == 200, answer.text
+        args = build_parser().parse_args(["status", "--url", url, "--sample", "0"])
+        assert args.run(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("MODEL ")))
+    assert [line.split()[:4] for line in lines[header + 1 : header + 3]] == [
+        ["a", "ok", "single", "node-a"],
+        ["b", "ok", "single", "node-b"],
+    ]
+    assert lines[header + 2].endswith(f"0/{second_runner.max_batch} active, 0 queued")
+    assert "(of a, the default model)" in lines[1]
+    (traffic,) = [line for line in lines if line.startswith("traffic ")]
+    assert "2 requests (length 2)" in traffic  # the server's: both models' requests

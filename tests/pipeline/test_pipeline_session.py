@@ -21,7 +21,7 @@ from tests.helpers.pipeline import (
     run,
     status,
 )
-from tests.helpers.timing import check_request_shares, flow
+from tests.helpers.timing import MODEL, check_request_shares, flow
 
 pytestmark = pytest.mark.cluster
 
@@ -46,7 +46,7 @@ def test_frame_timing_moves_in_metrics_and_request_records(three_stages: Pipelin
     """Requests through the API: every answered frame is split into the coordinator's layers,
     each remote stage's, sealing and transit; /metrics and the request records show them."""
     result = flow(three_stages.runner)
-    frames = result.delta("tandem_engine_steps_total{}")
+    frames = result.delta(f"tandem_engine_steps_total{{{MODEL}}}")
     assert frames >= 8  # 8 tokens each, and the prefill chunks
     segments = ("stage0", "stage1", "stage2", "seal", "transit", "round_trip")
     for segment in segments:

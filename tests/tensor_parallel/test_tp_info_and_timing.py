@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cli.status import engine_steps, parse_metrics
-from tests.helpers.timing import check_request_shares, flow
+from tests.helpers.timing import MODEL, check_request_shares, flow
 
 pytestmark = pytest.mark.cluster
 
@@ -23,7 +23,7 @@ def test_step_timing_moves_in_metrics_and_request_records(tp_runner):
     """Requests through the API: rank 0's all_sum and step times reach /metrics and every
     request's record; the parts of a step fit inside the coordinator's round trip."""
     result = flow(tp_runner)
-    steps = result.delta("tandem_engine_steps_total{}")
+    steps = result.delta(f"tandem_engine_steps_total{{{MODEL}}}")
     assert steps >= 8  # 8 tokens each, one batch
     for segment in ("all_sum", "compute", "step", "exchange"):
         assert result.step_count(segment) == steps, segment
