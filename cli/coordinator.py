@@ -18,7 +18,6 @@ from .serve_config import ServeConfig
 log = logging.getLogger(__name__)
 
 KEY_FILE = "cluster.key"
-DEMO_MODEL_ID = "tandem-demo"
 
 
 def resolve_cluster_key(
@@ -35,23 +34,6 @@ def resolve_cluster_key(
     if create:
         return load_or_create_key(stored)
     return (load_key_file(stored), False) if stored.exists() else (None, False)
-
-
-def default_model_id(model: str | None, facts: Any) -> str:
-    """The name clients use: the repo id, the Ollama name, the directory's name, or the default
-    or demo model's name."""
-    from engines.model.gguf.ollama_store import is_ollama_reference, parse_name
-    from engines.model.smollm2 import MODEL_ID
-
-    from .model_source import DEMO_MODEL
-
-    if model is None:
-        return MODEL_ID
-    if str(model) == DEMO_MODEL:
-        return DEMO_MODEL_ID
-    if is_ollama_reference(model):
-        return str(parse_name(str(model))).removesuffix(":latest")
-    return facts.repo_id or facts.path.name
 
 
 def join_command(key: bytes, interface: str | None) -> str:
@@ -75,26 +57,6 @@ def coordinator_resources(node_id: str, memory_limit: str | None) -> NodeResourc
         backends=capabilities.backends,
         memory_bound="" if bound == MACHINE_BOUND else bound,
     )
-
-
-def rdma_rows(hostfile: Path | None) -> tuple[Any, ...]:
-    """--hostfile's rdma rows for a JACCL plan (none without a hostfile or rdma rows)."""
-    from discovery.hostfile import load_hostfile
-    from engines.tensor_parallel.jaccl import RdmaRow
-
-    if hostfile is None:
-        return ()
-    parsed = load_hostfile(hostfile)
-    if not parsed.has_rdma:
-        return ()
-    return tuple(RdmaRow(tuple(e.ips), tuple(e.rdma or ())) for e in parsed.entries)
-
-
-def own_active_rdma() -> tuple[str, ...]:
-    """This machine's RDMA devices with an active port (JACCL's links when no hostfile)."""
-    from discovery.capabilities import probe_rdma_devices
-
-    return tuple(device.name for device in probe_rdma_devices() if device.active)
 
 
 def coordinator_address(interface: str | None, members: list[Any]) -> str:
@@ -210,17 +172,6 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     return plan_nodes(facts, settings, nodes, verified, weights, speeds), members
 
 
-def draft_model_path(config: ServeConfig) -> Path | None:
-    """--draft-model resolved as --model is (a directory, a GGUF imported once, a repo)."""
-    if config.draft_model is None:
-        return None
-    from .model_source import resolve_model
-
-    path = resolve_model(config.draft_model, config.cache_dir).path
-    log.info("draft model: %s (drafts on the single engine; tp and pp use prompt lookup)", path)
-    return Path(path)
-
-
 def open_request_log(config: ServeConfig, models: Any) -> Any:
     """The JSON-lines request log the flags ask for, listening to every model; None when off."""
     from engines.observability.request_log import RequestLog, RequestLogSettings
@@ -309,7 +260,8 @@ def serve(config: ServeConfig) -> int:
             place(served, coordinator, membership)
         for model in served if not config.load_on_demand else ():
             try:
-                with loading(f"starting {model.service.model_id}"):
+                what = f"starting {model.service.model_id}" if len(served) > 1 else None
+                with loading(what or "starting the engine"):
                     model.supervisor.start()
             except PlanError as error:
                 raise PlanError(f"refusing to serve {model.service.model_id}: {error}") from error

@@ -14,10 +14,60 @@ from typing import Any
 from planner import NodeResources
 from planner.errors import ConfigError, PlanError
 
-from .coordinator import default_model_id, draft_model_path, own_active_rdma, rdma_rows
 from .serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
+
+
+DEMO_MODEL_ID = "tandem-demo"
+
+
+def default_model_id(model: str | None, facts: Any) -> str:
+    """The name clients use: the repo id, the Ollama name, the directory's name, or the default
+    or demo model's name."""
+    from engines.model.gguf.ollama_store import is_ollama_reference, parse_name
+    from engines.model.smollm2 import MODEL_ID
+
+    from .model_source import DEMO_MODEL
+
+    if model is None:
+        return MODEL_ID
+    if str(model) == DEMO_MODEL:
+        return DEMO_MODEL_ID
+    if is_ollama_reference(model):
+        return str(parse_name(str(model))).removesuffix(":latest")
+    return facts.repo_id or facts.path.name
+
+
+def rdma_rows(hostfile: Path | None) -> tuple[Any, ...]:
+    """--hostfile's rdma rows for a JACCL plan (none without a hostfile or rdma rows)."""
+    from discovery.hostfile import load_hostfile
+    from engines.tensor_parallel.jaccl import RdmaRow
+
+    if hostfile is None:
+        return ()
+    parsed = load_hostfile(hostfile)
+    if not parsed.has_rdma:
+        return ()
+    return tuple(RdmaRow(tuple(e.ips), tuple(e.rdma or ())) for e in parsed.entries)
+
+
+def own_active_rdma() -> tuple[str, ...]:
+    """This machine's RDMA devices with an active port (JACCL's links when no hostfile)."""
+    from discovery.capabilities import probe_rdma_devices
+
+    return tuple(device.name for device in probe_rdma_devices() if device.active)
+
+
+def draft_model_path(config: ServeConfig) -> Path | None:
+    """--draft-model resolved as --model is (a directory, a GGUF imported once, a repo)."""
+    if config.draft_model is None:
+        return None
+    from .model_source import resolve_model
+
+    path = resolve_model(config.draft_model, config.cache_dir).path
+    log.info("draft model: %s (drafts on the single engine; tp and pp use prompt lookup)", path)
+    return Path(path)
 
 
 @dataclass(frozen=True, slots=True)

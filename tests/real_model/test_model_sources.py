@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cli.coordinator import default_model_id
 from cli.model_source import resolve_model
+from cli.served_model import default_model_id
 from discovery.directories import default_cache_dir
 from engines.model.gguf.cache import ensure_imported
 from engines.model.gguf.ollama_store import OllamaName, find_model, list_names, parse_name
