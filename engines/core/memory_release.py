@@ -9,7 +9,6 @@ worth. This runs after a re-plan has closed the old engine.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import logging
 import sys
@@ -28,11 +27,9 @@ def release_freed_memory() -> None:
 
 
 def _malloc_trim() -> None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
     try:
-        libc = ctypes.CDLL(name)
+        # the process's own symbols, libc's among them (find_library would run ldconfig)
+        libc = ctypes.CDLL(None)
         libc.malloc_trim(0)
     except (OSError, AttributeError) as error:  # musl has no malloc_trim
         log.debug("malloc_trim unavailable: %s", error)
