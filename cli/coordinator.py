@@ -264,7 +264,8 @@ def serve(config: ServeConfig) -> int:
                 with loading(what or "starting the engine"):
                     model.supervisor.start()
             except PlanError as error:
-                raise PlanError(f"refusing to serve {model.service.model_id}: {error}") from error
+                which = f" {model.service.model_id}" if len(served) > 1 else ""
+                raise PlanError(f"refusing to serve{which}: {error}") from error
         stopping = threading.Event()
         app = create_app(
             models,

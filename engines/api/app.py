@@ -92,7 +92,8 @@ def create_app(
     app.include_router(responses.create_router(models, max_prompt_tokens))
     app.include_router(ollama.create_router(models, max_prompt_tokens))
     app.include_router(create_info_router(models))
-    app.include_router(model_admin.create_router(models, model_loader))
+    if model_loader is not None:  # serve's; an app around fixed models has none
+        app.include_router(model_admin.create_router(models, model_loader))
     app.include_router(dashboard.create_router(models, dashboard_interval_s, stopping))
     app.include_router(chat_page.create_router(service))
 

@@ -63,13 +63,8 @@ def card_of(service: Service, created: int) -> ModelCard:
     )
 
 
-def create_router(models: ServedModels, loader: ModelLoader | None) -> APIRouter:
+def create_router(models: ServedModels, loader: ModelLoader) -> APIRouter:
     router = APIRouter()
-
-    def require_loader() -> ModelLoader:
-        if loader is None:
-            raise APIError(400, "this server loads no models at run time", code="unsupported")
-        return loader
 
     @router.post(
         "/v1/models",
@@ -82,9 +77,8 @@ def create_router(models: ServedModels, loader: ModelLoader | None) -> APIRouter
         },
     )
     async def load_model(body: LoadModelRequest) -> JSONResponse:
-        manager = require_loader()
         try:
-            service = await asyncio.to_thread(manager.load, body.model, body.parallelism, body.id)
+            service = await asyncio.to_thread(loader.load, body.model, body.parallelism, body.id)
         except ModelExists as error:
             raise APIError(409, str(error), param="model", code="model_exists") from None
         except (ConfigError, ModelError) as error:
@@ -98,9 +92,8 @@ def create_router(models: ServedModels, loader: ModelLoader | None) -> APIRouter
         responses={**UNAUTHORIZED, 404: documented("no such model"), **SERVER_FAILURE},
     )
     async def unload_model(model_id: str) -> DeletedModel:
-        manager = require_loader()
         service = models.find(model_id)
-        if service is None or not await asyncio.to_thread(manager.unload, service.model_id):
+        if service is None or not await asyncio.to_thread(loader.unload, service.model_id):
             message = f"the model '{model_id}' is not served; served: {models.describe_ids()}"
             raise APIError(404, message, param="model_id", code="model_not_found")
         return DeletedModel(id=service.model_id)
@@ -109,7 +102,6 @@ def create_router(models: ServedModels, loader: ModelLoader | None) -> APIRouter
     async def placements() -> JSONResponse:
         """Where every model known would go if placed now: each candidate placement, each
         machine's memory before and after, predicted speeds when measured."""
-        manager = require_loader()
-        return JSONResponse(await asyncio.to_thread(manager.placements))
+        return JSONResponse(await asyncio.to_thread(loader.placements))
 
     return router
