@@ -110,10 +110,8 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     """`tandem plan` without --world-size: discover, verify, and plan as `serve` would (same
     planning function and choices, weights sent to agents that lack them); nothing starts."""
     from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
-    from engines.cluster.supervisor import PlanSettings, plan_nodes
+    from engines.cluster.supervisor import plan_nodes
     from engines.weights.source import WeightSource
-
-    from .options import kv_bits_from, prefix_cache_bytes_from, quantized_kv_start_from
 
     key, _ = resolve_cluster_key(
         args.cluster_key, args.cluster_key_file, args.state_dir, create=False
@@ -130,16 +128,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
             # An agent busy with the running `serve` is still verified: plan as if it were free
             # (it cannot run a speed probe, so it is planned by the rules alone).
             verified = [m for m in members if m.verified and m.hello is not None]
-            nodes += [
-                NodeResources(
-                    m.node_id,
-                    m.address,
-                    m.memory_available,
-                    tuple(m.hello.backends),
-                    disk_free_bytes=m.model_cache.free_bytes if m.model_cache else None,
-                )
-                for m in verified
-            ]
+            nodes += member_resources(verified)
             if wants_measuring(args.measure_speeds, nodes):
                 here = coordinator_address(args.interface, members)
                 survey = SpeedSurvey(membership, nodes[0].node_id, here)
@@ -151,7 +140,42 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
         speeds = survey.for_plan(facts, nodes, args.max_batch, tp_possible)
     for line in survey.describe() if survey is not None else ():
         print(line)
-    settings = PlanSettings(
+    settings = plan_settings_of(args)
+    print_members(members)
+    weights = None
+    if key is not None and verified:  # never serves here: it only sizes (and maybe hashes)
+        weights = WeightSource(facts.path, key, "127.0.0.1", args.cache_dir)
+    return plan_nodes(facts, settings, nodes, verified, weights, speeds), members
+
+
+def member_resources(verified: list[Any]) -> list[NodeResources]:
+    """Verified members as planner nodes. An agent busy with the running `serve` counts: the
+    plan is made as if it were free."""
+    return [
+        NodeResources(
+            m.node_id,
+            m.address,
+            m.memory_available,
+            tuple(m.hello.backends),
+            disk_free_bytes=m.model_cache.free_bytes if m.model_cache else None,
+        )
+        for m in verified
+    ]
+
+
+def print_members(members: list[Any]) -> None:
+    for member in members:
+        status = "verified" if member.verified else f"unverified: {member.reason}"
+        print(f"peer {member.node_id} {member.address}:{member.port} {status}")
+
+
+def plan_settings_of(args: argparse.Namespace) -> Any:
+    """The planning choices `tandem plan` reads as serve would act on them."""
+    from engines.cluster.supervisor import PlanSettings
+
+    from .options import kv_bits_from, prefix_cache_bytes_from, quantized_kv_start_from
+
+    return PlanSettings(
         Parallelism(args.parallelism),
         args.collective,
         args.context_tokens,
@@ -163,13 +187,6 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
         kv_bits=kv_bits_from(args.kv_bits),
         quantized_kv_start=quantized_kv_start_from(args.quantized_kv_start),
     )
-    for member in members:
-        status = "verified" if member.verified else f"unverified: {member.reason}"
-        print(f"peer {member.node_id} {member.address}:{member.port} {status}")
-    weights = None
-    if key is not None and verified:  # never serves here: it only sizes (and maybe hashes)
-        weights = WeightSource(facts.path, key, "127.0.0.1", args.cache_dir)
-    return plan_nodes(facts, settings, nodes, verified, weights, speeds), members
 
 
 def open_request_log(config: ServeConfig, models: Any) -> Any:

@@ -17,6 +17,8 @@ def print_placement(args: argparse.Namespace, models: list[Any]) -> int:
     """Print each model and where the set goes; exit status 2 when it cannot be placed."""
     from engines.cluster.supervisor import plan_nodes
 
+    from .coordinator import plan_settings_of
+
     if args.no_tp_variant:
         models = [replace(facts, has_tp_variant=False) for facts in models]
     if args.world_size is not None:
@@ -25,7 +27,7 @@ def print_placement(args: argparse.Namespace, models: list[Any]) -> int:
         nodes, members, key = discover_nodes(args)
         weights = model_weights(models, key, args) if members else {}
     by_id = {facts.display_name: facts for facts in models}
-    settings = plan_settings(args)
+    settings = plan_settings_of(args)
 
     def plan(model: ModelToPlace, group: list[NodeResources]) -> Any:
         facts, choice = by_id[model.model_id], replace(settings, choice=model.choice)
@@ -59,7 +61,13 @@ def hypothetical_nodes(args: argparse.Namespace) -> list[NodeResources]:
 def discover_nodes(args: argparse.Namespace) -> tuple[list[NodeResources], list[Any], Any]:
     """(nodes, verified members, cluster key): this machine and the verified agents, found as
     plan_live_cluster finds them (speeds are not measured when placing several models)."""
-    from .coordinator import coordinator_resources, open_membership, resolve_cluster_key
+    from .coordinator import (
+        coordinator_resources,
+        member_resources,
+        open_membership,
+        print_members,
+        resolve_cluster_key,
+    )
 
     key, _ = resolve_cluster_key(
         args.cluster_key, args.cluster_key_file, args.state_dir, create=False
@@ -72,21 +80,9 @@ def discover_nodes(args: argparse.Namespace) -> tuple[list[NodeResources], list[
         members = membership.members()
     finally:
         membership.close()
-    for member in members:
-        status = "verified" if member.verified else f"unverified: {member.reason}"
-        print(f"peer {member.node_id} {member.address}:{member.port} {status}")
+    print_members(members)
     verified = [m for m in members if m.verified and m.hello is not None]
-    nodes += [
-        NodeResources(
-            m.node_id,
-            m.address,
-            m.memory_available,
-            tuple(m.hello.backends),
-            disk_free_bytes=m.model_cache.free_bytes if m.model_cache else None,
-        )
-        for m in verified
-    ]
-    return nodes, verified, key
+    return nodes + member_resources(verified), verified, key
 
 
 def model_weights(models: list[Any], key: bytes, args: argparse.Namespace) -> dict[str, Any]:
@@ -97,23 +93,3 @@ def model_weights(models: list[Any], key: bytes, args: argparse.Namespace) -> di
         facts.display_name: WeightSource(facts.path, key, "127.0.0.1", args.cache_dir)
         for facts in models
     }
-
-
-def plan_settings(args: argparse.Namespace) -> Any:
-    """The planning choices serve would act on, as plan_live_cluster reads them."""
-    from engines.cluster.supervisor import PlanSettings
-
-    from .options import kv_bits_from, prefix_cache_bytes_from, quantized_kv_start_from
-
-    return PlanSettings(
-        Parallelism(args.parallelism),
-        args.collective,
-        args.context_tokens,
-        1,
-        args.max_batch,
-        cpu_float32=args.cpu_float32 == "auto",
-        prefix_cache_bytes=prefix_cache_bytes_from(args.prefix_cache_bytes),
-        measure="off",
-        kv_bits=kv_bits_from(args.kv_bits),
-        quantized_kv_start=quantized_kv_start_from(args.quantized_kv_start),
-    )
