@@ -35,6 +35,7 @@ from engines.api.model_admin import ModelLoader, card_of
 from engines.api.openapi import install_openapi
 from engines.api.prompts import DEFAULT_MAX_PROMPT_TOKENS
 from engines.api.schemas import ModelCard, ModelList
+from engines.api.shared_path import shared_path_route
 from engines.core.served_models import ServedModels
 from engines.core.service import Service
 
@@ -91,7 +92,7 @@ def create_app(
     app.include_router(anthropic.create_router(models, max_prompt_tokens))
     app.include_router(responses.create_router(models, max_prompt_tokens))
     app.include_router(ollama.create_router(models, max_prompt_tokens))
-    app.include_router(create_info_router(models))
+    app.include_router(create_info_router(models, loads=model_loader is not None))
     if model_loader is not None:  # serve's; an app around fixed models has none
         app.include_router(model_admin.create_router(models, model_loader))
     app.include_router(dashboard.create_router(models, dashboard_interval_s, stopping))
@@ -115,18 +116,22 @@ def error_dialects() -> ErrorDialects:
     )
 
 
-def create_info_router(models: ServedModels) -> APIRouter:
+def create_info_router(models: ServedModels, loads: bool = False) -> APIRouter:
+    """/v1/models and /v1/models/{id} (with `loads`, model_admin answers POST and DELETE on
+    them: their 405s allow those too), /health and /v1/cluster."""
     router = APIRouter()
+    listing = APIRouter(route_class=shared_path_route(("GET", "POST") if loads else ("GET",)))
+    one = APIRouter(route_class=shared_path_route(("GET", "DELETE") if loads else ("GET",)))
     started = int(time.time())
 
     def model_card(service: Service) -> ModelCard:
         return card_of(service, started)
 
-    @router.get("/v1/models", responses={**UNAUTHORIZED, **SERVER_FAILURE})
+    @listing.get("/v1/models", responses={**UNAUTHORIZED, **SERVER_FAILURE})
     async def list_models() -> ModelList:
         return ModelList(data=[model_card(service) for service in models.all()])
 
-    @router.get(
+    @one.get(
         "/v1/models/{model_id:path}",
         responses={**UNAUTHORIZED, 404: documented("no such model"), **SERVER_FAILURE},
     )
@@ -161,6 +166,8 @@ def create_info_router(models: ServedModels) -> APIRouter:
     async def cluster() -> JSONResponse:
         return JSONResponse(cluster_status(models))
 
+    router.include_router(listing)
+    router.include_router(one)
     return router
 
 

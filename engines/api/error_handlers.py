@@ -9,7 +9,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
-from starlette.routing import Match
 
 from engines.api.errors import (
     SERVER_ERROR,
@@ -50,11 +49,11 @@ def install_error_handlers(app: FastAPI, dialects: ErrorDialects | None = None) 
 
     async def handle_http_error(request: Request, error: StarletteHTTPException) -> Response:
         codes = {404: "not_found", 405: "method_not_allowed"}
-        headers = dict(error.headers or {})
-        if error.status_code == 405:  # Starlette names the first route of the path only
-            headers["Allow"] = ", ".join(allowed_methods(request))
         api_error = APIError(
-            error.status_code, str(error.detail), code=codes.get(error.status_code), headers=headers
+            error.status_code,
+            str(error.detail),
+            code=codes.get(error.status_code),
+            headers=dict(error.headers or {}),
         )
         return render(request, api_error)
 
@@ -81,14 +80,3 @@ def install_error_handlers(app: FastAPI, dialects: ErrorDialects | None = None) 
     app.add_exception_handler(EngineError, handle_engine_error)
     app.add_exception_handler(OverloadedError, handle_overloaded)
     app.add_exception_handler(Exception, handle_unexpected)
-
-
-def allowed_methods(request: Request) -> list[str]:
-    """Every method some route of the app answers on this path (routes of one path may be
-    declared apart, as GET and POST /v1/models)."""
-    methods: set[str] = set()
-    for route in request.app.routes:
-        match, _ = route.matches({**request.scope, "method": "GET"})
-        if match != Match.NONE:
-            methods |= set(getattr(route, "methods", None) or ())
-    return sorted(methods)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from starlette.responses import Response as HTTPResponse
-from starlette.types import Receive, Scope, Send
 
 from engines.api.constraints import output_grammar
 from engines.api.conversation import Turn
@@ -38,6 +36,7 @@ from engines.api.responses.objects import Response, new_id
 from engines.api.responses.replies import OutputOptions, output_of, token_logprobs, usage_of
 from engines.api.responses.schemas import ResponsesRequest
 from engines.api.responses.store import ResponseStore
+from engines.api.shared_path import shared_path_route
 from engines.api.streaming import stream_response
 from engines.api.tools import tool_format_for
 from engines.core.served_models import ServedModels
@@ -46,16 +45,6 @@ STORED = {**UNAUTHORIZED, 404: documented("no stored response has this id")}
 SEALED_INCLUDE = "reasoning.encrypted_content"
 STORED_PATH = "/v1/responses/{response_id}"
 STORED_METHODS = ("GET", "DELETE")
-
-
-class StoredResponseRoute(APIRoute):
-    """GET and DELETE share a path: a 405 there allows both (Starlette names only the methods
-    of the first route that matched the path)."""
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["method"] not in STORED_METHODS:
-            raise HTTPException(405, headers={"Allow": ", ".join(STORED_METHODS)})
-        await super().handle(scope, receive, send)
 
 
 def not_stored(response_id: str, param: str | None = None) -> APIError:
@@ -139,7 +128,7 @@ def create_router(
         keep(response)
         return JSONResponse(response.body())
 
-    stored_router = APIRouter(route_class=StoredResponseRoute)
+    stored_router = APIRouter(route_class=shared_path_route(STORED_METHODS))
 
     @stored_router.get(STORED_PATH, responses=STORED)
     async def retrieve_response(response_id: str) -> JSONResponse:
