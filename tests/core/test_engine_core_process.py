@@ -158,7 +158,7 @@ def test_a_killed_core_ends_its_streams_with_an_error_at_once(demo_model_dir: Pa
 
 
 def test_a_frozen_core_is_killed_within_lost_after(demo_model_dir: Path) -> None:
-    lost_after_s = 1.5
+    lost_after_s = 3.0  # a first step starved of CPU by a busy suite must not look frozen
     runner = core_runner(demo_model_dir, lost_after_s)
     pid = runner.core.pid
     try:
