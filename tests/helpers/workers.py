@@ -48,6 +48,8 @@ SOLO_TESTS = (
     "tests/api/test_api_errors.py::test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop",
     # a 0.5 s ready timeout the fake worker's first progress must beat
     "tests/planner/test_transfer_planning.py::test_progress_extends_the_ready_wait",
+    # a join during a re-plan planned in within the interval + 1 s (3.03 s seen beside others)
+    "tests/cluster/test_late_joins.py::test_agents_joining_during_a_replan",
 )
 ISOLATED = pytest.StashKey[str]()  # "" when this worker has its own loopback, else why not
 
