@@ -52,6 +52,7 @@ SOLO_TESTS = (
     "tests/cluster/test_late_joins.py::test_agents_joining_during_a_replan",
 )
 ISOLATED = pytest.StashKey[str]()  # "" when this worker has its own loopback, else why not
+SOLO_HELD = pytest.StashKey[ExitStack]()  # the machine, held alone through a run of solo tests
 
 
 def worker_id(config: pytest.Config) -> str | None:
@@ -124,18 +125,36 @@ def unit_of(nodeid: str, root: Path) -> str:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Setup, call and teardown of one test under the run's machine lock (shared, or alone for a
-    solo test) and, when this worker shares the host's loopback, the loopback lock."""
+    solo test) and, when this worker shares the host's loopback, the loopback lock. Solo tests
+    that follow each other on a worker keep the machine to themselves in between: the others
+    drain once for the run of them, not once each."""
     if worker_id(item.config) is None:
         return (yield)
     locks = Path(item.config.getoption("basetemp")).parent
-    alone = item.get_closest_marker(SOLO_MARKER) is not None
+    alone = is_solo(item)
     with ExitStack() as held:
         if item.config.stash[ISOLATED] and any(map(item.get_closest_marker, PROCESS_MARKERS)):
             held.enter_context(locked(locks / "loopback.lock", exclusive=True))
-        # Through the gate: once a solo test waits there, no test starts before it.
-        with locked(locks / "gate.lock", exclusive=True):
-            held.enter_context(locked(locks / "machine.lock", exclusive=alone))
-        return (yield)
+        kept = item.config.stash.get(SOLO_HELD, None)
+        if kept is None:
+            machine = ExitStack()
+            # Through the gate: once a solo test waits there, no test starts before it.
+            with locked(locks / "gate.lock", exclusive=True):
+                machine.enter_context(locked(locks / "machine.lock", exclusive=alone))
+            if alone:
+                item.config.stash[SOLO_HELD] = kept = machine
+            else:
+                held.enter_context(machine)
+        try:
+            return (yield)
+        finally:
+            if kept is not None and not (nextitem is not None and is_solo(nextitem)):
+                del item.config.stash[SOLO_HELD]
+                kept.close()
+
+
+def is_solo(item: pytest.Item) -> bool:
+    return item.get_closest_marker(SOLO_MARKER) is not None
 
 
 @contextmanager
