@@ -86,7 +86,7 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, dialects=dialects)
     metrics = Metrics(models)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 413s too
-    install_openapi(app, service)
+    install_openapi(app, service, None if model_loader is not None else models.ids())
     app.include_router(chat.create_router(models, max_prompt_tokens))
     app.include_router(completions.create_router(models, max_prompt_tokens))
     app.include_router(anthropic.create_router(models, max_prompt_tokens))

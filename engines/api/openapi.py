@@ -14,10 +14,11 @@ _FASTAPI_VALIDATION = ("HTTPValidationError", "ValidationError")
 _GENERATION_REQUESTS = ("ChatCompletionRequest", "CompletionRequest")
 
 
-def install_openapi(app: FastAPI, service: Service) -> None:
+def install_openapi(app: FastAPI, service: Service, model_ids: list[str] | None) -> None:
     """Replace app.openapi with one that drops the 422s FastAPI adds to every route, and
-    states this server's own bounds: the one model it serves (any other gets a 404), the
-    largest max_tokens, and the token ids its vocabulary has."""
+    states this server's own bounds: the models it serves (`model_ids`, any other gets a
+    404; None when models come and go while serving), the largest max_tokens, and the token
+    ids the first model's vocabulary has."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -34,16 +35,18 @@ def install_openapi(app: FastAPI, service: Service) -> None:
             for name in _FASTAPI_VALIDATION:
                 schemas.pop(name, None)
             for name in _GENERATION_REQUESTS:
-                _state_bounds(schemas.get(name, {}).get("properties", {}), service)
+                _state_bounds(schemas.get(name, {}).get("properties", {}), service, model_ids)
             app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _state_bounds(properties: dict[str, Any], service: Service) -> None:
-    if "model" in properties:
-        properties["model"]["enum"] = [service.model_id]
+def _state_bounds(
+    properties: dict[str, Any], service: Service, model_ids: list[str] | None
+) -> None:
+    if "model" in properties and model_ids is not None:
+        properties["model"]["enum"] = model_ids
     for name in ("max_tokens", "max_completion_tokens"):
         for option in properties.get(name, {}).get("anyOf", []):
             if option.get("type") == "integer":
