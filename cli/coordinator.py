@@ -269,6 +269,7 @@ def serve(config: ServeConfig) -> int:
         if config.load_on_demand or config.keep_alive_s:
             models.on_demand = manager  # a request naming an unloaded model loads it
         if config.keep_alive_s:
+            models.keep_alive_s = config.keep_alive_s
             manager.keep_alive(config.keep_alive_s)
         if config.load_on_demand:
             for model in served:

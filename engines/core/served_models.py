@@ -27,6 +27,7 @@ class OnDemand(Protocol):
 class ServedModels:
     def __init__(self, services: Iterable[Service] = ()) -> None:
         self.on_demand: OnDemand | None = None  # loads a model a request names (--load-on-demand)
+        self.keep_alive_s = 0.0  # --keep-alive: an idle model is unloaded after this; 0: never
         self._lock = threading.Lock()
         self._services: dict[str, Service] = {}
         self._listeners: list[Callable[[RequestRecord], None]] = []

@@ -4,6 +4,7 @@ idle; and a lost agent re-plans only the model it served."""
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from pathlib import Path
@@ -204,6 +205,10 @@ def test_a_model_loads_when_a_request_names_it_and_unloads_when_idle(
     assert model_state(server, "first") == "unloaded"
     assert completions(server, "first") == references[0]  # the first request loaded it
     assert model_state(server, "first") == "ok"
+    (running,) = httpx.get(f"{server.base_url}/api/ps", timeout=10).json()["models"]
+    expires = datetime.datetime.fromisoformat(running["expires_at"])
+    now = datetime.datetime.now(datetime.UTC)
+    assert now - datetime.timedelta(seconds=1) < expires <= now + datetime.timedelta(seconds=2)
     assert wait_until(lambda: model_state(server, "first") == "unloaded", 15)
     assert completions(server, "first") == references[0]  # and the next loads it again
 

@@ -7,6 +7,7 @@ import datetime
 import functools
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,17 @@ LATEST = ":latest"  # Ollama's tag for a name given without one
 # The Ollama release whose API tandem speaks (thinking, tool calls while streaming, structured
 # outputs): clients that check /api/version for a feature find it.
 API_VERSION = "0.12.0"
-# tandem keeps its one model loaded for as long as it serves: /api/ps says "never unloads".
+# Without --keep-alive a model stays loaded for as long as it serves: /api/ps says "never".
 NEVER = "9999-12-31T23:59:59Z"
+
+
+def expires_at(service: Service, keep_alive_s: float) -> str:
+    """When --keep-alive unloads the model if no request comes (Ollama's /api/ps field)."""
+    if keep_alive_s <= 0:
+        return NEVER
+    left_s = max(0.0, keep_alive_s - (time.monotonic() - service.last_used))
+    moment = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=left_s)
+    return moment.isoformat().replace("+00:00", "Z")
 
 
 def listed_name(model_id: str) -> str:

@@ -26,7 +26,13 @@ from engines.api.generation import (
 )
 from engines.api.metrics import mark_submitted, received_at
 from engines.api.ollama.mapping import chat_input_of, generate_input_of
-from engines.api.ollama.models import API_VERSION, NEVER, listed_name, model_card, served_model
+from engines.api.ollama.models import (
+    API_VERSION,
+    expires_at,
+    listed_name,
+    model_card,
+    served_model,
+)
 from engines.api.ollama.options import context_of, sampling_of
 from engines.api.ollama.replies import NDJSON, OllamaReplies, loaded
 from engines.api.ollama.schemas import ChatRequest, GenerateRequest, GenerationFields, ShowRequest
@@ -192,7 +198,8 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
             entry = model_card(service).listing(listed_name(service.model_id))
             entry.pop("modified_at")
             # size_vram 0: tandem does not say where the weights sit (CPU, GPU, machines)
-            entry |= {"expires_at": NEVER, "size_vram": 0, "context_length": max_prompt_tokens}
+            expires = expires_at(service, models.keep_alive_s)
+            entry |= {"expires_at": expires, "size_vram": 0, "context_length": max_prompt_tokens}
             entries.append(entry)
         return {"models": entries}
 
