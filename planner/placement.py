@@ -10,7 +10,9 @@ Rules (v1):
   and is valid when no plan is refused. Past MAX_CANDIDATES, a greedy stands in: the biggest
   model first (by its need alone on the coordinator) takes what it is planned to use of the
   free machines, and so on.
-- The best valid candidate: when every plan has measured speeds, the highest predicted total
+- The best valid candidate: first, the fewest models served otherwise than their explicit
+  --parallelism asks (pp asked, one machine given: served single). Then, when every plan has
+  measured speeds, the highest predicted total
   (each plan's batch tok/s summed; optimistic, the coordinator's compute is shared too). From
   the tables alone: the most memory left, as a share of what it has, on the tightest machine
   used: the furthest from running out, and like one model's auto, which spreads over every
@@ -247,7 +249,7 @@ def place_models(
     ]
     if not valid:
         return Placement(tuple(nodes), {}, _refusal(trials, nodes))
-    ranked = _rank(valid, nodes)
+    ranked = _rank(valid, nodes, {model.model_id: model.choice for model in models})
     return Placement(tuple(nodes), ranked[0].plans, None, ranked)
 
 
@@ -256,17 +258,24 @@ def _assigned(owners: dict[str, str | None]) -> Choose:
     return lambda model, free: tuple(a for a in free if owners[a.node_id] == model.model_id)
 
 
-def _rank(valid: list[Candidate], nodes: Sequence[NodeResources]) -> tuple[Candidate, ...]:
+def _rank(
+    valid: list[Candidate], nodes: Sequence[NodeResources], choices: dict[str, Parallelism]
+) -> tuple[Candidate, ...]:
     """Best first (the module's rules); one candidate per set of groups and strategies."""
     measured = all(candidate.predicted_tps is not None for candidate in valid)
 
     def key(indexed: tuple[int, Candidate]) -> tuple[float, ...]:
         index, candidate = indexed
+        # a model served otherwise than its explicit --parallelism asks is a last resort
+        closed = sum(
+            choices[model_id] is not Parallelism.AUTO and plan.decision.chosen != choices[model_id]
+            for model_id, plan in candidate.plans.items()
+        )
         if measured:
-            return (-(candidate.predicted_tps or 0.0), candidate.machines, index)
+            return (closed, -(candidate.predicted_tps or 0.0), candidate.machines, index)
         used = [memory for memory in memory_by_node(nodes, candidate.plans) if memory.needs]
         tightest = min(memory.left_bytes / memory.available_bytes for memory in used)
-        return (-tightest, candidate.machines, index)
+        return (closed, -tightest, candidate.machines, index)
 
     ranked: dict[tuple[tuple[str, str, tuple[str, ...]], ...], Candidate] = {}
     for _, candidate in sorted(enumerate(valid), key=key):

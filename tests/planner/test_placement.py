@@ -100,6 +100,17 @@ def test_each_model_goes_where_the_rules_say(
     assert {m: placement_module.label(p) for m, p in placement.plans.items()} == strategies
 
 
+def test_an_explicit_strategy_is_honoured_before_memory_headroom() -> None:
+    # pp asked for both: one agent each, though both single on the big coordinator would
+    # leave more memory on the tightest machine (and the tables alone would choose that)
+    nodes = [node("c", 1000), node("a1", 15), node("a2", 15)]
+    placement = place({"a": SMALL, "b": SMALL}, nodes, a=PP, b=PP)
+    assert placement.groups == {"a": ("c", "a1"), "b": ("c", "a2")}
+    labels = [c.describe() for c in placement.candidates]
+    assert labels[0] == "a pp=2 on c, a1; b pp=2 on c, a2"
+    assert "a single on c; b single on c" in labels[1:]  # valid, and ranked after
+
+
 def test_the_coordinator_is_counted_once_for_every_model() -> None:
     placement = place({"a": SHAPE, "b": SMALL}, [node("c", 100)])
     need_a, need_b = single_need(SHAPE, 0), single_need(SMALL, 0)
