@@ -109,8 +109,8 @@ def open_membership(
 def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan, list[Any]]:
     """`tandem plan` without --world-size: discover, verify, and plan as `serve` would (same
     planning function and choices, weights sent to agents that lack them); nothing starts."""
+    from engines.cluster.planning import plan_nodes
     from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
-    from engines.cluster.supervisor import plan_nodes
     from engines.weights.source import WeightSource
 
     key, _ = resolve_cluster_key(
@@ -171,7 +171,7 @@ def print_members(members: list[Any]) -> None:
 
 def plan_settings_of(args: argparse.Namespace) -> Any:
     """The planning choices `tandem plan` reads as serve would act on them."""
-    from engines.cluster.supervisor import PlanSettings
+    from engines.cluster.planning import PlanSettings
 
     from .options import kv_bits_from, prefix_cache_bytes_from, quantized_kv_start_from
 

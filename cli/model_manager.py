@@ -29,7 +29,7 @@ from .served_model import ModelChoice, ServedModel, placement_of
 
 log = logging.getLogger(__name__)
 
-UNLOADED, STARTING, FAILED = "unloaded", "starting", "failed"
+UNLOADED, FAILED = "unloaded", "failed"
 WAIT_POLL_S = 0.05
 KEEP_ALIVE_POLL_S = 1.0
 
@@ -56,7 +56,6 @@ class ModelManager:
         self._served = {model.service.model_id: model for model in served}
         self._lock = threading.RLock()  # one load or unload at a time
         self._closed = threading.Event()
-        self._keeper: threading.Thread | None = None
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -140,7 +139,8 @@ class ModelManager:
     def _place(self, model: ServedModel) -> None:
         """Plan it over what the served models leave; PlanError with the numbers if it
         does not fit there."""
-        from engines.cluster.supervisor import plan_nodes
+        from engines.cluster.planning import plan_nodes
+        from planner.placement import less_taken, need_on
 
         coordinator = self.context.coordinator
         others = [
@@ -154,8 +154,8 @@ class ModelManager:
             if supervisor.member_group is None:  # it stops adopting members: they are shared now
                 supervisor.member_group = plan_members(supervisor.plan, coordinator.node_id)
             taken |= supervisor.member_group
-        needs = sum(coordinator_need(m.supervisor.plan, coordinator.node_id) for m in others)
-        share = replace(coordinator, memory_bytes=max(1, coordinator.memory_bytes - needs))
+        plans = [m.supervisor.plan for m in others if m.supervisor.plan is not None]
+        share = less_taken(coordinator, sum(need_on(p, coordinator.node_id) for p in plans))
         membership = self.context.membership
         free = [
             node
@@ -236,8 +236,7 @@ class ModelManager:
                     log.info("unloading %s: idle for %g s (--keep-alive)", service.model_id, idle_s)
                     self._unload_to_known(service.model_id, f"idle for {idle_s:g} s")
 
-        self._keeper = threading.Thread(target=watch, name="keep-alive", daemon=True)
-        self._keeper.start()
+        threading.Thread(target=watch, name="keep-alive", daemon=True).start()
 
     def placements(self) -> dict[str, Any]:
         """GET /v1/placements: every model known placed afresh over the machines there now
@@ -249,7 +248,7 @@ class ModelManager:
         current = {
             model.service.model_id: {
                 "state": model.service.state,
-                "nodes": list(plan_nodes_of(model.supervisor.plan)),
+                "nodes": list(model.supervisor.plan.ranks if model.supervisor.plan else ()),
             }
             for model in served
         }
@@ -272,20 +271,6 @@ def holds_memory(model: ServedModel) -> bool:
     return model.service.state not in (UNLOADED, FAILED)
 
 
-def plan_nodes_of(plan: Any) -> tuple[str, ...]:
-    """The nodes a plan runs on, the coordinator first (none before it has a plan)."""
-    if plan is None:
-        return ()
-    return tuple(dict.fromkeys([*plan.ranks, *(stage.node_id for stage in plan.stages)]))
-
-
 def plan_members(plan: Any, coordinator_id: str) -> frozenset[str]:
-    """The members (not the coordinator) a plan runs on."""
-    return frozenset(plan_nodes_of(plan)) - {coordinator_id}
-
-
-def coordinator_need(plan: Any, coordinator_id: str) -> int:
-    """What a plan needs of the coordinator's memory (0 before it has a plan)."""
-    if plan is None:
-        return 0
-    return next((fit.need_bytes for fit in plan.fits if fit.node_id == coordinator_id), 0)
+    """The members (not the coordinator) a plan runs on (its ranks: every node, pp too)."""
+    return frozenset(plan.ranks if plan is not None else ()) - {coordinator_id}

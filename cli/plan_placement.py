@@ -15,7 +15,7 @@ from planner.placement import ModelToPlace, place_models
 
 def print_placement(args: argparse.Namespace, models: list[Any]) -> int:
     """Print each model and where the set goes; exit status 2 when it cannot be placed."""
-    from engines.cluster.supervisor import plan_nodes
+    from engines.cluster.planning import plan_nodes
 
     from .coordinator import plan_settings_of
 

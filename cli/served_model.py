@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,8 @@ class ServedModel:
     def open(
         cls, config: ServeConfig, choice: ModelChoice, limits: Any, coordinator: NodeResources
     ) -> ServedModel:
-        from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
+        from engines.cluster.planning import PlanSettings
+        from engines.cluster.supervisor import ClusterSupervisor
         from engines.core.service import Service
 
         from .model_source import resolve_model
@@ -249,7 +250,7 @@ class MemberEvents:
 def placement_of(models: list[ServedModel], coordinator: NodeResources, membership: Any) -> Any:
     """Where the models would go over the coordinator and the verified members
     (planner/placement.py), each planned as its supervisor plans it."""
-    from engines.cluster.supervisor import plan_nodes
+    from engines.cluster.planning import plan_nodes
     from planner.placement import ModelToPlace, place_models
 
     members = membership.members() if membership is not None else []
@@ -269,21 +270,18 @@ def place(models: list[ServedModel], coordinator: NodeResources, membership: Any
     """Place the models (placement_of): each supervisor gets its group of members and the
     coordinator's memory less what the others need there. Raises PlanError, with the
     numbers, when the set does not fit."""
+    from planner.placement import less_taken, need_on
+
     placement = placement_of(models, coordinator, membership)
     if placement.refusal is not None:
         raise PlanError(f"refusing to serve: {placement.refusal}")
     for line in placement.describe():
         log.info("placement: %s", line)
-    needs = {
-        model_id: next(
-            (fit.need_bytes for fit in plan.fits if fit.node_id == coordinator.node_id), 0
-        )
-        for model_id, plan in placement.plans.items()
-    }
+    needs = {m: need_on(plan, coordinator.node_id) for m, plan in placement.plans.items()}
     for model in models:
         model_id = model.service.model_id
         others = sum(need for other, need in needs.items() if other != model_id)
-        share = replace(coordinator, memory_bytes=max(1, coordinator.memory_bytes - others))
+        share = less_taken(coordinator, others)
         model.supervisor.coordinator = lambda share=share: share
         model.supervisor.member_group = frozenset(placement.groups[model_id][1:])
     return placement

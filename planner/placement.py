@@ -122,7 +122,7 @@ def memory_by_node(
         NodeMemory(
             node.node_id,
             node.memory_bytes,
-            {m: need for m, plan in plans.items() if (need := _need_on(plan, node.node_id))},
+            {m: need for m, plan in plans.items() if (need := need_on(plan, node.node_id))},
         )
         for node in nodes
     )
@@ -215,9 +215,7 @@ def place_models(
         """`model` over the coordinator less `taken` bytes, and `group`; planned once."""
         key = (model.model_id, taken, tuple(node.node_id for node in group))
         if key not in cache:
-            # At least a byte, so that a coordinator taken whole is refused with the numbers.
-            left = replace(coordinator, memory_bytes=max(coordinator.memory_bytes - taken, 1))
-            cache[key] = plan(model, [left, *group])
+            cache[key] = plan(model, [less_taken(coordinator, taken), *group])
         return cache[key]
 
     def attempt(order: Sequence[ModelToPlace], choose: Choose) -> _Trial:
@@ -228,12 +226,12 @@ def place_models(
             plans[model.model_id] = planned = plan_over(model, taken, choose(model, free))
             if planned.refusal is not None:
                 return _Trial(ids_in_order, plans, model.model_id)
-            taken += _need_on(planned, coordinator.node_id)
+            taken += need_on(planned, coordinator.node_id)
             free = tuple(agent for agent in free if agent.node_id not in planned.ranks)
         return _Trial(ids_in_order, plans, None)
 
     if math.factorial(len(models)) * (len(models) + 1) ** len(agents) > MAX_CANDIDATES:
-        size = {m.model_id: _need_on(plan_over(m, 0, ()), coordinator.node_id) for m in models}
+        size = {m.model_id: need_on(plan_over(m, 0, ()), coordinator.node_id) for m in models}
         biggest_first = sorted(models, key=lambda model: -size[model.model_id])
         trials = [attempt(biggest_first, lambda model, free: free)]
     else:
@@ -296,7 +294,7 @@ def _refusal(trials: list[_Trial], nodes: Sequence[NodeResources]) -> str:
     model_id = worst.refused or ""
     refused, coordinator_id = worst.plans[model_id], nodes[0].node_id
     before = [m for m in worst.plans if m != model_id]
-    taken = sum(_need_on(worst.plans[m], coordinator_id) for m in before)
+    taken = sum(need_on(worst.plans[m], coordinator_id) for m in before)
     after = f" after {', '.join(before)} took {format_bytes(taken)} of {coordinator_id}"
     machines = ", ".join(
         f"{node.node_id} {format_bytes(node.memory_bytes)}{bounded(node.memory_bound)}"
@@ -308,6 +306,12 @@ def _refusal(trials: list[_Trial], nodes: Sequence[NodeResources]) -> str:
     )
 
 
-def _need_on(plan: ClusterPlan, node_id: str) -> int:
+def need_on(plan: ClusterPlan, node_id: str) -> int:
     """Bytes `plan` needs on `node_id` (0 when it does not run there)."""
     return sum(fit.need_bytes for fit in plan.fits if fit.node_id == node_id)
+
+
+def less_taken(node: NodeResources, taken_bytes: int) -> NodeResources:
+    """`node` as the next model sees it once others took `taken_bytes` of its memory; at
+    least a byte, so that a node taken whole is refused with the numbers."""
+    return replace(node, memory_bytes=max(node.memory_bytes - taken_bytes, 1))

@@ -32,8 +32,9 @@ Structure = dict[frozenset[str], dict[str, set[str]]]
 
 
 def cache_file() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "tandem" / FILE_NAME
+    from discovery.directories import default_cache_dir
+
+    return default_cache_dir() / FILE_NAME
 
 
 def _stamp(module_file: str) -> str:

@@ -36,7 +36,7 @@ def run_python(code: str, cache_home: Path) -> tuple[str, float]:
         capture_output=True,
         text=True,
         timeout=120,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(cache_home), "XDG_CACHE_HOME": str(cache_home)},
+        env={"PATH": "/usr/bin:/bin", "HOME": str(cache_home)},
     )
     assert done.returncode == 0, done.stderr
     return done.stdout, time.monotonic() - started
@@ -49,9 +49,9 @@ def table(cache_home: Path, cached: bool) -> str:
 
 def test_the_cached_table_is_transformers_own_and_survives_a_damaged_file(tmp_path: Path) -> None:
     own = table(tmp_path, cached=False)
-    assert not (tmp_path / "tandem" / FILE_NAME).exists()
+    assert not (tmp_path / ".cache" / "tandem" / FILE_NAME).exists()
     built = table(tmp_path, cached=True)  # scans, then writes the file
-    index = tmp_path / "tandem" / FILE_NAME
+    index = tmp_path / ".cache" / "tandem" / FILE_NAME
     assert index.exists()
     read = table(tmp_path, cached=True)  # reads the file
     assert own == built == read
@@ -76,4 +76,4 @@ def test_a_process_that_imports_engines_reads_the_index(tmp_path: Path) -> None:
     assert (
         run_python(code, tmp_path)[0].strip() == "IndexOnDisk.wrap.<locals>.define_import_structure"
     )
-    assert (tmp_path / "tandem" / FILE_NAME).exists()
+    assert (tmp_path / ".cache" / "tandem" / FILE_NAME).exists()

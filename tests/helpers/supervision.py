@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from engines.cluster.launch import LaunchSettings
-from engines.cluster.supervisor import ClusterSupervisor, PlanSettings
+from engines.cluster.planning import PlanSettings
+from engines.cluster.supervisor import ClusterSupervisor
 from engines.core.engine import Engine, EngineInfo, StepOutput
 from engines.core.request import GenerationRequest
 from engines.core.service import Service

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engines.cluster.supervisor import plan_nodes
+from engines.cluster.planning import plan_nodes
 from engines.core.runner import EngineRunner
 from engines.model.info import inspect_model
 from engines.single.engine import SingleEngine
