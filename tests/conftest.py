@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+# Intel's OpenMP (MKL's threads when a process has more than one BLAS thread) spins a thread that
+# finished its part for 200 ms before it sleeps. With four workers' servers on two cores that
+# spinning burned about a fifth of the suite's CPU, which the other workers' processes were
+# waiting for. Every process a test starts inherits this; serving keeps the default, which is
+# faster at one stream.
+os.environ.setdefault("KMP_BLOCKTIME", "0")
+
 from collections.abc import Callable, Iterator
 from pathlib import Path
 

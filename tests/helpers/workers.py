@@ -1,7 +1,8 @@
 """The suite on several pytest-xdist workers (`make test`): a module, or a package with a
 conftest of its own, runs whole on one worker (its fixtures start once), the costliest first;
-each worker on a loopback of its own; tests that time the machine run with nothing beside them.
-Without xdist (`pytest FILE`) only the solo marks are added."""
+each worker on a loopback of its own; tests that time the machine run with nothing beside them,
+one after another on the worker that starts first (see SOLO_UNIT). Without xdist
+(`pytest FILE`) only the solo marks are added."""
 
 from __future__ import annotations
 
@@ -23,8 +24,12 @@ SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 PROCESS_MARKERS = ("lab", "cluster")
 PROCESS_TEST_S, UNIT_TEST_S = 8.0, 0.2
 # Tests that measure wall-clock speed or tight deadlines against the machine: they run alone
-# (every other worker waits; ~170 s of the suite's wall time).
+# (every other worker waits; ~110 s of the suite's wall time).
 SOLO_MARKER = "solo"
+# Solo tests from modules run together as one unit, handed out first: the other workers drain
+# once for all of them instead of once each (ten drains cost ~100 s of idle workers). Those of
+# a package unit (the lab's, the pipeline's: their fixtures start once per package) stay there.
+SOLO_UNIT = "solo tests"
 SOLO_TESTS = (
     # lab machines pinned to cores and quotas, timed against each other (the lab's other tests
     # check answers, memory and re-plans: they share the machine)
@@ -90,7 +95,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     # Every worker sorts alike (xdist checks), and the scheduler hands the units out in this
     # order: the costliest first, so that no long one ends the run alone on one worker.
-    cost: dict[str, float] = {}
+    cost: dict[str, float] = {SOLO_UNIT: float("inf")}
     for item in items:
         unit = unit_of(item.nodeid, config.rootpath)
         heavy = any(map(item.get_closest_marker, PROCESS_MARKERS))
@@ -114,11 +119,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def unit_of(nodeid: str, root: Path) -> str:
     """What one worker runs whole: a package with a conftest.py of its own (its package and
-    session fixtures start once; named "dir/"), else a module (its module fixtures start once)."""
+    session fixtures start once; named "dir/"), else the solo tests of modules, else a module
+    (its module fixtures start once)."""
     module = Path(nodeid.split("::", 1)[0])
     package = module.parent
     if package.parent != Path() and (root / package / "conftest.py").is_file():
         return f"{package}/"
+    if nodeid.startswith(SOLO_TESTS):
+        return SOLO_UNIT
     return str(module)
 
 
@@ -166,3 +174,4 @@ def locked(path: Path, *, exclusive: bool) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
