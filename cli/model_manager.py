@@ -29,7 +29,7 @@ from .served_model import ModelChoice, ServedModel, placement_of
 
 log = logging.getLogger(__name__)
 
-UNLOADED, FAILED = "unloaded", "failed"
+UNLOADED, UNLOADING, FAILED = "unloaded", "unloading", "failed"
 WAIT_POLL_S = 0.05
 KEEP_ALIVE_POLL_S = 1.0
 
@@ -83,22 +83,26 @@ class ModelManager:
         model.service.swap_runner(None, UNLOADED, "loads when a request names it")
 
     async def wait_loaded(self, model_id: str) -> Any:
-        """ServedModels.on_demand: the model's Service once it answers, loading it first when
-        it is unloaded; EngineError when it fails, does not fit, or takes longer than the
-        request timeout."""
-        model = self._served.get(model_id)
-        if model is None:
-            raise EngineError(f"the model '{model_id}' is not served any more")
-        if model.service.state == UNLOADED:
-            model = await asyncio.to_thread(self._load_known, model_id)
+        """ServedModels.on_demand: the model's Service once it answers (claimed for the
+        request), loading it first when it is unloaded (after --keep-alive has finished
+        unloading it); EngineError when it fails, does not fit, or takes longer than the request
+        timeout."""
         deadline = time.monotonic() + self.context.limits.request_timeout_s
-        while model.service.runner is None:
-            if model.service.state == FAILED:
-                raise EngineError(f"'{model_id}' failed to load: {model.service.state_reason}")
+        while True:
+            model = self._served.get(model_id)
+            if model is None:
+                raise EngineError(f"the model '{model_id}' is not served any more")
+            service = model.service
+            if service.claim():
+                return service
+            if service.state == UNLOADED:
+                await asyncio.to_thread(self._load_known, model_id)
+                continue
+            if service.state == FAILED:
+                raise EngineError(f"'{model_id}' failed to load: {service.state_reason}")
             if time.monotonic() >= deadline:
-                raise EngineError(f"'{model_id}' is still loading ({model.service.state_reason})")
+                raise EngineError(f"'{model_id}' is still loading ({service.state_reason})")
             await asyncio.sleep(WAIT_POLL_S)
-        return model.service
 
     def _load_known(self, model_id: str) -> ServedModel:
         """Replace an unloaded model's entry by a model being loaded (the first request to
@@ -207,7 +211,7 @@ class ModelManager:
             model = self._served.pop(model_id, None)
             if model is None:
                 return False
-            model.service.swap_runner(model.service.runner, "unloading", "unloading")
+            model.service.swap_runner(model.service.runner, UNLOADING, "unloading")
         try:
             model.close()
         finally:
@@ -219,22 +223,27 @@ class ModelManager:
         """Free a model's memory but keep it listed, unloaded: a request loads it again."""
         with self._lock:
             model = self._served[model_id]
-            model.close()
+            model.close(UNLOADING, reason)
             model.service.swap_runner(None, UNLOADED, reason)
 
     def keep_alive(self, idle_s: float) -> None:
-        """Unload every model idle for `idle_s` (no request since, none running or queued)."""
+        """Unload every model idle for `idle_s` (nothing submitted or claimed since, nothing
+        running or queued). The runner is taken from the service in one step with that check,
+        so a request arriving meanwhile either keeps it or waits for the model to load again."""
 
         def watch() -> None:
             while not self._closed.wait(KEEP_ALIVE_POLL_S):
-                now = time.monotonic()
                 for model in list(self._served.values()):
-                    service = model.service
-                    runner = service.runner
-                    if runner is None or not runner.idle or now - service.last_used < idle_s:
-                        continue
-                    log.info("unloading %s: idle for %g s (--keep-alive)", service.model_id, idle_s)
-                    self._unload_to_known(service.model_id, f"idle for {idle_s:g} s")
+                    with self._lock:
+                        if self._served.get(model.service.model_id) is not model:
+                            continue  # unloaded or replaced meanwhile
+                        reason = f"idle for {idle_s:g} s"
+                        runner = model.service.retire_if_idle(idle_s, UNLOADING, reason)
+                        if runner is None:
+                            continue
+                        log.info("unloading %s: %s (--keep-alive)", model.service.model_id, reason)
+                        runner.close()
+                        self._unload_to_known(model.service.model_id, reason)
 
         threading.Thread(target=watch, name="keep-alive", daemon=True).start()
 

@@ -186,10 +186,11 @@ class ServedModel:
         )
         service.pressure = watch_memory(service, supervisor, node_id, config.memory_budget)
 
-    def close(self) -> None:
+    def close(self, state: str = "stopping", reason: str = "server is shutting down") -> None:
+        """Stop serving it everywhere; its service is left in `state`."""
         if self.service.pressure is not None:
             self.service.pressure.close()
-        self.supervisor.close()
+        self.supervisor.close(state, reason)
         if self.weights is not None:
             self.weights.close()
 

@@ -26,6 +26,8 @@ TIMEOUT_MARGIN_S = 1.0
 DISCONNECT_POLL_S = 0.25
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's and Anthropic's default when the field is omitted
 CLIENT_CLOSED = 499  # nginx's status for "the client went away"
+# Where a model answers once loaded: with --load-on-demand a request naming it waits.
+WAITS_FOR_LOAD = ("unloaded", "unloading", "starting")
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -102,18 +104,18 @@ async def serving(models: ServedModels, requested: str, param: str = "model") ->
 
 
 async def ready_service(models: ServedModels, service: Service) -> Service:
-    """`service` once it answers: with --load-on-demand an unloaded model is loaded first and
-    the request waits for it (bounded); else 503 while it has no tokenizer."""
-    waits = service.state in ("unloaded", "starting") and service.runner is None
-    if waits and models.on_demand is not None:
+    """`service` once it answers: with --load-on-demand a model that is unloaded (or being
+    unloaded by --keep-alive) is loaded and the request waits for it (bounded); else 503 while
+    it has no runner."""
+    if service.claim():
+        return service
+    if models.on_demand is not None and service.state in WAITS_FOR_LOAD:
         try:
-            service = await models.on_demand.wait_loaded(service.model_id)
+            return await models.on_demand.wait_loaded(service.model_id)
         except EngineError as error:
             raise engine_unavailable(str(error)) from None
-    if service.tokenizer is None:
-        reason = f": {service.state_reason}" if service.state_reason else ""
-        raise engine_unavailable(f"the model is not loaded yet ({service.state}{reason})")
-    return service
+    reason = f": {service.state_reason}" if service.state_reason else ""
+    raise engine_unavailable(f"the model is not loaded yet ({service.state}{reason})")
 
 
 def engine_features(service: Service) -> frozenset[str]:

@@ -382,12 +382,13 @@ class ClusterSupervisor:
             body["memory_pressure"] = pressure.describe()
         return body
 
-    def close(self) -> None:
-        """Stop watching (waiting for a launch in progress), then close the engine."""
+    def close(self, state: str = "stopping", reason: str = "server is shutting down") -> None:
+        """Stop watching (waiting for a launch in progress), then close the engine; the
+        service is left in `state`."""
         with self._lock:
             self._closed.set()
             runner = self.service.runner
-            self.service.swap_runner(None, "stopping", "server is shutting down")
+            self.service.swap_runner(None, state, reason)
             retired, self._retired = self._retired, []
         if self._watcher.is_alive():
             self._watcher.join(WATCHER_JOIN_S)

@@ -98,6 +98,26 @@ class Service:
         runner = self.runner
         return self._retired_tokens + (runner.generated_tokens if runner else 0)
 
+    def claim(self) -> bool:
+        """Whether a runner serves now; if one does, the service counts as used from now, so
+        --keep-alive cannot take the runner away from the request about to be submitted."""
+        with self._lock:
+            if self.runner is None:
+                return False
+            self.last_used = time.monotonic()
+            return True
+
+    def retire_if_idle(self, idle_s: float, state: str, reason: str) -> EngineRunner | None:
+        """The runner, taken out (the caller closes it), when it has nothing queued or running
+        and nothing was submitted or claimed for `idle_s`; else None, and nothing changes."""
+        with self._lock:
+            runner = self.runner
+            if runner is None or not runner.idle or time.monotonic() - self.last_used < idle_s:
+                return None
+            self._retired_tokens += runner.generated_tokens
+            self.runner, self.state, self.state_reason = None, state, reason
+            return runner
+
     def swap_runner(self, runner: EngineRunner | None, state: str, reason: str = "") -> None:
         """Install a new runner (or none while re-planning); the old one is closed by the caller."""
         with self._lock:
