@@ -13,6 +13,11 @@ measurements (engines/model/speed_probe.py measures them); no clock of its own.
             per stage in flight, so a cycle is the slowest stage times the micro-batches, or
             one trip around the ring, whichever is longer
 
+Speculation: a pass of a sequence decoding alone that verifies a draft feeds its next token and
+the draft, priced as that many rows (the same matmuls; every hop carries each position). How
+many tokens a pass yields depends on the prompts, so no plan is predicted with it up front:
+`predict_speculating` prices a plan's 1-stream speed at the acceptance its engine measured.
+
 Layer times are sustained ones (a machine busy all the time). A machine held to a share of a
 core (a cgroup's CPU quota) runs a short burst at full speed: a pipeline stage idle while the
 others work gets its layers done at `cpu_share` of its sustained time, as long as its work
@@ -38,13 +43,14 @@ predicted ~26 tok/s where tp served 21.4.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from planner.errors import PlanError
 from planner.memory import ModelShape
 
 PREDICTION_PROMPT_TOKENS = 512  # the prompt a predicted time to first token is for
+PRICED_POSITIONS = 16  # a 1-stream pass is priced feeding 1 to 16 positions; beyond, linearly
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +158,9 @@ class Prediction:
     # a 1-stream token's seconds by the engine's step segments (pp: "stage0".."stageN" and
     # "transit", as engines/pipeline/frame_clock.py names them), to set beside the served ones
     segments: tuple[tuple[str, float], ...] = ()
+    # a 1-stream pass's seconds by the positions it feeds (a verifying pass: its next token
+    # and the draft); at 1 position, 1 / decode_tps
+    pass_s: Curve | None = None
 
     @property
     def label(self) -> str:
@@ -176,6 +185,47 @@ class Prediction:
             "dominant": self.dominant,
             "segments_ms": {name: round(s * 1000, 2) for name, s in self.segments},
         }
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculatingSpeed:
+    """A plan's 1-stream decode speed at the speculation its engine measured so far: `passes`
+    passes of sequences decoding alone, each fed on average `positions` (its next token and
+    the draft) and yielding `tokens`."""
+
+    passes: int
+    positions: float
+    tokens: float
+    decode_tps: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "decode_tps": round(self.decode_tps, 2),
+            "tokens_per_pass": round(self.tokens, 2),
+            "positions_per_pass": round(self.positions, 2),
+            "passes": self.passes,
+        }
+
+
+def predict_speculating(
+    prediction: Prediction, passes: int, drafted: int, accepted: int
+) -> SpeculatingSpeed | None:
+    """`prediction`'s 1-stream speed with the engine's speculation counts: over `passes` lone
+    passes, `drafted` tokens drafted and `accepted` kept. A pass yields 1 + accepted / passes
+    tokens and costs a pass over 1 + drafted / passes positions (the mean pass: the cost is
+    linear between the priced positions). None until something was drafted."""
+    if prediction.pass_s is None or passes <= 0 or drafted <= 0:
+        return None
+    positions = 1 + drafted / passes
+    tokens = 1 + accepted / passes
+    return SpeculatingSpeed(passes, positions, tokens, tokens / prediction.pass_s.at(positions))
+
+
+def _priced(pass_s: Callable[[float], float]) -> Curve:
+    """A 1-stream pass's seconds at every position count up to PRICED_POSITIONS."""
+    return Curve(
+        tuple((positions, pass_s(positions)) for positions in range(1, PRICED_POSITIONS + 1))
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +278,7 @@ def predict_single(
         batch / step(batch),
         prefill * speed.prefill_layer_s + step(1),
         dominant,
+        pass_s=_priced(step),
     )
 
 
@@ -314,8 +365,9 @@ def predict_tp(
             for node, share, rank in held
         )
     return Prediction(
-        "tp", tuple(node_ids), 1 / step(1), batch, batch / step(batch), prefill, dominant
-    )
+        "tp", tuple(node_ids), 1 / step(1), batch, batch / step(batch), prefill, dominant,
+        pass_s=_priced(step),
+    )  # fmt: skip
 
 
 def predict_pp(
@@ -374,6 +426,7 @@ def predict_pp(
         prefill + transfers + trip(1),
         dominant,
         (*segments, ("transit", hops_s(1))),
+        pass_s=_priced(trip),
     )
 
 

@@ -233,10 +233,12 @@ def render_predictions(status: dict[str, Any]) -> str:
     if not predictions:
         return '<p class="muted">not measured: auto planned by the rules alone</p>'
     served = status.get("served") or {}
+    speculating = (status.get("predicted") or {}).get("speculating")
     rows = "".join(
         f"<tr><td>{escape(str(p.get('label', '')))}{' (serving)' if index == 0 else ''}</td>"
         f"<td>{escape(', '.join(map(str, p.get('nodes') or [])))}</td>"
-        f'<td class="num">{p.get("decode_tps", 0):.1f}</td>'
+        f'<td class="num">{p.get("decode_tps", 0):.1f}'
+        f"{_speculating(speculating) if index == 0 else ''}</td>"
         f'<td class="num">{p.get("batch_tps", 0):.1f} at {p.get("batch", "")}</td>'
         f'<td class="num">{p.get("ttft_ms", 0):.0f}</td>'
         f'<td class="num">{_served(served) if index == 0 else ""}</td>'
@@ -289,6 +291,16 @@ def _all_sum(link: dict[str, Any]) -> str:
             f"(the rest {escape(str(rest))})"
         )
     return text
+
+
+def _speculating(speculating: dict[str, Any] | None) -> str:
+    """The serving plan's 1-stream prediction at the speculation its engine measured."""
+    if not speculating:
+        return ""
+    return (
+        f"; {speculating['decode_tps']:.1f} speculating "
+        f"({speculating['tokens_per_pass']:.2f} tokens a pass)"
+    )
 
 
 def _served(served: dict[str, Any]) -> str:

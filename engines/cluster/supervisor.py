@@ -28,7 +28,7 @@ from engines.observability.process_memory import process_memory
 from engines.observability.served_speed import ServedSpeed, one_stream_segments_ms
 from planner import ClusterPlan, NodeResources, Parallelism
 from planner.errors import PlanError, TandemError
-from planner.speed import ClusterSpeeds
+from planner.speed import ClusterSpeeds, Prediction, predict_speculating
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +368,9 @@ class ClusterSupervisor:
             "world_size": 1 + len(self.membership.to_resources()) if self.membership else 1,
             "engine": engine,
             "speeds": self.survey.status() if self.survey is not None else None,
-            "predicted": plan.predictions[0].to_dict() if plan and plan.predictions else None,
+            "predicted": predicted_status(
+                plan.predictions[0] if plan and plan.predictions else None, engine
+            ),
             "served": self.served_speed.describe()
             | {"segments_ms": one_stream_segments_ms((engine or {}).get("step_timing"))},
             "coordinator": resources_status(self.coordinator())
@@ -415,6 +417,23 @@ def _unhealthy(engine: Engine) -> str:
     info = engine.info()
     why = info.detail.get("lost_reason") or info.detail.get("failure")
     return f"{info.strategy} engine became unhealthy" + (f": {why}" if why else "")
+
+
+def predicted_status(
+    prediction: Prediction | None, engine: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The running plan's prediction; once its engine has drafted, also its 1-stream speed at
+    the acceptance measured so far (planner/speed.py predict_speculating)."""
+    if prediction is None:
+        return None
+    counts = (engine or {}).get("speculation") or {}
+    speculating = predict_speculating(
+        prediction, counts.get("steps", 0), counts.get("drafted", 0), counts.get("accepted", 0)
+    )
+    body = prediction.to_dict()
+    if speculating is not None:
+        body["speculating"] = speculating.to_dict()
+    return body
 
 
 def active_rdma(hello: Any) -> tuple[str, ...]:

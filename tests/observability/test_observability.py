@@ -21,11 +21,12 @@ from engines.api.cluster_metrics import MODEL_LABEL, Families, add_prefix_cache
 from engines.api.dashboard_view import render_members, render_predictions, render_summary
 from engines.cluster.cluster_status import engine_status
 from engines.cluster.replan_history import ReplanHistory, reason_kind
+from engines.cluster.supervisor import predicted_status
 from engines.core.runner import EngineRunner
 from engines.core.served_models import ServedModels
 from engines.observability.request_log import RequestLog, RequestLogSettings
 from engines.observability.request_timing import SEGMENTS, RequestRecord
-from planner.speed import Prediction
+from planner.speed import Curve, Prediction
 from tests.helpers.api import (
     CLUSTER,
     HELLO,
@@ -477,6 +478,27 @@ def test_the_dashboard_sets_a_pipelines_stages_predicted_beside_served() -> None
     served["segments_ms"] = {"stage0": 24.6, "stage1": 21.9, "transit": 1.2}
     html = render_predictions(status)
     assert "stage0 on c 18.1 -&gt; 24.6; stage1 on a 19.4 -&gt; 21.9; transit 0.2 -&gt; 1.2" in html
+
+
+def test_the_serving_prediction_at_the_speculation_its_engine_measured() -> None:
+    """Once the engine has drafted, /v1/cluster's `predicted` adds the 1-stream speed at its
+    counts: 10 lone passes fed 3 positions each on average (40 -> 50 ms a pass) and yielded
+    2 tokens, so 40 tok/s; the dashboard sets it beside the plain prediction."""
+    pass_s = Curve(((1, 0.04), (5, 0.06)))
+    pp = Prediction("pp", ("c", "a"), 25.0, 8, 96.5, 2.4, "slowest stage a", pass_s=pass_s)
+    undrafted = {"speculation": {"most_drafted": 8, "drafted": 0, "accepted": 0, "steps": 4}}
+    assert predicted_status(pp, undrafted) == predicted_status(pp, None) == pp.to_dict()
+    counts = {"most_drafted": 8, "drafted": 20, "accepted": 10, "steps": 10}
+    predicted = predicted_status(pp, {"speculation": counts})
+    assert predicted is not None
+    assert predicted["speculating"] == {
+        "decode_tps": 40.0,
+        "tokens_per_pass": 2.0,
+        "positions_per_pass": 3.0,
+        "passes": 10,
+    }
+    status = {"plan": {"predictions": [pp.to_dict()]}, "predicted": predicted, "served": {}}
+    assert "25.0; 40.0 speculating (2.00 tokens a pass)</td>" in render_predictions(status)
 
 
 async def test_two_models_each_have_their_series_their_row_and_their_requests(

@@ -18,6 +18,7 @@ from planner.speed import (
     all_sum_s,
     predict_pp,
     predict_single,
+    predict_speculating,
     predict_tp,
     split_by_speed,
 )
@@ -271,6 +272,53 @@ def test_a_quota_never_lets_a_stage_beat_its_sustained_time() -> None:
         replace(held, cpu_share=0)
 
 
+# ---- speculation at the measured acceptance -----------------------------------------------
+
+
+def test_a_pipeline_speculating_pays_a_trip_over_the_mean_pass_for_the_tokens_it_yields() -> None:
+    """10 lone passes drafted 30 tokens and kept 20: a pass feeds 4 positions (a layer 1 + 3/7
+    ms, the head 2 + 6/7; the hops carry 4 of each) and yields 3 tokens."""
+    prediction = predict_pp(SHAPE, cluster(speed("a"), speed("b")), [("a", 16), ("b", 16)], 8)
+    hops_4 = (50e-6 + 4 * ROW_BYTES / GIGABIT) + (50e-6 + 4 * 8 / GIGABIT)
+    trip_4 = 32 * (1 + 3 / 7) * MS + (2 + 6 / 7) * MS + hops_4
+    speculating = predict_speculating(prediction, passes=10, drafted=30, accepted=20)
+    assert speculating is not None
+    assert (speculating.positions, speculating.tokens) == (4, 3)
+    assert speculating.decode_tps == pytest.approx(3 / trip_4)  # 61.6 tok/s against 29.3
+    assert speculating.to_dict() == {
+        "decode_tps": round(3 / trip_4, 2),
+        "tokens_per_pass": 3.0,
+        "positions_per_pass": 4.0,
+        "passes": 10,
+    }
+
+
+def test_drafts_the_model_rejects_cost_a_longer_pass_for_one_token() -> None:
+    prediction = predict_single(SHAPE, speed("a"), batch=8)
+    speculating = predict_speculating(prediction, passes=10, drafted=70, accepted=0)
+    assert speculating is not None
+    assert speculating.decode_tps == pytest.approx(1 / (32 * 2 * MS + 4 * MS))  # 8 positions
+    assert speculating.decode_tps < prediction.decode_tps
+
+
+@pytest.mark.parametrize(
+    "predicted",
+    [
+        predict_single(SHAPE, speed("a"), batch=8),
+        predict_tp(SHAPE, cluster(speed("a"), speed("b")), ["a", "b"], batch=8),
+        predict_pp(SHAPE, cluster(speed("a"), speed("b")), [("a", 16), ("b", 16)], batch=8),
+    ],
+    ids=["single", "tp", "pp"],
+)
+def test_a_pass_of_one_position_is_a_plain_token(predicted: Prediction | None) -> None:
+    assert predicted is not None and predicted.pass_s is not None
+    assert predicted.pass_s.at(1) == pytest.approx(1 / predicted.decode_tps)
+    plain = predict_speculating(predicted, passes=10, drafted=0, accepted=0)
+    assert plain is None  # nothing drafted yet: nothing measured to price
+    assert predict_speculating(predicted, passes=0, drafted=0, accepted=0) is None
+    assert predict_speculating(replace(predicted, pass_s=None), 10, 30, 20) is None
+
+
 # ---- the speed-weighted split -------------------------------------------------------------
 
 
@@ -366,9 +414,7 @@ def test_a_plan_over_more_machines_must_be_predicted_faster_by_the_margin(
     fewer: tuple[str, int, float], more: tuple[str, int, float], chosen: str
 ) -> None:
     small, large = _predicted(*fewer), _predicted(*more)
-    candidates = sorted(
-        [("fewer", small), ("more", large)], key=lambda pair: -pair[1].decode_tps
-    )
+    candidates = sorted([("fewer", small), ("more", large)], key=lambda pair: -pair[1].decode_tps)
     _, picked = _pick(candidates)  # type: ignore[arg-type]
     assert picked.label == chosen or picked.strategy == chosen
 
