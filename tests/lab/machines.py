@@ -86,6 +86,11 @@ class Machine:
         lines = (group / "memory.oom_control").read_text().splitlines()
         return int(dict(line.split() for line in lines).get("oom_kill", 0))
 
+    def pids(self) -> list[int]:
+        """Every process running on this machine (in its memory cgroup), sorted."""
+        [group] = [g for g in self.cgroups if "memory" in g.parts]
+        return sorted(_read_pids(group))
+
     def command(self, argv: list[str]) -> list[str]:
         """`argv` as it runs on this machine: in its namespace, cgroups, cores and disk."""
         hide = " ".join(
