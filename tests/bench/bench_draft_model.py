@@ -4,19 +4,19 @@ the same BLAS: one greedy stream's decode tok/s over HTTP, side by side in inter
 The only real model here is SmolLM2-135M-Instruct, so each pair is one model twice (it accepts
 optimistically): its Q4_1 import (mlx 4-bit) drafting for a float16 copy, and for its float32
 import. On this CPU mlx's float16 and 4-bit matmuls have no BLAS path: a float16 pass costs
-about twice a 4-bit one, which costs about four float32 ones. So drafting pays for the float16
-target and loses for the float32 one, where tandem's drafter steps aside (engines/speculation/
-payoff.py). tandem computes float16 weights in float32 on the CPU (engines/model/precision.py),
-mlx_lm.server in float16. tandem without speculation is the third contender of each pair;
-tandem's drafted and accepted tokens are read from its /metrics.
+about twice a 4-bit one, which costs about four float32 ones. mlx_lm.server computes the float16
+copy in float16, where drafting pays; tandem computes float16 weights in float32 on the CPU
+(engines/model/precision.py), where a 4-bit draft loses, as it does for the float32 import: there
+tandem's drafter steps aside (engines/speculation/payoff.py). tandem without speculation is the
+third contender of each pair; tandem's drafted and accepted tokens are read from its /metrics.
 
 A last table compares the drafting itself, in one process and without HTTP: tandem's lane with
 a draft model that always drafts (the clock's verdict left out) against mlx-lm's
 `speculative_generate_step`, the float32 pair, greedy.
 
 Run from the project root: `python -m tests.bench.bench_draft_model` (about 15 minutes;
-`--drafting-only`: the last table alone, printed). It
-writes docs/benchmarks.md's "## Draft-model speculation" section.
+`--drafting-only`: the last table alone, printed). It writes docs/benchmarks.md's
+"## Draft-model speculation" section.
 """
 
 from __future__ import annotations
@@ -217,8 +217,15 @@ def main() -> None:
     target16 = float16_copy(target32, cache)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as scratch:
         pairs = [
-            ("4-bit drafting for float16 (drafting pays on this CPU)", target16),
-            ("4-bit drafting for float32 (drafting loses on this CPU)", target32),
+            (
+                "4-bit drafting for a float16 copy (mlx_lm.server computes it in float16, where "
+                "drafting pays; tandem in float32)",
+                target16,
+            ),
+            (
+                "4-bit drafting for float32 (drafting loses on this CPU: tandem steps aside)",
+                target32,
+            ),
         ]
         tables = [
             f"**{title}**\n\n" + measure_pair(target, draft, Path(scratch))
