@@ -22,7 +22,7 @@ MODEL_LABEL = "model"  # the first label of every series here, and of the reques
 PREFIX_CACHE_COUNTERS = ("hits", "misses", "evictions", "disk_hits", "spills", "disk_failures")
 PREFIX_CACHE_GAUGES = ("bytes", "entries", "disk_bytes", "disk_entries")
 SPECULATION_COUNTERS = (  # engine.info().detail["speculation"] keys
-    ("drafted", "Tokens drafted by prompt lookup for the model to check"),
+    ("drafted", "Tokens drafted (prompt lookup or --draft-model) for the model to check"),
     ("accepted", "Drafted tokens the model agreed with (each saved one decoding pass)"),
     ("steps", "Verifying passes (each checks one draft, or decodes plainly without one)"),
 )

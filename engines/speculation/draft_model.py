@@ -1,7 +1,8 @@
 """Draft-model drafting (--draft-model): a smaller model with the target's tokenizer guesses the
-next tokens greedily, one cheap pass each, and the target checks them in one pass (as
-mlx_lm.server's --draft-model). The draft model keeps a KV cache of the sequence's tokens,
-trimmed back to what the target accepted."""
+next tokens greedily, one pass each, and the target checks them in one pass (as mlx_lm.server's
+--draft-model). The draft model keeps a KV cache of the sequence's tokens, trimmed back to what
+the target accepted. A draft is handed over still computing: the target's pass is built on it,
+and one wait covers both (as mlx-lm's speculative step)."""
 
 from __future__ import annotations
 
@@ -19,17 +20,21 @@ class DraftModelDrafter:
     whole prompt, the first time), then decodes greedily; `extend` keeps the drafted positions
     the target accepted and trims the rest."""
 
+    costly = True
+
     def __init__(self, model: Any, stream: Any, tokens: Iterable[int]) -> None:
         self.model = model
         self.stream = stream
         self.tokens = list(tokens)  # the sequence's known tokens
         self.caches = make_prompt_cache(model)
         self.cached = 0  # how many of `tokens` the caches hold
-        self._guesses: list[int] = []  # the last draft; all but its last token are in the caches
+        # the last draft (computed by the time its verdict comes); all but its last token are
+        # in the caches
+        self._guesses: mx.array | list[int] = []
 
     def extend(self, tokens: Iterable[int]) -> None:
         kept = list(tokens)
-        fed = self._guesses[:-1]  # drafted positions the caches hold after the known tokens
+        fed = list_of(self._guesses)[:-1]  # drafted positions the caches hold after the known
         agreed = 0
         while agreed < min(len(fed), len(kept)) and fed[agreed] == kept[agreed]:
             agreed += 1
@@ -38,14 +43,14 @@ class DraftModelDrafter:
         self.tokens.extend(kept)
         self._guesses = []
 
-    def draft(self, most: int) -> list[int]:
+    def draft(self, most: int) -> mx.array | list[int]:
         if most <= 0 or not self.tokens:
             return []
-        if self._guesses:  # drafted twice without a verdict: the first draft is forgotten
+        if len(self._guesses):  # drafted twice without a verdict: the first one is forgotten
             trim_prompt_cache(self.caches, len(self._guesses) - 1)
             self._guesses = []
         with mx.stream(self.stream):
-            # each guess stays lazy, fed to the next pass: one wait for all of them at the end
+            # each guess is fed to the next pass as it computes; nothing here waits
             pending = mx.array([self.tokens[self.cached :]])
             lazy = []
             for _ in range(most):
@@ -54,10 +59,14 @@ class DraftModelDrafter:
                 mx.async_eval(token)
                 lazy.append(token)
                 pending = token[None]
-            guesses = mx.concatenate(lazy).tolist()
+            guesses = mx.concatenate(lazy)
         self.cached = len(self.tokens)
         self._guesses = guesses
         return guesses
+
+
+def list_of(guesses: mx.array | list[int]) -> list[int]:
+    return guesses.tolist() if isinstance(guesses, mx.array) else guesses
 
 
 def check_draft_model(draft: Any, draft_tokenizer: Any, target_tokenizer: Any) -> None:

@@ -12,6 +12,7 @@ distribution, and greedy tokens are those of plain decoding.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -22,15 +23,21 @@ from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, trim_pro
 from engines.core.engine import StepOutput
 from engines.decoding.sampling import Processor, Sampler, draw_each, give_back_draws, sampled
 from engines.speculation.draft_length import DraftLength
+from engines.speculation.payoff import Payoff
 from engines.speculation.prompt_lookup import PromptLookup
+
+Draft = list[int] | mx.array  # a drafter's guesses; an array may still be computing
 
 
 class Drafter(Protocol):
-    """Guesses a sequence's next tokens from the tokens it has so far."""
+    """Guesses a sequence's next tokens from the tokens it has so far. `costly`: drafting runs
+    a model (its cost is timed against plain decoding; see Payoff)."""
+
+    costly: bool
 
     def extend(self, tokens: Iterable[int]) -> None: ...
 
-    def draft(self, most: int) -> list[int]: ...
+    def draft(self, most: int) -> Draft: ...
 
 
 DrafterFactory = Callable[[list[int]], Drafter]  # a sequence's tokens so far -> its drafter
@@ -50,7 +57,7 @@ class LaneSequence:
     top_logprobs: int | None
     draft_length: DraftLength
     drafter: Drafter
-    planned: list[int] | None = None  # the draft looked for at the end of the last step
+    planned: Draft | None = None  # the draft made at the end of the last step
     ahead: tuple[mx.array, mx.array] | None = None  # a plain pass launched for the next step
 
 
@@ -91,6 +98,8 @@ class SpeculativeLane:
         self.drafter = drafter
         self.sequence: LaneSequence | None = None
         self.counts = SpeculationCounts()
+        self.payoff: Payoff | None = None  # kept across sequences: the pair's costs stay
+        self._lap: tuple[float, bool, int] | None = None  # the last step: start, drafted, tokens
 
     def take(
         self,
@@ -110,6 +119,10 @@ class SpeculativeLane:
             uid, caches, list(tokens[:-1]), tokens[-1], sampler, processors, top_logprobs,
             DraftLength(self.most_drafted), self.drafter(list(tokens)),
         )  # fmt: skip
+        self._lap = None
+        if self.sequence.drafter.costly:
+            self.payoff = self.payoff or Payoff()
+            self.payoff.new_sequence()
 
     def give_back(self) -> LaneSequence:
         """The sequence, to decode elsewhere from its `next_token` on (a pass launched ahead
@@ -124,40 +137,56 @@ class SpeculativeLane:
         or, with nothing to draft, the token of the plain pass launched at the last step. A
         plain pass for the next step is launched before returning, as mlx-lm's generator
         does, so that the model computes while the tokens are reported."""
-        sequence = self.sequence
+        sequence, started = self.sequence, time.perf_counter()
+        if self._lap is not None and sequence.drafter.costly:
+            lap_start, drafted, tokens = self._lap
+            self.payoff.record(drafted, started - lap_start, tokens)
         if sequence.ahead is not None:
-            outputs = self._collect(sequence)
+            outputs, drafted = self._collect(sequence), False
         else:
-            outputs = self._verify(sequence, self._draft(sequence))
+            draft = self._draft(sequence)
+            outputs, drafted = self._verify(sequence, draft), len(draft) > 0
+        self._lap = (started, drafted, len(outputs))
         self.counts.steps += 1
         planned = self._draft(sequence)
-        if planned:
+        if len(planned):
             sequence.planned = planned
         else:
             sequence.ahead = self._forward(sequence, [sequence.next_token])
             mx.async_eval(*sequence.ahead)
         return outputs
 
-    def _draft(self, sequence: LaneSequence) -> list[int]:
-        if sequence.planned is not None:  # looked for at the end of the last step
+    def _draft(self, sequence: LaneSequence) -> Draft:
+        if sequence.planned is not None:  # made at the end of the last step
             draft, sequence.planned = sequence.planned, None
             return draft
+        if sequence.drafter.costly and not self.payoff.allows():
+            return []
         most = min(sequence.draft_length.next(), room_to_draft(sequence.caches))
         return sequence.drafter.draft(most)
 
-    def _forward(self, sequence: LaneSequence, fed: list[int]) -> tuple[mx.array, mx.array]:
-        """The tokens drawn at each fed position and their log-probabilities, lazily."""
+    def _forward(self, sequence: LaneSequence, fed: Draft) -> tuple[mx.array, mx.array]:
+        """The tokens drawn at each fed position and their log-probabilities, lazily (`fed`
+        may be lazy too: a draft model's guesses are computed in the same wait)."""
         with mx.stream(self.stream):
-            logits = self.model(mx.array([fed]), cache=sequence.caches)[0]
+            inputs = fed[None] if isinstance(fed, mx.array) else mx.array([fed])
+            logits = self.model(inputs, cache=sequence.caches)[0]
             if sequence.processors:
                 logits = processed(logits, sequence.tokens, fed, sequence.processors)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return draw_each(sequence.sampler, logprobs), logprobs
 
-    def _verify(self, sequence: LaneSequence, draft: list[int]) -> list[StepOutput]:
-        fed = [sequence.next_token, *draft]
+    def _verify(self, sequence: LaneSequence, draft: Draft) -> list[StepOutput]:
+        if isinstance(draft, mx.array) and sequence.processors:  # they read the context's ids
+            draft = draft.tolist()
+        if isinstance(draft, mx.array):
+            fed = mx.concatenate([mx.array([sequence.next_token], draft.dtype), draft])
+        else:
+            fed = [sequence.next_token, *draft]
         drawn, logprobs = self._forward(sequence, fed)
         mx.eval(drawn, logprobs)
+        if isinstance(draft, mx.array):
+            fed, draft = fed.tolist(), draft.tolist()
         kept = accepted_prefix(drawn.tolist(), draft)
         accepted = len(kept) - 1
         trim_prompt_cache(sequence.caches, len(draft) - accepted)

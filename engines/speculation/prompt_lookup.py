@@ -16,6 +16,8 @@ class PromptLookup:
     LONGEST_NGRAM) that something followed: `draft` is a dictionary lookup per n, and
     `extend` costs a few per token."""
 
+    costly = False
+
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self.tokens: list[int] = []
         self._follower: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest follower is

@@ -12,6 +12,8 @@ class ScriptedDrafter:
     """Drafts what plain decoding wrote, wrong at every WRONG_EVERY-th position: drafts are
     accepted and rejected."""
 
+    costly = False
+
     def __init__(self, script: Sequence[int], tokens: Sequence[int]) -> None:
         self.script = list(script)
         self.known = len(tokens)
