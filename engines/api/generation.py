@@ -104,9 +104,11 @@ async def serving(models: ServedModels, requested: str, param: str = "model") ->
 
 
 async def ready_service(models: ServedModels, service: Service) -> Service:
-    """`service` once it answers: with --load-on-demand a model that is unloaded (or being
-    unloaded by --keep-alive) is loaded and the request waits for it (bounded); else 503 while
-    it has no runner."""
+    """`service` for a request: claimed when a runner serves (so --keep-alive keeps it); with
+    --load-on-demand a model that is unloaded (or being unloaded) is loaded first and the
+    request waits for it (bounded); 503 while it has no tokenizer (none until its first engine
+    has loaded). Without a runner otherwise (a re-plan) the request is still read and checked;
+    its submit answers 503."""
     if service.claim():
         return service
     if models.on_demand is not None and service.state in WAITS_FOR_LOAD:
@@ -114,8 +116,10 @@ async def ready_service(models: ServedModels, service: Service) -> Service:
             return await models.on_demand.wait_loaded(service.model_id)
         except EngineError as error:
             raise engine_unavailable(str(error)) from None
-    reason = f": {service.state_reason}" if service.state_reason else ""
-    raise engine_unavailable(f"the model is not loaded yet ({service.state}{reason})")
+    if service.tokenizer is None:
+        reason = f": {service.state_reason}" if service.state_reason else ""
+        raise engine_unavailable(f"the model is not loaded yet ({service.state}{reason})")
+    return service
 
 
 def engine_features(service: Service) -> frozenset[str]:
