@@ -11,11 +11,9 @@ import os
 import re
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,6 +22,7 @@ from openai import APIError, OpenAI
 
 from discovery.cluster_key import format_key, generate_key
 from tests.helpers.reference import MAX_TOKENS, PROMPTS, single_outputs
+from tests.lab.agents import PYTHON, REPO, join
 from tests.lab.machines import Lab, Machine, MachineSpec, lab_unavailable
 
 pytestmark = [
@@ -43,22 +42,12 @@ PIPELINE = ["--max-batch", "8", "--context-tokens", "16384", "--prefix-cache-byt
             "--measure-speeds", "off"]  # fmt: skip
 TP = ["--context-tokens", "2048", "--prefix-cache-bytes", "0", "--measure-speeds", "off"]
 STREAMS = 8
-PYTHON = [sys.executable, "-m", "cli.main"]
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def lab() -> Iterator[Lab]:
     with Lab(3, [MachineSpec(memory_limit=MEMORY_LIMIT) for _ in range(3)]) as built:
         yield built
-
-
-def join(machine: Machine, key: str) -> None:
-    machine.popen(
-        [*PYTHON, "join", "--cluster-key", key, "--interface", machine.address,
-         "--heartbeat-interval", "0.5", "--lost-after", "3"],
-        log=machine.home / "join.log", cwd=REPO,
-    )
 
 
 def serve(machine: Machine, key: str, parallelism: str, *extra: str) -> str:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 import threading
 import time
-from pathlib import Path
 from subprocess import Popen
 from typing import Any
 
@@ -19,6 +17,7 @@ from openai import OpenAI
 
 from discovery.cluster_key import format_key, generate_key
 from tests.helpers.reference import MAX_TOKENS, PROMPTS, single_outputs
+from tests.lab.agents import PYTHON, REPO, join
 from tests.lab.machines import Lab, Machine, MachineSpec, lab_unavailable
 
 pytestmark = [
@@ -29,8 +28,6 @@ pytestmark = [
 PORT = 8000
 READY_S = 90.0
 MB = 1024 * 1024
-PYTHON = [sys.executable, "-m", "cli.main"]
-REPO = Path(__file__).resolve().parents[2]
 # Every stage's need counts 10 sequences x 8192 tokens of KV: per layer ~180 MB for BIG (8 KV
 # heads), ~45 MB for SMALL (2 KV heads); the weights are a few MB.
 BIG = {"layers": 6, "kv_heads": 8}  # ~1.07 GB in all
@@ -45,14 +42,6 @@ SIZING = ["--parallelism", "pp", "--context-tokens", "8192", "--max-batch", "10"
 # candidates worked through) with every machine's memory anywhere within 30% of 400 MB, 2 GB
 # and 480 MB.
 LIMITS = (500 * MB, 2100 * MB, 580 * MB)
-
-
-def join(machine: Machine, key: str) -> None:
-    machine.popen(
-        [*PYTHON, "join", "--cluster-key", key, "--interface", machine.address,
-         "--heartbeat-interval", "0.5", "--lost-after", "3"],
-        log=machine.home / "join.log", cwd=REPO,
-    )  # fmt: skip
 
 
 def wait_ready(machines: list[Machine]) -> None:
