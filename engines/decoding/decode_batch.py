@@ -1,10 +1,10 @@
 """DecodeBatch: mlx-lm's BatchGenerator under the runner's uids, shared by the single engine
 and every tensor-parallel rank (each over its own model or shard).
 
-It inserts a sequence (from a prefix-cache entry when it has one: then, when the rest of the
-prompt fits one prefill chunk, the rest and the first token in one forward pass), removes
-sequences, steps the batch, and hands every removed sequence's caches to `keep` (the owner's
-prefix cache) so nothing else needs to know the generator's own uids.
+It inserts a sequence (from a prefix-cache entry when it has one: then, into an empty batch
+and when the rest of the prompt fits one prefill chunk, the rest and the first token in one
+forward pass), removes sequences, steps the batch, and hands every removed sequence's caches
+to `keep` (the owner's prefix cache) so nothing else needs to know the generator's own uids.
 
 It never ends a sequence itself: the runner's ActiveSequence alone decides that a sequence is done
 (EOS, length, stop text, cancel, deadline) and removes it, so the generator is given a length it
@@ -113,6 +113,10 @@ class DecodeBatch:
             caches = [self.kv.adopt(cache) for cache in caches]
         if (
             caches is not None
+            # a hit joining a running batch is computed in the batch's next step with the
+            # others': a pass of its own would stall the whole batch (64 hits at once, each
+            # with its own pass, took 30% of the engine core at 64 streams)
+            and len(self) == 0
             and len(rest) <= self.prefill_chunk
             # mlx-lm quantizes after the rest but its last token: the generator does the same
             and not quantizes_inside(caches, len(rest))

@@ -5,7 +5,8 @@ start decoding: one more forward pass and two more batch steps before the first 
 hit leaves only a short rest to compute, so it is cheaper to run the whole rest on the
 cached prefix at once and sample the first token from its last position, as the generator
 would have (same processors, same sampler draw); the generator then continues from that
-token with the whole prompt already in its cache.
+token with the whole prompt already in its cache. Only for a hit arriving at an empty batch:
+one joining a running batch is cheaper computed with the batch (engines/decoding/decode_batch.py).
 """
 
 from __future__ import annotations

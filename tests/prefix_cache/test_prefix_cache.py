@@ -199,6 +199,32 @@ def test_single_a_hit_samples_its_first_token_like_a_cold_engine(cached_runner, 
     assert hot[2].logprobs == pytest.approx(cold[2].logprobs, abs=1e-3)
 
 
+def test_single_a_hit_joining_a_running_batch_is_computed_in_the_batch_step(
+    demo_model_dir, cold_runner
+):
+    """A hit arriving at an empty batch gets its first token from a pass of its own, reported
+    by the next step alone; one joining a running batch waits for the batch's step, which
+    computes its rest with everyone's (a pass each would stall the batch once per hit)."""
+    engine = SingleEngine(demo_model_dir, prefix_cache_bytes=BUDGET)
+    engine.load()
+    try:
+        shared = tuple(engine.tokenizer.encode(SYSTEM + " Joining now."))
+        engine.insert(1, GenerationRequest("seed", shared, 4))
+        while not any(output.uid == 1 for output in engine.step()):
+            pass
+        engine.remove([1])  # its prompt and first token become an entry
+        alone, joining = (shared + tuple(engine.tokenizer.encode(t)) for t in (" one", " two"))
+        assert engine.insert(2, GenerationRequest("alone", alone, 6)) >= len(shared) - 1
+        assert engine.insert(3, GenerationRequest("joining", joining, 6)) >= len(shared) - 1
+        assert [output.uid for output in engine.step()] == [2]
+        joined: list[int] = []
+        while len(joined) < 6:
+            joined += [output.token for output in engine.step() if output.uid == 3]
+        assert joined == run_one(cold_runner, GenerationRequest("cold", joining, 6)).tokens
+    finally:
+        engine.close()
+
+
 def test_single_eviction_empties_the_store_and_the_next_turn_recomputes(demo_model_dir):
     engine = SingleEngine(demo_model_dir, prefix_cache_bytes=BUDGET)
     runner = EngineRunner(engine, max_batch=4)
