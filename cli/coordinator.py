@@ -276,6 +276,7 @@ def serve(config: ServeConfig) -> int:
                 manager.start_known(model)
         elif len(served) > 1:
             place(served, coordinator, membership)
+        manager.watch_membership()  # from here on, who joins is placed in
         for model in served if not config.load_on_demand else ():
             try:
                 what = f"starting {model.service.model_id}" if len(served) > 1 else None

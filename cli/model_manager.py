@@ -8,7 +8,8 @@ When it does not fit, a load a request asked for first unloads the least recentl
 model (no request running or queued) and tries again; a load through `POST /v1/models`
 never evicts, it is refused with the planner's numbers. Unloading closes the model's
 supervisor (its engine core exits, its agents are released), so its memory returns on every
-machine it used.
+machine it used. A machine that joins (or comes back) places the set again
+(cli/set_rediscovery.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from planner.errors import EngineError, PlanError, TandemError
 
 from .serve_config import ServeConfig
 from .served_model import ModelChoice, ServedModel, placement_of
+from .set_rediscovery import SetRediscovery
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class ModelManager:
         self._served = {model.service.model_id: model for model in served}
         self._lock = threading.RLock()  # one load or unload at a time
         self._closed = threading.Event()
+        self._rediscovery: SetRediscovery | None = None
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -247,6 +250,21 @@ class ModelManager:
 
         threading.Thread(target=watch, name="keep-alive", daemon=True).start()
 
+    def watch_membership(self) -> None:
+        """Place the models again when machines join or come back (every
+        --rediscover-interval; never without a cluster or with 0)."""
+        context = self.context
+        interval_s = context.config.rediscover_interval_s
+        if context.membership is None or interval_s <= 0:
+            return
+        self._rediscovery = SetRediscovery(
+            self._holding_memory, self._lock, context.coordinator, context.membership, interval_s
+        )
+        self._rediscovery.start()
+
+    def _holding_memory(self) -> list[ServedModel]:
+        return [model for model in self._served.values() if holds_memory(model)]
+
     def placements(self) -> dict[str, Any]:
         """GET /v1/placements: every model known placed afresh over the machines there now
         (every candidate, each node's memory before and after, predicted speeds when
@@ -269,6 +287,8 @@ class ModelManager:
 
     def close(self) -> None:
         self._closed.set()
+        if self._rediscovery is not None:
+            self._rediscovery.close()
         with self._lock:
             served, self._served = list(self._served.values()), {}
         for model in served:

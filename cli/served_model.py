@@ -271,18 +271,28 @@ def place(models: list[ServedModel], coordinator: NodeResources, membership: Any
     """Place the models (placement_of): each supervisor gets its group of members and the
     coordinator's memory less what the others need there. Raises PlanError, with the
     numbers, when the set does not fit."""
-    from planner.placement import less_taken, need_on
-
     placement = placement_of(models, coordinator, membership)
     if placement.refusal is not None:
         raise PlanError(f"refusing to serve: {placement.refusal}")
     for line in placement.describe():
         log.info("placement: %s", line)
-    needs = {m: need_on(plan, coordinator.node_id) for m, plan in placement.plans.items()}
+    shares = coordinator_shares(placement, coordinator)
     for model in models:
         model_id = model.service.model_id
-        others = sum(need for other, need in needs.items() if other != model_id)
-        share = less_taken(coordinator, others)
-        model.supervisor.coordinator = lambda share=share: share
-        model.supervisor.member_group = frozenset(placement.groups[model_id][1:])
+        model.supervisor.coordinator = lambda share=shares[model_id]: share
+        model.supervisor.member_group = group_of(placement, model_id)
     return placement
+
+
+def coordinator_shares(placement: Any, coordinator: NodeResources) -> dict[str, NodeResources]:
+    """Model id -> the coordinator as that model plans over it: less what the others need."""
+    from planner.placement import less_taken, need_on
+
+    needs = {m: need_on(plan, coordinator.node_id) for m, plan in placement.plans.items()}
+    total = sum(needs.values())
+    return {m: less_taken(coordinator, total - need) for m, need in needs.items()}
+
+
+def group_of(placement: Any, model_id: str) -> frozenset[str]:
+    """The members (not the coordinator) a placement gives a model."""
+    return frozenset(placement.groups[model_id][1:])

@@ -13,6 +13,7 @@ from typing import Any
 from discovery.capabilities import PORT_ACTIVE
 from engines.cluster.cluster_status import engine_status, members_status, resources_status
 from engines.cluster.exclusions import MemberExclusions
+from engines.cluster.group_move import GroupMove
 from engines.cluster.launch import LaunchSettings, build_engine
 from engines.cluster.planning import PlanSettings, plan_nodes
 from engines.cluster.replan_history import ReplanHistory
@@ -84,6 +85,7 @@ class ClusterSupervisor:
         self._retired: list[EngineRunner] = []  # swapped out, closed by the next re-plan
         self._planned_nodes: set[str] = set()  # who could take part when the plan was made
         self._last_candidates: set[str] = set()  # ... by the last make_plan()
+        self._move: GroupMove | None = None  # another group, adopted by the next re-plan
         self.exclusions = MemberExclusions()
         self._discovering = threading.Lock()  # one zeroconf browse at a time
         self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
@@ -222,6 +224,19 @@ class ClusterSupervisor:
         if runner is not None:
             runner.engine.abort(reason)  # unblocks a step stuck on the dead member at once
 
+    def request_move(self, move: GroupMove, reason: str) -> None:
+        """Re-plan over another group of members (the set of models was placed again): the
+        re-plan releases this model's workers, waits for every other model that moves to have
+        released theirs, then plans over the new group."""
+        with self._lock:
+            closed = self._closed.is_set()
+            if not closed:
+                self._move = move
+        if closed:
+            move.cancel()
+            return
+        self.request_replan(reason)
+
     def _watch(self) -> None:
         next_discovery = time.monotonic() + self.plan_settings.rediscover_interval_s
         while not self._closed.wait(WATCH_INTERVAL_S):
@@ -309,6 +324,7 @@ class ClusterSupervisor:
         del retired
         release_freed_memory()  # what the old engine held, back to the OS
         self._release_workers(self.last_replan_reason)
+        self._adopt_move()
         delay_s = RETRY_FIRST_S
         while not self._closed.is_set():
             try:
@@ -331,6 +347,16 @@ class ClusterSupervisor:
                 if self._loss_count != losses and not self._replan_wanted.is_set():
                     self._replan_wanted.set()  # a member was lost during the launch
             return
+
+    def _adopt_move(self) -> None:
+        """Take the group request_move() gave, once the others moving have left theirs."""
+        move = self._move
+        if move is None:
+            return
+        move.wait_for_the_others()
+        with self._lock:
+            self._move = None
+        self.member_group, self.coordinator = move.group, move.coordinator
 
     def _release_workers(self, reason: str) -> None:
         if self.membership is None:
@@ -392,6 +418,9 @@ class ClusterSupervisor:
             runner = self.service.runner
             self.service.swap_runner(None, state, reason)
             retired, self._retired = self._retired, []
+            move = self._move
+        if move is not None:
+            move.cancel()  # the others moving stop waiting for this model's release
         if self._watcher.is_alive():
             self._watcher.join(WATCHER_JOIN_S)
         for old in [*retired, runner]:
