@@ -39,7 +39,9 @@ class DraftModelDrafter:
         while agreed < min(len(fed), len(kept)) and fed[agreed] == kept[agreed]:
             agreed += 1
         trim_prompt_cache(self.caches, len(fed) - agreed)
-        self.cached = len(self.tokens) + agreed
+        # the agreed positions are now known tokens; with no draft (a step that did not
+        # draft) the caches lack `kept`, fed with the next draft
+        self.cached += agreed
         self.tokens.extend(kept)
         self._guesses = []
 

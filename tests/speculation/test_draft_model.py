@@ -1,16 +1,20 @@
 """Draft-model drafting (--draft-model): another model with the same tokenizer guesses, the
 served model checks, and the tokens are those of plain decoding; a draft model that does not
-share the tokenizer is refused with the reason."""
+share the tokenizer is refused with the reason; steps that did not draft reach the draft model
+with its next draft."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+from mlx_lm import load
 
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
+from engines.speculation.draft_model import DraftModelDrafter
 from planner.errors import EngineError
 from tests.helpers.engine import make_request, run_one
 
@@ -60,3 +64,21 @@ def test_a_draft_model_with_another_tokenizer_is_refused(demo_model_dir, demo_mo
     with pytest.raises(EngineError, match="the draft model's tokenizer is not the target's"):
         engine.load()
     engine.close()
+
+
+def test_steps_that_did_not_draft_are_fed_to_the_draft_model_with_its_next_draft(
+    demo_model_dir,
+):
+    """While drafting pauses (Payoff), the tokens decoded reach the drafter by `extend` alone:
+    its next draft feeds them all, and guesses as plain greedy decoding does."""
+    model, tokenizer = load(str(demo_model_dir))
+    stream = mx.default_stream(mx.default_device())
+    prompt = tokenizer.encode(PROMPTS[0])
+    plain = DraftModelDrafter(model, stream, prompt).draft(6).tolist()
+    drafter = DraftModelDrafter(model, stream, prompt)
+    assert drafter.draft(1).tolist() == plain[:1]
+    drafter.extend(plain[:2])  # accepted, and the model's own token after it
+    drafter.extend(plain[2:3])  # two steps that did not draft
+    drafter.extend(plain[3:4])
+    assert drafter.draft(2).tolist() == plain[4:6]
+    assert drafter.caches[0].offset == len(prompt) + 4 + 1  # the known tokens, one guess
