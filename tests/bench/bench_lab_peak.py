@@ -5,7 +5,7 @@ At a fixed 8 streams a pipeline cannot beat one machine whose decode is bound by
 weights: that machine batches all 8 rows in one read. A pipeline's gain shows where single
 saturates, so each contender's peak is compared, round by round.
 
-Run from the project root, as root: `python -m tests.bench.bench_lab_peak` (about ten minutes
+Run from the project root, as root: `python -m tests.bench.bench_lab_peak` (about fifteen minutes
 for the one-core part; `--half` adds pp=3 against single on machines of half a core each, a CPU
 quota; `--rounds N`, `--no-write`). One lab holds every contender's machines
 (tests/lab/machines.py), each `tandem serve` started once and kept up, idle while another is
@@ -36,7 +36,7 @@ HEADING = "## Peak throughput in the lab"
 COMMAND = "python -m tests.bench.bench_lab_peak"
 ROUNDS = 5
 STREAMS = (8, 16, 32, 64)
-MAX_TOKENS = 24
+MAX_TOKENS = 64
 CONTEXT_TOKENS = 128  # KV is reserved for --max-batch sequences of this many tokens
 MEMORY_LIMIT = 4 * 1024**3  # a memory cgroup per machine, so that closing the lab sweeps it
 HALF_CORE = 0.5
