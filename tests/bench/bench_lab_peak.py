@@ -5,14 +5,15 @@ At a fixed 8 streams a pipeline cannot beat one machine whose decode is bound by
 weights: that machine batches all 8 rows in one read. A pipeline's gain shows where single
 saturates, so each contender's peak is compared, round by round.
 
-Run from the project root, as root: `python -m tests.bench.bench_lab_peak` (about fifteen minutes
-for the one-core part; `--half` adds pp=3 against single on machines of half a core each, a CPU
-quota; `--rounds N`, `--no-write`). One lab holds every contender's machines
-(tests/lab/machines.py), each `tandem serve` started once and kept up, idle while another is
-timed; rounds interleave the contenders, each round starting one contender later. The model is
-bench_scaling's 16-layer hidden-1024 demo (it sits outside the machines' homes, so no
-transfer), one BLAS thread per process, `--max-batch 64`, greedy, no prefix cache. Writes
-"## Peak throughput in the lab" in docs/benchmarks.md.
+Run from the project root, as root: `python -m tests.bench.bench_lab_peak` (about fifteen
+minutes): single and pp=2 on machines of one pinned core; `--half` instead: single and pp=3 on
+machines of half a core each (a CPU quota); `--rounds N`, `--no-write`. One lab holds every
+contender's machines (tests/lab/machines.py), each `tandem serve` started once and kept up,
+idle while another is timed; rounds interleave the contenders, each round starting one
+contender later. The model is bench_scaling's 16-layer hidden-1024 demo (it sits outside the
+machines' homes, so no transfer), one BLAS thread per process, `--max-batch 64`, greedy, no
+prefix cache. Writes "## Peak throughput in the lab" (with `--half`, its half-core section) in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from pathlib import Path
 
 import httpx
 
-from discovery.cluster_key import format_key, generate_key
-from tests.bench.bench_lab_speculation import cluster, healthy, join, option, wait_for
+from tests.bench.bench_lab_speculation import option
+from tests.bench.bench_lab_speculation import start_all as start_lab_servers
 from tests.bench.bench_scaling import HIDDEN, LAYERS, environment
 from tests.bench.common import PROJECT_ROOT, markdown_table, write_section
 from tests.lab.machines import Lab, Machine, MachineSpec, lab_unavailable
 
 HEADING = "## Peak throughput in the lab"
+HALF_HEADING = "## Peak throughput in the lab, half-core machines"
 COMMAND = "python -m tests.bench.bench_lab_peak"
 ROUNDS = 5
 STREAMS = (8, 16, 32, 64)
@@ -84,31 +86,9 @@ def serve(contender: Contender, coordinator: Machine, key: str, model: Path) -> 
 
 
 def start_all(lab: Lab, contenders: tuple[Contender, ...], model: Path) -> dict[str, str]:
-    """Every contender's agents, then its serve; each checked to run the plan it was given.
-    Returns each contender's URL."""
-    groups, taken = {}, 0
-    for contender in contenders:
-        groups[contender.name] = lab.machines[taken : taken + contender.machines]
-        taken += contender.machines
-    keys = {contender.name: format_key(generate_key()) for contender in contenders}
-    for contender in contenders:
-        for agent in groups[contender.name][1:]:
-            join(agent, keys[contender.name])
-    for agent in (agent for group in groups.values() for agent in group[1:]):
-        log = agent.home / "join.log"
-        wait_for(f"agent {agent.address}", lambda log=log: "ready on" in log.read_text(), log)
-    urls = {}
-    for contender in contenders:
-        coordinator = groups[contender.name][0]
-        serve(contender, coordinator, keys[contender.name], model)
-        urls[contender.name] = f"http://{coordinator.address}:{PORT}"
-    for contender in contenders:
-        url, log = urls[contender.name], groups[contender.name][0].home / "serve.log"
-        wait_for(f"{contender.name}'s serve", lambda url=url: healthy(url), log)
-        found = (cluster(url).get("strategy"), cluster(url).get("world_size"))
-        if found != (contender.parallelism, contender.machines):
-            raise RuntimeError(f"{contender.name} serves {found}; see {log}")
-    return urls
+    """Every contender's cluster, started and checked (bench_lab_speculation's); their URLs."""
+    servers = start_lab_servers(lab, contenders, model, serve)
+    return {name: server.url for name, server in servers.items()}
 
 
 async def burst(url: str, count: int) -> float:
@@ -182,19 +162,19 @@ def main() -> None:
     from engines.model.demo_spec import DemoSpec
 
     rounds = option("--rounds", ROUNDS)
-    pairs = (ONE_CORE, HALF) if "--half" in sys.argv else (ONE_CORE,)
+    half = "--half" in sys.argv
+    pair = HALF if half else ONE_CORE
     model = ensure_demo_model(Path("/tmp/tandem-bench"), DemoSpec(layers=LAYERS, hidden=HIDDEN))
-    contenders = tuple(contender for pair in pairs for contender in pair)
     began = time.monotonic()
-    specs = [spec for contender in contenders for spec in contender.specs()]
+    specs = [spec for contender in pair for spec in contender.specs()]
     with Lab(len(specs), specs) as lab:
-        urls = start_all(lab, contenders, model)
+        urls = start_all(lab, pair, model)
         print(f"every serve up after {time.monotonic() - began:.0f} s", flush=True)
         found = measure(urls, rounds)
     minutes = (time.monotonic() - began) / 60
     text = "\n\n".join(
         [
-            f"`{COMMAND}`{' --half' if len(pairs) > 1 else ''} (as root; {minutes:.0f} "
+            f"`{COMMAND}{' --half' if half else ''}` (as root; {minutes:.0f} "
             f"minutes): the {LAYERS}-layer hidden-{HIDDEN} demo, one `tandem serve` per "
             "contender in one lab, all started once and kept up, idle while another is timed; "
             "one BLAS thread per process, `--max-batch 64`, no prefix cache. Each burst sends "
@@ -202,12 +182,12 @@ def main() -> None:
             f"of {rounds} interleaved rounds, a contender's peak is its best over "
             f"{', '.join(map(str, STREAMS))} streams in a round, and the ratio is per round "
             "against single's peak in the same round (median, lowest-highest).",
-            *(table(pair, found) for pair in pairs),
+            table(pair, found),
         ]
     )
     print(text)
     if "--no-write" not in sys.argv:
-        write_section(HEADING, text)
+        write_section(HALF_HEADING if half else HEADING, text)
 
 
 if __name__ == "__main__":

@@ -133,8 +133,13 @@ def healthy(url: str) -> bool:
         return False
 
 
-def start_all(lab: Lab, contenders: tuple[Contender, ...], model: Path) -> dict[str, Server]:
-    """Every contender's agents, then its serve; each checked to run the plan it was given."""
+def start_all(
+    lab: Lab, contenders: tuple[Any, ...], model: Path, start_serve: Any = None
+) -> dict[str, Server]:
+    """Every contender's agents, then its serve (`start_serve(contender, coordinator, key,
+    model)`, this module's serve by default); each checked to run the plan it was given.
+    A contender has a name, a parallelism and a number of machines."""
+    start_serve = start_serve or serve
     groups, taken = {}, 0
     for contender in contenders:
         groups[contender.name] = lab.machines[taken : taken + contender.machines]
@@ -150,7 +155,7 @@ def start_all(lab: Lab, contenders: tuple[Contender, ...], model: Path) -> dict[
     servers = {}
     for contender in contenders:
         coordinator = groups[contender.name][0]
-        serve(contender, coordinator, keys[contender.name], model)
+        start_serve(contender, coordinator, keys[contender.name], model)
         servers[contender.name] = Server(f"http://{coordinator.address}:{PORT}", coordinator)
     for contender in contenders:
         server = servers[contender.name]
