@@ -50,8 +50,8 @@ def test_greedy_tokens_equal_plain_decoding(plain, demo_model_dir, demo_model_fa
     finally:
         runner.close()
     assert counts["drafter"] == str(draft_dir)
-    if draft == "itself":  # right but for near ties (a draft fed many tokens at once after a
-        # pause computes them apart from the target's one by one)
+    if draft == "itself":  # right but for near ties (a draft model fed several tokens at once
+        # computes them apart from the target's one by one)
         assert counts["drafted"] > 0 and counts["accepted"] >= 0.75 * counts["drafted"]
     else:
         assert counts["drafted"] > counts["accepted"]
