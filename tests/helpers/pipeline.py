@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,15 +117,21 @@ def make_engine(
 
 
 async def collect(
-    runner: EngineRunner, request: GenerationRequest, cancel_after: int | None = None
+    runner: EngineRunner,
+    request: GenerationRequest,
+    cancel_after: int | None = None,
+    on_first_token: Callable[[], None] | None = None,
 ) -> Outcome:
-    """Submit through the runner and collect the event stream (cancel after N tokens if asked)."""
+    """Submit through the runner and collect the event stream (cancel after N tokens if asked;
+    call on_first_token when the first token arrives)."""
     submission = runner.submit(request)
     tokens: list[int] = []
     texts: list[str] = []
     async for event in submission.events():
         if event.token is not None:
             tokens.append(event.token)
+            if len(tokens) == 1 and on_first_token is not None:
+                on_first_token()
             if cancel_after is not None and len(tokens) == cancel_after:
                 submission.cancel()
         texts.append(event.text)
@@ -147,16 +153,17 @@ def run_all(
     runner: EngineRunner,
     requests: list[GenerationRequest],
     cancel_after: dict[int, int] | None = None,
+    on_first_token: Callable[[], None] | None = None,
 ) -> list[Outcome]:
     """Submit every request at once (a burst) and collect each stream; request i is cancelled
-    after cancel_after[i] tokens."""
+    after cancel_after[i] tokens; on_first_token is called as each stream's first arrives."""
     cancel_after = cancel_after or {}
 
     async def burst() -> list[Outcome]:
         return list(
             await asyncio.gather(
                 *(
-                    collect(runner, request, cancel_after.get(index))
+                    collect(runner, request, cancel_after.get(index), on_first_token)
                     for index, request in enumerate(requests)
                 )
             )
