@@ -43,6 +43,8 @@ BYTES_PER_WORD = 4
 # there, one core per idle rank. Every rank instead sleeps `wait_after` between headers,
 # starting short after real work and doubling up to the heartbeat while idle.
 FIRST_IDLE_WAIT_S = 0.002
+# ... but only after rank 0 waited this long for the engine's next step without one coming.
+NEXT_STEP_GRACE_S = 0.05
 CHECKSUM_MODULUS = 2_147_483_629  # a prime below 2**31: a checksum fits one int32 slot
 CHECKSUM_BASE = 1_000_003
 
@@ -162,6 +164,13 @@ def idle_wait_s(pings_in_a_row: int, heartbeat_s: float) -> float:
     would overflow and end the group.
     """
     return min(FIRST_IDLE_WAIT_S * 2 ** min(pings_in_a_row, 64), heartbeat_s)
+
+
+def ping_after_s(command: Command) -> float:
+    """How long rank 0 waits for the engine's next command before it pings, after `command`.
+    After a step the next one is a few ms away (the engine reads these tokens first): a ping
+    then would send every rank to sleep, and that step would wait for them to wake."""
+    return NEXT_STEP_GRACE_S if command.kind == STEP else command.wait_after_s
 
 
 def update_checksum(checksum: int, token: int) -> int:

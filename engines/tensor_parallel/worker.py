@@ -42,6 +42,7 @@ from engines.tensor_parallel.lockstep import (
     Command,
     Lockstep,
     idle_wait_s,
+    ping_after_s,
 )
 from engines.tensor_parallel.rank_disk import agree_on_stored, open_rank_disk
 from engines.tensor_parallel.rank_grammar import RankGrammars
@@ -204,7 +205,7 @@ class Rank:
                         "timing": timing,
                     }
                 )
-            deadline = time.monotonic() + command.wait_after_s
+            deadline = time.monotonic() + ping_after_s(command)
 
     def follow(self) -> None:
         """Ranks > 0: wait for rank 0's next command and run it on this shard."""

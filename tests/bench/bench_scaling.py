@@ -183,24 +183,35 @@ def plain_forward(machines: int, model: Path) -> dict[str, float]:
     over plain mx.distributed when 2): the ceiling with no serving around it."""
     specs = [MachineSpec(cores=str(index % 2)) for index in range(machines)]
     with Lab(machines, specs) as lab:
-        hostfile = lab.root / "ring.json"
-        hostfile.write_text(json.dumps([[f"{m.address}:{RING_PORT}"] for m in lab.machines]))
-        processes = []
-        for rank, machine in enumerate(lab.machines):
-            extra = {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)} if machines > 1 else {}
-            processes.append(machine.popen(
-                [sys.executable, "-m", "tests.bench.plain_forward", str(model), "1", str(STREAMS)],
-                log=machine.home / "plain.log", cwd=PROJECT_ROOT,
-                env={**environment(machine), **extra},
-            ))
-        for process in processes:
-            process.wait(READY_S)
-        lines = (lab.machines[0].home / "plain.log").read_text().splitlines()
-    steps = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
+        steps = plain_forward_on(lab.machines, model, (1, STREAMS), lab.root / "ring.json")
     return {
-        "decode": 1000 / steps["ms_per_step"]["1"],
-        "aggregate": 1000 * STREAMS / steps["ms_per_step"][str(STREAMS)],
+        "decode": 1000 / steps[1],
+        "aggregate": 1000 * STREAMS / steps[STREAMS],
     }
+
+
+def plain_forward_on(
+    machines: list[Machine], model: Path, batches: tuple[int, ...], hostfile: Path
+) -> dict[int, float]:
+    """tests/bench/plain_forward.py on these lab machines (one ring group when several, its
+    hosts written to `hostfile`): rank 0's median ms per decode step at each batch size."""
+    hostfile.write_text(json.dumps([[f"{m.address}:{RING_PORT}"] for m in machines]))
+    processes = []
+    for rank, machine in enumerate(machines):
+        extra = {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)} if len(machines) > 1 else {}
+        processes.append(machine.popen(
+            [sys.executable, "-m", "tests.bench.plain_forward", str(model),
+             *(str(batch) for batch in batches)],
+            log=machine.home / "plain.log", cwd=PROJECT_ROOT,
+            env={**environment(machine), **extra},
+        ))  # fmt: skip
+    for process in processes:
+        if process.wait(READY_S) != 0:
+            log = machines[processes.index(process)].home / "plain.log"
+            raise RuntimeError(f"plain forward failed; {log}:\n{log.read_text()[-2000:]}")
+    lines = (machines[0].home / "plain.log").read_text().splitlines()
+    steps = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
+    return {int(batch): ms for batch, ms in steps["ms_per_step"].items()}
 
 
 def plain_rows(plain: dict[int, dict[str, float]], single: dict[str, Any]) -> list[list[str]]:

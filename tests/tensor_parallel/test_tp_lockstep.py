@@ -14,6 +14,8 @@ from engines.core.request import MAX_SEED, MAX_TOP_LOGPROBS, GenerationRequest
 from engines.tensor_parallel import WorkerSpec, jaccl_specs, ring_specs
 from engines.tensor_parallel.group import group_environment
 from engines.tensor_parallel.lockstep import (
+    NEXT_STEP_GRACE_S,
+    PING,
     STEP,
     TOP_ENTRY_ID,
     Command,
@@ -26,6 +28,7 @@ from engines.tensor_parallel.lockstep import (
     encode_header,
     encode_payload,
     idle_wait_s,
+    ping_after_s,
     request_of,
     request_words,
 )
@@ -190,3 +193,12 @@ def test_the_idle_wait_grows_to_the_heartbeat_and_survives_hours_of_idling():
     assert idle_wait_s(3, 1.0) == pytest.approx(0.016)
     assert idle_wait_s(20, 1.0) == 1.0
     assert idle_wait_s(100_000, 1.0) == 1.0  # 2**100000 as a float would overflow
+
+
+def test_rank_0_waits_a_grace_for_the_next_step_before_sending_the_ranks_to_sleep():
+    # a step's successor comes a few ms later: a ping right away would put every rank to
+    # sleep for idle_wait_s, and the next step would wait for them (4 ms a token in the lab)
+    assert ping_after_s(Command(STEP, advance=True)) == NEXT_STEP_GRACE_S
+    assert NEXT_STEP_GRACE_S > idle_wait_s(1, 1.0)
+    # while idle, the pings keep their growing schedule
+    assert ping_after_s(Command(PING, wait_after_s=idle_wait_s(3, 1.0))) == idle_wait_s(3, 1.0)
