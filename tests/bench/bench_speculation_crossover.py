@@ -5,7 +5,8 @@ where a plain step feeds B. It pays only if a row's accepted tokens per pass (pl
 own one) exceed the pass's cost over a plain step's. This times both on SmolLM2-135M-Instruct
 (float32 import, the engine's BLAS threads) at B = 1 to 16 rows and k = 1 to 8, each row
 attending over a 256-token context, and sets the cost beside the tokens per pass that prompt
-lookup reaches on bench_speculation's prompts (its acceptance counts, run there).
+lookup reaches on bench_speculation's prompts: replayed over the model's greedy answer to each,
+drafting as served (the length adapting to acceptance, at most 8) and always the most allowed.
 
 Run from the project root: `python -m tests.bench.bench_speculation_crossover` (about five
 minutes; `--no-write`). Writes "## Speculation: the batch crossover" in docs/benchmarks.md.
@@ -21,6 +22,9 @@ from pathlib import Path
 import engines  # noqa: F401  (MKL under mlx: imported before mlx)
 from engines.model.gguf.cache import ensure_imported
 from engines.model.smollm2 import serves_float_weights
+from engines.speculation.draft_length import DraftLength
+from engines.speculation.prompt_lookup import PromptLookup
+from tests.bench.bench_speculation import COPY_PROMPTS, FREE_PROMPTS, MAX_TOKENS
 from tests.bench.common import markdown_table, write_section
 from tests.helpers.smollm2 import smollm2_gguf
 
@@ -70,14 +74,55 @@ def measure(model) -> dict[tuple[int, int], float]:
     return {shape: statistics.median(times) for shape, times in found.items()}
 
 
+def tokens_per_pass(prompt: list[int], answer: list[int], most: int, adapt: bool) -> float:
+    """Replay prompt lookup over a known answer: the tokens after the first (which prefill
+    gives) over the verifying passes that would have produced them."""
+    lookup, length = PromptLookup([*prompt, answer[0]]), DraftLength(most)
+    done, passes = 1, 0
+    while done < len(answer):
+        draft = lookup.draft(length.next() if adapt else most)
+        accepted = 0
+        while accepted < len(draft) and done + accepted < len(answer):
+            if draft[accepted] != answer[done + accepted]:
+                break
+            accepted += 1
+        length.record(len(draft), accepted)
+        lookup.extend(answer[done : done + accepted + 1])
+        done, passes = done + accepted + 1, passes + 1
+    return (len(answer) - 1) / passes
+
+
+def lookup_rows(model, tokenizer) -> list[list[str]]:
+    """Per prompt: the greedy answer's length and the tokens per pass prompt lookup reaches."""
+    from mlx_lm import stream_generate
+
+    rows = []
+    for kind, prompts in (("copy", COPY_PROMPTS), ("free", FREE_PROMPTS)):
+        for name, text in prompts.items():
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
+            answer = [
+                response.token
+                for response in stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+            ]
+            rows.append([
+                f"{name} ({kind})", str(len(answer)),
+                *(f"{tokens_per_pass(prompt, answer, most, adapt):.2f}"
+                  for most, adapt in ((8, True), (8, False), (16, False))),
+            ])  # fmt: skip
+    return rows
+
+
 def main() -> None:
     from mlx_lm import load
 
     model_dir = ensure_imported(
         smollm2_gguf(), Path.home() / ".cache" / "tandem", dequantize=serves_float_weights()
     )
-    model, _ = load(str(model_dir))
+    model, tokenizer = load(str(model_dir))
     began = time.monotonic()
+    replayed = lookup_rows(model, tokenizer)
     times = measure(model)
     rows = []
     for count in ROWS:
@@ -95,6 +140,12 @@ def main() -> None:
         f"{REPEATS} passes, then of {ROUNDS} interleaved rounds). Speculation pays where a "
         "row's tokens per pass (accepted + 1) exceed the pass / plain ratio.",
         markdown_table(header, rows),
+        "What a row gets per pass: prompt lookup replayed over the model's greedy answer to "
+        "bench_speculation's prompts (its first token comes from the prefill).",
+        markdown_table(
+            ["prompt", "answer tokens", "as served (adapting, <= 8)", "always 8", "always 16"],
+            replayed,
+        ),
     ])  # fmt: skip
     print(text)
     if "--no-write" not in sys.argv:
