@@ -99,7 +99,7 @@ class SpeculativeLane:
         self.sequence: LaneSequence | None = None
         self.counts = SpeculationCounts()
         self.payoff: Payoff | None = None  # kept across sequences: the pair's costs stay
-        self._lap: tuple[float, bool, int] | None = None  # the last step: start, drafted, tokens
+        self._lap: tuple[float, int, int] | None = None  # the last step: start, drafted, tokens
 
     def take(
         self,
@@ -142,15 +142,17 @@ class SpeculativeLane:
             lap_start, drafted, tokens = self._lap
             self.payoff.record(drafted, started - lap_start, tokens)
         if sequence.ahead is not None:
-            outputs, drafted = self._collect(sequence), False
+            outputs, drafted = self._collect(sequence), 0
         else:
             draft = self._draft(sequence)
-            outputs, drafted = self._verify(sequence, draft), len(draft) > 0
+            outputs, drafted = self._verify(sequence, draft), len(draft)
         self._lap = (started, drafted, len(outputs))
         self.counts.steps += 1
         planned = self._draft(sequence)
         if len(planned):
             sequence.planned = planned
+            if not drafted:  # this plain step's lap now holds the drafter catching up
+                self._lap = None
         else:
             sequence.ahead = self._forward(sequence, [sequence.next_token])
             mx.async_eval(*sequence.ahead)

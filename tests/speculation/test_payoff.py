@@ -11,43 +11,60 @@ from mlx_lm import load
 
 from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.sampling import greedy
-from engines.speculation.payoff import FIRST_PAUSE_STEPS, SAMPLE_STEPS, Payoff
+from engines.speculation.payoff import EARLY_STEPS, FIRST_PAUSE_STEPS, SAMPLE_STEPS, Payoff
 from tests.helpers.scripted_drafter import ScriptedDrafter
 
 PROMPT = "the cat sat on the mat"
 TOKENS = 300
 MOST_DRAFTED = 4
+DRAFTED = 3
 SLOW_DRAFT_S = 0.15  # far slower than a demo model's pass: drafting loses even when right
 
 
 def drafting_steps(payoff: Payoff, count: int, seconds: float, tokens: int) -> None:
+    """`count` steps of DRAFTED tokens each, `tokens` of them given (accepted + 1)."""
     for _ in range(count):
         assert payoff.allows()
-        payoff.record(True, seconds, tokens)
+        payoff.record(DRAFTED, seconds, tokens)
 
 
 def plain_steps(payoff: Payoff, count: int, seconds: float) -> None:
     for _ in range(count):
-        payoff.record(False, seconds, 1)
+        payoff.record(0, seconds, 1)
 
 
 def test_drafting_that_loses_pauses_longer_each_time_and_one_that_wins_goes_on():
     payoff = Payoff()
     payoff.new_sequence()
-    drafting_steps(payoff, 1 + SAMPLE_STEPS, 0.5, 4)  # the first feeds the prompt: not timed
+    # 0.2 s a step could give 20 tok/s with every draft right: no early verdict
+    drafting_steps(payoff, 1 + EARLY_STEPS, 0.2, 1)  # the first feeds the prompt: not timed
     assert not payoff.allows()  # no plain rate yet: plain steps are timed
-    plain_steps(payoff, SAMPLE_STEPS, 0.1)  # 10 tok/s plain against 8 drafting: it lost
+    plain_steps(payoff, SAMPLE_STEPS, 0.1)  # 10 tok/s plain: drafting may still win
+    assert payoff.allows()
+    drafting_steps(payoff, 1 + SAMPLE_STEPS - EARLY_STEPS, 0.2, 1)  # 5 tok/s over 8: it lost
     assert not payoff.allows()
     plain_steps(payoff, FIRST_PAUSE_STEPS - 1, 0.1)
     assert not payoff.allows()
     plain_steps(payoff, 1, 0.1)
     assert payoff.allows()
-    drafting_steps(payoff, 1 + SAMPLE_STEPS, 0.5, 4)  # lost again: the pause doubles
+    drafting_steps(payoff, 1 + SAMPLE_STEPS, 0.2, 1)  # lost again: the pause doubles
     plain_steps(payoff, 2 * FIRST_PAUSE_STEPS - 1, 0.1)
     assert not payoff.allows()
     plain_steps(payoff, 1, 0.1)
     drafting_steps(payoff, 1 + 4 * SAMPLE_STEPS, 0.2, 4)  # 20 tok/s: it pays, no pause
     assert payoff.allows()
+
+
+def test_a_try_that_could_not_win_with_every_draft_right_ends_after_early_steps():
+    payoff = Payoff()
+    payoff.new_sequence()
+    # 0.8 s for at most DRAFTED + 1 = 4 tokens: 5 tok/s at best
+    drafting_steps(payoff, 1 + EARLY_STEPS, 0.8, 4)
+    plain_steps(payoff, SAMPLE_STEPS, 0.1)  # 10 tok/s
+    assert not payoff.allows()  # paused at once, without SAMPLE_STEPS drafting steps
+    plain_steps(payoff, FIRST_PAUSE_STEPS, 0.1)
+    drafting_steps(payoff, 1 + EARLY_STEPS, 0.8, 4)  # the retry is as short: plain is known
+    assert not payoff.allows()
 
 
 class SlowScriptedDrafter(ScriptedDrafter):
@@ -82,12 +99,14 @@ def model(demo_model_dir):
 
 
 def test_a_costly_drafter_slower_than_plain_decoding_mostly_steps_aside(model):
-    """Drafting every step would draft ~240 of 300 tokens; timed, it is tried three times (at
-    the start, then after pauses of 32 and 64 plain steps) and left aside between. Each try is
-    SAMPLE_STEPS timed drafting steps, the one that catches the draft model up before them,
-    and the one drafted before the verdict after them."""
+    """Drafting every step would draft ~240 of 300 tokens. Timed, it is tried four times (at
+    the start, then after pauses of 32, 64 and 128 plain steps) and left aside between; as it
+    is slower even with every draft right, each try ends after EARLY_STEPS timed drafting
+    steps, with the one that catches the draft model up before them and the one drafted
+    before the verdict after them (51 drafted here; before the early verdict a try took
+    SAMPLE_STEPS timed steps: 114)."""
     plain, _ = decode(*model, SlowScriptedDrafter, None)
     timed, counts = decode(*model, SlowScriptedDrafter, plain)
     assert timed == plain
     assert counts.accepted == counts.drafted > 0
-    assert counts.drafted <= 3 * (SAMPLE_STEPS + 2) * MOST_DRAFTED
+    assert counts.drafted <= 4 * (EARLY_STEPS + 2) * MOST_DRAFTED
