@@ -23,6 +23,7 @@ import engines  # noqa: F401  (MKL under mlx: imported before mlx)
 from engines.model.gguf.cache import ensure_imported
 from engines.model.smollm2 import serves_float_weights
 from engines.speculation.draft_length import DraftLength
+from engines.speculation.lane import accepted_prefix
 from engines.speculation.prompt_lookup import PromptLookup
 from tests.bench.bench_speculation import COPY_PROMPTS, FREE_PROMPTS, MAX_TOKENS
 from tests.bench.common import markdown_table, write_section
@@ -81,14 +82,10 @@ def tokens_per_pass(prompt: list[int], answer: list[int], most: int, adapt: bool
     done, passes = 1, 0
     while done < len(answer):
         draft = lookup.draft(length.next() if adapt else most)
-        accepted = 0
-        while accepted < len(draft) and done + accepted < len(answer):
-            if draft[accepted] != answer[done + accepted]:
-                break
-            accepted += 1
-        length.record(len(draft), accepted)
-        lookup.extend(answer[done : done + accepted + 1])
-        done, passes = done + accepted + 1, passes + 1
+        kept = accepted_prefix(answer[done : done + len(draft) + 1], draft)
+        length.record(len(draft), len(kept) - 1)
+        lookup.extend(kept)
+        done, passes = done + len(kept), passes + 1
     return (len(answer) - 1) / passes
 
 
