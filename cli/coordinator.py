@@ -228,7 +228,8 @@ def serve(config: ServeConfig) -> int:
 
     log.info("BLAS: %s", blas.status().describe())
     choices = model_choices(config)
-    wants_cluster = config.parallelism != Parallelism.SINGLE
+    # Single with several models still places them: a model may run alone on an agent.
+    wants_cluster = config.parallelism != Parallelism.SINGLE or bool(config.more_models)
     key, created = resolve_cluster_key(
         config.cluster_key, config.cluster_key_file, config.state_dir, create=wants_cluster
     )

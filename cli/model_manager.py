@@ -271,11 +271,14 @@ class ModelManager:
         measured), beside where each model runs now."""
         with self._lock:
             served = list(self._served.values())
+        from planner.relay import is_relayed
+
         placement = placement_of(served, self.context.coordinator, self.context.membership)
         current = {
             model.service.model_id: {
                 "state": model.service.state,
                 "nodes": list(model.supervisor.plan.ranks if model.supervisor.plan else ()),
+                "relayed": bool(model.supervisor.plan and is_relayed(model.supervisor.plan)),
             }
             for model in served
         }

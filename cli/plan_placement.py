@@ -29,9 +29,10 @@ def print_placement(args: argparse.Namespace, models: list[Any]) -> int:
     by_id = {facts.display_name: facts for facts in models}
     settings = plan_settings_of(args)
 
-    def plan(model: ModelToPlace, group: list[NodeResources]) -> Any:
+    def plan(model: ModelToPlace, group: list[NodeResources], relayed: bool) -> Any:
         facts, choice = by_id[model.model_id], replace(settings, choice=model.choice)
-        return plan_nodes(facts, choice, group, members, weights.get(model.model_id))
+        weights_of = weights.get(model.model_id)
+        return plan_nodes(facts, choice, group, members, weights_of, relayed=relayed)
 
     choice = Parallelism(args.parallelism)
     placement = place_models([ModelToPlace(f.display_name, choice) for f in models], nodes, plan)

@@ -258,10 +258,10 @@ def placement_of(models: list[ServedModel], coordinator: NodeResources, membersh
     nodes = [coordinator, *(membership.to_resources() if membership is not None else [])]
     by_id = {model.service.model_id: model for model in models}
 
-    def plan(wanted: ModelToPlace, group: list[NodeResources]) -> Any:
+    def plan(wanted: ModelToPlace, group: list[NodeResources], relayed: bool) -> Any:
         model = by_id[wanted.model_id]
         settings = model.supervisor.plan_settings
-        return plan_nodes(model.facts, settings, group, members, model.weights)
+        return plan_nodes(model.facts, settings, group, members, model.weights, relayed=relayed)
 
     wanted = [ModelToPlace(i, model.supervisor.plan_settings.choice) for i, model in by_id.items()]
     return place_models(wanted, nodes, plan)
@@ -271,6 +271,8 @@ def place(models: list[ServedModel], coordinator: NodeResources, membership: Any
     """Place the models (placement_of): each supervisor gets its group of members and the
     coordinator's memory less what the others need there. Raises PlanError, with the
     numbers, when the set does not fit."""
+    from planner.relay import is_relayed
+
     placement = placement_of(models, coordinator, membership)
     if placement.refusal is not None:
         raise PlanError(f"refusing to serve: {placement.refusal}")
@@ -281,6 +283,7 @@ def place(models: list[ServedModel], coordinator: NodeResources, membership: Any
         model_id = model.service.model_id
         model.supervisor.coordinator = lambda share=shares[model_id]: share
         model.supervisor.member_group = group_of(placement, model_id)
+        model.supervisor.relayed = is_relayed(placement.plans[model_id])
     return placement
 
 

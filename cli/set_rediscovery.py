@@ -94,7 +94,8 @@ class SetRediscovery:
     def _place_again(self, models: list[ServedModel], now: frozenset[str]) -> bool:
         """Place `models` over who is present `now` and move those whose machines or strategy
         change; False when one of those is busy (tried again shortly)."""
-        from planner.placement import label
+        from planner.placement import label, runs_on
+        from planner.relay import is_relayed
 
         change = describe_change(self._placed_over, now)
         placement = placement_of(models, self.coordinator, self.membership)
@@ -121,10 +122,12 @@ class SetRediscovery:
                 share = shares[id_of(model)]
                 model.supervisor.coordinator = lambda share=share: share
                 model.supervisor.member_group = group_of(placement, id_of(model))
-        moves = group_moves({m: group_of(placement, m) for m in moving_ids}, shares)
+                model.supervisor.relayed = is_relayed(placement.plans[id_of(model)])
+        relays = frozenset(m for m in moving_ids if is_relayed(placement.plans[m]))
+        moves = group_moves({m: group_of(placement, m) for m in moving_ids}, shares, relays)
         for model in moving:
             plan = placement.plans[id_of(model)]
-            reason = f"{change}: placed again as {label(plan)} on {', '.join(plan.ranks)}"
+            reason = f"{change}: placed again as {label(plan)} on {runs_on(plan)}"
             model.supervisor.request_move(moves[id_of(model)], reason)
         return True
 

@@ -10,6 +10,9 @@ Rules (v1):
   and is valid when no plan is refused. Past MAX_CANDIDATES, a greedy stands in: the biggest
   model first (by its need alone on the coordinator) takes what it is planned to use of the
   free machines, and so on.
+- A model given exactly one agent may also run alone there, relayed by the coordinator
+  (planner/relay.py: the coordinator keeps only its embedding), when its --parallelism is
+  auto or single: every such model is tried both ways. The greedy never relays.
 - The best valid candidate: first, the fewest models served otherwise than their explicit
   --parallelism asks (pp asked, one machine given: served single). Then, when every plan has
   measured speeds, the highest predicted total
@@ -33,6 +36,7 @@ from planner.decision import Parallelism
 from planner.errors import PlanError
 from planner.memory import bounded, format_bytes
 from planner.plan_data import ClusterPlan, NodeResources
+from planner.relay import is_relayed, may_relay
 
 MAX_CANDIDATES = 20_000  # (order, assignment) pairs tried one by one; past it, the greedy
 CANDIDATES_SHOWN = 10  # in describe() and to_dict(); `candidates` keeps them all
@@ -46,7 +50,8 @@ class ModelToPlace:
     choice: Parallelism
 
 
-PlanOne = Callable[[ModelToPlace, list[NodeResources]], ClusterPlan]
+# Plans one model over a node list (the coordinator first); True: relayed (planner/relay.py).
+PlanOne = Callable[[ModelToPlace, list[NodeResources], bool], ClusterPlan]
 Choose = Callable[[ModelToPlace, tuple[NodeResources, ...]], tuple[NodeResources, ...]]
 
 
@@ -54,6 +59,13 @@ def label(plan: ClusterPlan) -> str:
     """The plan's strategy as Prediction labels it: single, or with its machines, e.g. pp=3."""
     chosen = plan.decision.chosen
     return chosen.value if chosen is Parallelism.SINGLE else f"{chosen.value}={len(plan.ranks)}"
+
+
+def runs_on(plan: ClusterPlan) -> str:
+    """The machines a plan runs on, e.g. 'a, b', or 'b (relayed by a)' for a relay."""
+    if is_relayed(plan):
+        return f"{plan.ranks[1]} (relayed by {plan.ranks[0]})"
+    return ", ".join(plan.ranks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +92,7 @@ class Candidate:
         return len({node_id for group in self.groups.values() for node_id in group})
 
     def describe(self) -> str:
-        parts = [f"{m} {label(p)} on {', '.join(p.ranks)}" for m, p in self.plans.items()]
+        parts = [f"{m} {label(p)} on {runs_on(p)}" for m, p in self.plans.items()]
         tps = self.predicted_tps
         return "; ".join(parts) + ("" if tps is None else f" (predicted {tps:.1f} tok/s)")
 
@@ -89,7 +101,12 @@ class Candidate:
         return {
             "order": list(self.order),
             "models": [
-                {"model_id": m, "strategy": label(p), "nodes": list(p.ranks)}
+                {
+                    "model_id": m,
+                    "strategy": label(p),
+                    "nodes": list(p.ranks),
+                    "relayed": is_relayed(p),
+                }
                 for m, p in self.plans.items()
             ],
             "predicted_tps": None if tps is None else round(tps, 2),
@@ -149,7 +166,13 @@ class Placement:
         """JSON-ready form (GET /v1/placements); the first CANDIDATES_SHOWN candidates."""
         return {
             "models": [
-                {"model_id": m, "strategy": label(p), "nodes": list(p.ranks), "plan": p.to_dict()}
+                {
+                    "model_id": m,
+                    "strategy": label(p),
+                    "nodes": list(p.ranks),
+                    "relayed": is_relayed(p),
+                    "plan": p.to_dict(),
+                }
                 for m, p in self.plans.items()
             ],
             "order": list(self.candidates[0].order) if self.candidates else [],
@@ -174,8 +197,7 @@ class Placement:
             order = ", ".join(self.candidates[0].order)
             lines.append(f"planned in order (the coordinator's memory is shared): {order}")
         for model_id, plan in self.plans.items():
-            nodes = ", ".join(plan.ranks)
-            lines.append(f"{model_id}: {label(plan)} on {nodes} ({plan.decision.reason})")
+            lines.append(f"{model_id}: {label(plan)} on {runs_on(plan)} ({plan.decision.reason})")
             if plan.predictions:
                 lines.append(f"{model_id} predicted: {plan.predictions[0].describe()}")
         lines += [memory.describe() for memory in self.memory_by_node()]
@@ -209,36 +231,47 @@ def place_models(
     coordinator, agents = nodes[0], tuple(nodes[1:])
     if not models:
         return Placement(tuple(nodes), {})
-    cache: dict[tuple[str, int, tuple[str, ...]], ClusterPlan] = {}
+    cache: dict[tuple[str, int, tuple[str, ...], bool], ClusterPlan] = {}
 
-    def plan_over(model: ModelToPlace, taken: int, group: tuple[NodeResources, ...]) -> ClusterPlan:
+    def plan_over(
+        model: ModelToPlace, taken: int, group: tuple[NodeResources, ...], relay: bool = False
+    ) -> ClusterPlan:
         """`model` over the coordinator less `taken` bytes, and `group`; planned once."""
-        key = (model.model_id, taken, tuple(node.node_id for node in group))
+        key = (model.model_id, taken, tuple(node.node_id for node in group), relay)
         if key not in cache:
-            cache[key] = plan(model, [less_taken(coordinator, taken), *group])
+            cache[key] = plan(model, [less_taken(coordinator, taken), *group], relay)
         return cache[key]
 
-    def attempt(order: Sequence[ModelToPlace], choose: Choose) -> _Trial:
-        """Plan `order` in turn, each model over the agents `choose` gives it of the free ones."""
+    def attempt(
+        order: Sequence[ModelToPlace], choose: Choose, relays: frozenset[str] = frozenset()
+    ) -> _Trial:
+        """Plan `order` in turn, each model over the agents `choose` gives it of the free ones
+        (those in `relays` alone on theirs)."""
         ids_in_order = tuple(model.model_id for model in order)
         taken, free, plans = 0, agents, {}
         for model in order:
-            plans[model.model_id] = planned = plan_over(model, taken, choose(model, free))
+            group, relay = choose(model, free), model.model_id in relays
+            plans[model.model_id] = planned = plan_over(model, taken, group, relay)
             if planned.refusal is not None:
                 return _Trial(ids_in_order, plans, model.model_id)
             taken += need_on(planned, coordinator.node_id)
             free = tuple(agent for agent in free if agent.node_id not in planned.ranks)
         return _Trial(ids_in_order, plans, None)
 
-    if math.factorial(len(models)) * (len(models) + 1) ** len(agents) > MAX_CANDIDATES:
+    relay_ways = 2 ** min(len(models), len(agents))  # at most, each model relayed or not
+    if math.factorial(len(models)) * (len(models) + 1) ** len(agents) * relay_ways > (
+        MAX_CANDIDATES
+    ):
         size = {m.model_id: need_on(plan_over(m, 0, ()), coordinator.node_id) for m in models}
         biggest_first = sorted(models, key=lambda model: -size[model.model_id])
         trials = [attempt(biggest_first, lambda model, free: free)]
     else:
+        agent_ids = [agent.node_id for agent in agents]
         trials = [
-            attempt(order, _assigned(dict(zip([a.node_id for a in agents], owners, strict=True))))
+            attempt(order, _assigned(dict(zip(agent_ids, owners, strict=True))), relays)
             for order in permutations(models)
             for owners in product([*ids, None], repeat=len(agents))
+            for relays in _relay_choices(models, owners)
         ]
     valid = [
         Candidate(trial.order, {m: trial.plans[m] for m in ids})
@@ -249,6 +282,18 @@ def place_models(
         return Placement(tuple(nodes), {}, _refusal(trials, nodes))
     ranked = _rank(valid, nodes, {model.model_id: model.choice for model in models})
     return Placement(tuple(nodes), ranked[0].plans, None, ranked)
+
+
+def _relay_choices(
+    models: Sequence[ModelToPlace], owners: tuple[str | None, ...]
+) -> list[frozenset[str]]:
+    """Every set of models to relay: any of those given exactly one agent whose
+    --parallelism lets them run alone on it."""
+    eligible = [m.model_id for m in models if owners.count(m.model_id) == 1 and may_relay(m.choice)]
+    return [
+        frozenset(m for m, relay in zip(eligible, flags, strict=True) if relay)
+        for flags in product((False, True), repeat=len(eligible))
+    ]
 
 
 def _assigned(owners: dict[str, str | None]) -> Choose:
@@ -277,7 +322,7 @@ def _rank(
 
     ranked: dict[tuple[tuple[str, str, tuple[str, ...]], ...], Candidate] = {}
     for _, candidate in sorted(enumerate(valid), key=key):
-        signature = tuple((m, label(p), p.ranks) for m, p in candidate.plans.items())
+        signature = tuple((m, runs_on(p), label(p)) for m, p in candidate.plans.items())
         ranked.setdefault(signature, candidate)
     return tuple(ranked.values())
 

@@ -20,11 +20,13 @@ MOVE_WAIT_S = 30.0  # for the others' releases (each waits up to RELEASE_WAIT_S 
 
 @dataclass(frozen=True, slots=True)
 class GroupMove:
-    """Where one model re-plans: `group` (its members) and `coordinator` (its share)."""
+    """Where one model re-plans: `group` (its members), `coordinator` (its share), and
+    whether it runs alone on its one member, relayed (planner/relay.py)."""
 
     group: frozenset[str]
     coordinator: Callable[[], NodeResources]
     released: threading.Barrier  # shared by every model of the same re-placement that moves
+    relayed: bool = False
 
     def wait_for_the_others(self) -> None:
         """Block until every model that moves has released its old workers (or gave up)."""
@@ -39,13 +41,18 @@ class GroupMove:
 
 
 def group_moves(
-    groups: dict[str, frozenset[str]], shares: dict[str, NodeResources]
+    groups: dict[str, frozenset[str]],
+    shares: dict[str, NodeResources],
+    relays: frozenset[str] = frozenset(),
 ) -> dict[str, GroupMove]:
-    """One GroupMove per model id in `groups`, all behind one barrier."""
+    """One GroupMove per model id in `groups` (those in `relays` relayed), all behind one
+    barrier."""
     if not groups:
         return {}
     released = threading.Barrier(len(groups))
     return {
-        model_id: GroupMove(group, lambda share=shares[model_id]: share, released)
+        model_id: GroupMove(
+            group, lambda share=shares[model_id]: share, released, model_id in relays
+        )
         for model_id, group in groups.items()
     }

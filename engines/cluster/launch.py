@@ -18,6 +18,7 @@ from planner import ClusterPlan, Parallelism
 from planner.cluster_plan import JACCL, RING
 from planner.errors import EngineError, PeerError
 from planner.memory import DEFAULT_QUANTIZED_KV_START
+from planner.relay import is_relayed
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def build_engine(
     thread here): load() for tp/pp also waits for the remote workers to meet it.
     """
     chosen = plan.decision.chosen
-    if chosen == Parallelism.SINGLE:
+    if chosen == Parallelism.SINGLE and not is_relayed(plan):
         from engines.prefix_cache.disk_tier import tier_root
 
         disk_root = None
@@ -114,10 +115,12 @@ def build_engine(
         }
         return _spec("single", options, plan, settings, addresses)
     if membership is None or settings.cluster_key is None:
-        raise EngineError(f"a {chosen.value} plan needs cluster membership and a cluster key")
+        raise EngineError(
+            f"a {chosen.value} plan over other machines needs cluster membership and a cluster key"
+        )
     if chosen == Parallelism.TP:
         return _build_tensor_parallel(plan, settings, membership, addresses)
-    return _build_pipeline(plan, settings, membership, addresses)
+    return _build_pipeline(plan, settings, membership, addresses)  # a relay too (stage 0 empty)
 
 
 def _build_tensor_parallel(

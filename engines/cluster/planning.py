@@ -12,7 +12,9 @@ from engines.model.info import ModelFacts
 from engines.model.precision import on_cpu
 from planner import ClusterPlan, NodeResources, Parallelism, TransferSizes, plan_cluster
 from planner.measured import plan_measured
-from planner.memory import DEFAULT_QUANTIZED_KV_START
+from planner.memory import DEFAULT_HEADROOM, DEFAULT_QUANTIZED_KV_START, ModelShape
+from planner.relay import may_relay
+from planner.relay import relayed as relayed_plan
 from planner.speed import ClusterSpeeds
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ def plan_nodes(
     members: list[Any],
     weights: Any | None = None,
     speeds: ClusterSpeeds | None = None,
+    relayed: bool = False,
 ) -> ClusterPlan:
     """The plan `serve` runs (and `tandem plan` prints) for `nodes`, the coordinator first.
 
@@ -51,6 +54,9 @@ def plan_nodes(
     and the disk it needs to receive its part join the plan. On the CPU, half-precision
     weights are upcast to float32 when that plan fits; otherwise the model's own precision.
     With measured `speeds`, auto picks the fastest predicted plan (planner/measured.py).
+    `relayed` (a placement's choice, for one agent beside the coordinator): the model runs
+    single on that agent, the coordinator relaying (planner/relay.py); with any other nodes,
+    or a --parallelism other than auto or single, it is planned as usual.
     """
     transfer = None
     if weights is not None and members:
@@ -59,16 +65,26 @@ def plan_nodes(
         nodes = with_holdings(nodes, members, weights.content_hash)
         transfer = TransferSizes(facts.to_shape(), weights.model_bytes())
 
+    relay = relayed and len(nodes) == 2 and may_relay(settings.choice)
+
     def plan(float32: bool) -> ClusterPlan:
         shape = facts.to_shape(float32, settings.kv_bits, settings.quantized_kv_start)
+        if relay:
+            alone = plan_alone(Parallelism.SINGLE, shape, nodes[1:])
+            return relayed_plan(alone, nodes[0], shape, DEFAULT_HEADROOM)
+        return plan_alone(settings.choice, shape, nodes)
+
+    def plan_alone(
+        choice: Parallelism, shape: ModelShape, nodes: list[NodeResources]
+    ) -> ClusterPlan:
         if speeds is not None:
             return plan_measured(
-                settings.choice, shape, nodes, speeds, settings.collective,
+                choice, shape, nodes, speeds, settings.collective,
                 settings.context_tokens, max_batch=settings.max_batch,
                 prefix_cache_bytes=settings.prefix_cache_bytes, transfer=transfer,
             )  # fmt: skip
         return plan_cluster(
-            settings.choice,
+            choice,
             shape,
             nodes,
             collective=settings.collective,

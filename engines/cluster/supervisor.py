@@ -29,6 +29,7 @@ from engines.observability.process_memory import process_memory
 from engines.observability.served_speed import ServedSpeed, one_stream_segments_ms
 from planner import ClusterPlan, NodeResources, Parallelism
 from planner.errors import PlanError, TandemError
+from planner.relay import is_relayed
 from planner.speed import ClusterSpeeds, Prediction, predict_speculating
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class ClusterSupervisor:
         # The members this model may use when several models share the cluster (their
         # placement, planner/placement.py); None: every member, and those that join later.
         self.member_group = member_group
+        # Placed alone on the one member of its group, relayed by the coordinator
+        # (planner/relay.py); planned as usual once that member is gone.
+        self.relayed = False
         self.facts = facts
         self.plan_settings = plan_settings
         self.launch_settings = launch_settings
@@ -99,7 +103,9 @@ class ClusterSupervisor:
         members = self.membership.members() if self.membership is not None else []
         weights = self.launch_settings.weights if self.launch_settings is not None else None
         speeds = self._speeds(nodes)
-        return plan_nodes(self.facts, self.plan_settings, nodes, members, weights, speeds)
+        return plan_nodes(
+            self.facts, self.plan_settings, nodes, members, weights, speeds, self.relayed
+        )
 
     def _speeds(self, nodes: list[NodeResources]) -> ClusterSpeeds | None:
         """The measured speeds of `nodes` (measuring those not measured yet), when wanted."""
@@ -201,7 +207,7 @@ class ClusterSupervisor:
         """Re-plan when the member has a part in the plan, naming that part (the reason ends
         every running request, so the client learns which node and rank or stage failed)."""
         plan = self.plan
-        if plan is None or plan.decision.chosen == Parallelism.SINGLE:
+        if plan is None:
             return
         part = describe_part(plan, node_id)
         if part is not None:
@@ -357,6 +363,7 @@ class ClusterSupervisor:
         with self._lock:
             self._move = None
         self.member_group, self.coordinator = move.group, move.coordinator
+        self.relayed = move.relayed
 
     def _release_workers(self, reason: str) -> None:
         if self.membership is None:
@@ -432,6 +439,8 @@ class ClusterSupervisor:
 def describe_part(plan: ClusterPlan, node_id: str) -> str | None:
     """'tensor-parallel rank 1 on node X' or 'pipeline stage 2 (layers [8, 12)) on node X';
     None when the node has no part in the plan."""
+    if is_relayed(plan) and node_id == plan.ranks[1]:
+        return f"the model alone on node {node_id} (relayed by the coordinator)"
     if plan.decision.chosen == Parallelism.TP and node_id in plan.ranks:
         return f"tensor-parallel rank {plan.ranks.index(node_id)} on node {node_id}"
     for index, stage in enumerate(plan.stages):

@@ -31,7 +31,7 @@ class DiskRelisting:
         named = []
         for stored in shelf.found():
             entry = self._take_entry_id()
-            nbytes = int(stored.nbytes * self._layer_scale())
+            nbytes = self._entry_bytes(len(stored.tokens), stored.nbytes)
             self.prefix_index.restore(entry, stored.tokens, nbytes)  # past the budget: not kept
             named.append((entry, stored.key))
         listed = [(entry, key) for entry, key in named if entry in self.prefix_index]

@@ -23,6 +23,7 @@ from engines.core.engine import (
 )
 from engines.core.request import GenerationRequest
 from engines.decoding.grammar import GrammarCompiler
+from engines.model.info import inspect_model
 from engines.model.tokenizer_loading import load_serving_tokenizer
 from engines.observability.process_memory import parameter_bytes
 from engines.observability.step_timing import StepTimes
@@ -64,6 +65,10 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
     other, so every stage computes at once; each step() sends whatever is ready and returns
     the tokens of the one micro-batch that comes back. Every read has a timeout; a lost stage
     turns into EngineError for the whole batch and healthy() == False.
+
+    A relay: stage 0 may hold no layers (`layers` [0, 0)): it only embeds, and one remote
+    stage runs the whole model. That is how a model runs alone on an agent while this
+    process keeps its scheduler; one micro-batch, no disk tier.
 
     Speculation (`most_drafted` > 0): a sequence decoding alone, which the last stage only
     samples, sends its next token and a prompt-lookup draft in one verifying frame and gets
@@ -118,9 +123,10 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         can price sealing; keep the default."""
         if not stages:
             raise EngineError("a pipeline needs at least one remote stage; use SingleEngine")
-        if layers.start != 0 or len(layers) < 1:
+        if layers.start != 0:
             raise EngineError(f"stage 0 must start at layer 0, got [{layers.start}, {layers.stop})")
-        groups = micro_batches if micro_batches is not None else 1 + len(stages)
+        # A relay (stage 0 without layers) keeps one micro-batch per stage that computes.
+        groups = micro_batches if micro_batches is not None else bool(layers) + len(stages)
         if prefill_chunk < 1 or token_timeout_s <= 0 or connect_timeout_s <= 0 or groups < 1:
             raise EngineError(
                 f"invalid pipeline settings: prefill_chunk={prefill_chunk}, "
@@ -143,6 +149,7 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         self.tokenizer = None
         self.stage: StageModel | None = None
         self._weight_bytes = 0  # stage 0's, in this process
+        self._relay_kv_bytes_per_token = 0  # set at load when stage 0 holds no layers
         self._listener: socket.socket | None = return_listener
         self._chain: Chain | None = None
         self._schedule = MicroBatchSchedule(
@@ -157,7 +164,8 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         self._failure: str | None = None
         self._abort_reason: str | None = None
         self._io_lock = threading.Lock()
-        disk_bytes = prefix_cache_disk_bytes if prefix_cache_dir is not None else 0
+        # A relay has no layers to spill and its disk list would be empty: no disk tier.
+        disk_bytes = prefix_cache_disk_bytes if prefix_cache_dir is not None and layers else 0
         self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
         self._disk_dir = Path(prefix_cache_dir) if disk_bytes else None
         self._disk: ChainDiskTier | None = None  # stage 0's share of the disk tier
@@ -203,6 +211,11 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         stage = self.stage
         parts = (*stage.blocks, stage.embed_tokens, stage.norm, stage.head)
         self._weight_bytes = parameter_bytes(*parts)
+        if not self.layers:  # a relay: its prefix entries are counted from the model's shape
+            shape = inspect_model(self.model_path).to_shape(
+                self.upcast, self.kv_bits, self.quantized_kv_start
+            )
+            self._relay_kv_bytes_per_token = shape.prefix_kv_bytes_per_token
         self._load_grammars()
         windows = self.stage.layout.windows  # every layer's, the whole chain's
         self.speculation.check_model(self.stage.make_cache(), windows, self.kv_bits)

@@ -103,11 +103,15 @@ class PrefixKeeping:
 
     def _index_kept(self, entry: int, tokens: tuple[int, ...], nbytes: int) -> list[int]:
         """Index an entry stage 0 holds `nbytes` of; returns the entries the index dropped."""
-        # An estimate: stage 0's bytes scaled to all layers (the stages' layers are alike).
-        return self.prefix_index.add(entry, tokens, int(nbytes * self._layer_scale()))
+        return self.prefix_index.add(entry, tokens, self._entry_bytes(len(tokens), nbytes))
 
-    def _layer_scale(self) -> float:
-        return self.stage.total_layers / len(self.layers)
+    def _entry_bytes(self, tokens: int, nbytes: int) -> int:
+        """An entry's bytes over the whole chain, from the `nbytes` stage 0 holds of it: scaled
+        to all layers (the stages' layers are alike); a relay, which holds none, counts the
+        model's KV per token."""
+        if not self.layers:
+            return tokens * self._relay_kv_bytes_per_token
+        return int(nbytes * self.stage.total_layers / len(self.layers))
 
     def _take_entry_id(self) -> int:
         """A fresh id for an entry no runner uid names."""

@@ -111,7 +111,9 @@ class StageModel:
             raise EngineError(f"cannot load model {model_path}: {error}") from error
         inner = getattr(model, layout.inner)
         total = len(inner.layers)
-        if not (0 <= layers.start < layers.stop <= total) or layers.step != 1:
+        # [0, 0) is a relay's stage 0: the embedding alone, every layer further down the chain
+        empty_first = layers == range(0, 0) and not is_last
+        if not (empty_first or 0 <= layers.start < layers.stop <= total) or layers.step != 1:
             raise EngineError(
                 f"stage layer range [{layers.start}, {layers.stop}) is not inside the model's "
                 f"{total} layers ({model_path})"

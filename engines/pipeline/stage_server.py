@@ -425,7 +425,8 @@ def _adopt(session: _Session, order: sequence_documents.DiskRollCall) -> list[in
 def _report_layers(report: Any) -> range:
     try:
         start, stop = report["layers"]
-        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop):
+        # [0, 0): a relay's stage 0, which only embeds (stage_model.py)
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop):
             raise ValueError
     except (KeyError, TypeError, ValueError):
         raise WireError(f"malformed stage report in a roll call: {str(report)[:80]}") from None

@@ -275,3 +275,50 @@ def test_an_agent_lost_by_one_model_leaves_the_other_serving(
     assert replans()["first"] == (0, "")  # the first never did
     assert model_state(server, "first") == "ok"
     assert completions(server, "first") == references[0]
+
+
+def test_models_alone_on_agents_answer_as_alone_and_one_falls_back_when_its_agent_dies(
+    two_models: tuple[Path, Path],
+    references: tuple[list[str], list[str]],
+    pool: AgentPool,
+    servers: list[ServeProcess],
+    tmp_path: Path,
+) -> None:
+    """Single for both over a coordinator of 300 MB, which cannot hold the first model's
+    ~310 MB (weights and 16 x 4096 tokens of KV), and two agents: each model runs alone on an
+    agent, the coordinator only relaying (planner/relay.py), which leaves the most memory on
+    the tightest machine. Each answers as it does alone; killing the second one's agent leaves
+    the first serving and re-plans the second (~170 MB) onto the coordinator."""
+    first, second = two_models
+    agents = [pool.start(name, real_roles=True) for name in ("one", "two")]
+    server = start_serve(
+        tmp_path, first, pool.cluster_key,
+        ["--parallelism", "single", "--model", str(second), "--model-id", "first",
+         "--prefix-cache-bytes", "16M", "--memory-limit", "300M"],
+    )  # fmt: skip
+    servers.append(server)
+    second_id = second.name
+    by_node = {agent.node_id: agent for agent in agents}
+    models = server.get("/v1/placements")[1]["current"]
+    for model in models.values():
+        assert model["relayed"] and model["nodes"][1] in by_node, models
+    assert models["first"]["nodes"][1] != models[second_id]["nodes"][1]
+    plan = server.cluster()["models"][second_id]["plan"]
+    assert plan["decision"]["chosen"] == "single"
+    assert [stage["layers"] for stage in plan["stages"]] == [[0, 0], [0, 2]]
+    assert completions(server, "first") == references[0]
+    assert completions(server, second_id) == references[1]
+
+    victim = by_node[models[second_id]["nodes"][1]]
+    victim.kill()
+
+    def second_model() -> dict:
+        return server.cluster()["models"][second_id]
+
+    assert wait_until(lambda: victim.node_id in second_model()["last_replan_reason"], 30)
+    assert wait_until(lambda: model_state(server, second_id) == "ok", LOAD_WITHIN_S)
+    coordinator = models["first"]["nodes"][0]
+    assert second_model()["plan"]["ranks"] == [coordinator]
+    assert completions(server, second_id) == references[1]  # now single on the coordinator
+    assert server.cluster()["models"]["first"]["replans"] == 0
+    assert completions(server, "first") == references[0]

@@ -142,8 +142,8 @@ def test_a_set_that_fits_no_way_is_refused_and_one_that_fits_one_way_is_placed_t
         roomy_id, tight_id = (by_address[m.address]["node_id"] for m in (roomy, tight))
         placements = httpx.get(url + "/v1/placements", timeout=30).json()
         assert placements["current"] == {
-            "big": {"state": "ok", "nodes": [me, roomy_id]},
-            "small": {"state": "ok", "nodes": [me, tight_id]},
+            "big": {"state": "ok", "nodes": [me, roomy_id], "relayed": False},
+            "small": {"state": "ok", "nodes": [me, tight_id], "relayed": False},
         }, placements
         preview = placements["preview"]  # placed afresh over the machines as they are now
         assert preview["refusal"] is None and preview["candidate_count"] == 1, preview

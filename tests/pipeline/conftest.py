@@ -59,7 +59,17 @@ def three_stages(
     )
 
 
-@pytest.fixture(params=["two_stages", "three_stages"])
+@pytest.fixture(scope="package")
+def relay(
+    demo_model_dir: Path, cluster_key: bytes, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    """The 4-layer demo model alone in a worker; stage 0 here only embeds (planner/relay.py)."""
+    yield from open_pipeline(
+        demo_model_dir, [range(0), range(4)], cluster_key, tmp_path_factory.mktemp("relay")
+    )
+
+
+@pytest.fixture(params=["two_stages", "three_stages", "relay"])
 def pipeline(request: pytest.FixtureRequest) -> Pipeline:
     return request.getfixturevalue(request.param)
 

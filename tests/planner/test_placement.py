@@ -13,10 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from planner import ModelShape, NodeResources, Parallelism, PlanError, plan_cluster, single_need
+from planner import (
+    ModelShape,
+    NodeResources,
+    Parallelism,
+    PlanError,
+    plan_cluster,
+    single_need,
+    stage_need,
+)
 from planner import placement as placement_module
 from planner.measured import plan_measured
+from planner.memory import DEFAULT_HEADROOM
 from planner.placement import ModelToPlace, Placement, PlanOne, place_models
+from planner.relay import relayed
 from planner.speed import ClusterSpeeds, Curve, LinkSpeed, NodeSpeed
 from tests.helpers.planning import MB, SHAPE
 
@@ -41,9 +51,13 @@ def node(node_id: str, memory_mb: float) -> NodeResources:
 def planner(shapes: dict[str, ModelShape], prefix_cache: dict[str, int | None] | None = None):
     """Plans a model as serve would, with no KV (context 0) so the numbers stay round."""
 
-    def plan(model: ModelToPlace, nodes: list[NodeResources]):
+    def plan(model: ModelToPlace, nodes: list[NodeResources], relay: bool = False):
+        shape = shapes[model.model_id]
+        if relay:  # as engines/cluster/planning.py's plan_nodes: single on the agent, relayed
+            alone = plan(ModelToPlace(model.model_id, SINGLE), nodes[1:])
+            return relayed(alone, nodes[0], shape, DEFAULT_HEADROOM)
         return plan_cluster(
-            model.choice, shapes[model.model_id], nodes, collective="ring", context_tokens=0,
+            model.choice, shape, nodes, collective="ring", context_tokens=0,
             prefix_cache_bytes=(prefix_cache or {}).get(model.model_id, 0),
         )  # fmt: skip
 
@@ -72,8 +86,13 @@ def agents_of(groups: dict[str, tuple[str, ...]]) -> list[set[str]]:
         ),
         pytest.param(
             {"a": SHAPE, "b": SMALL}, [node("c", 100), node("a1", 100)], {"a": SINGLE, "b": SINGLE},
-            {"a": ("c",), "b": ("c",)}, {"a": "single", "b": "single"},
-            id="single-by-choice-leaves-the-agent-idle",
+            {"a": ("c", "a1"), "b": ("c",)}, {"a": "single", "b": "single"},
+            id="single-by-choice-runs-the-bigger-one-alone-on-the-agent",
+        ),
+        pytest.param(
+            {"a": SHAPE, "b": SMALL}, [node("c", 100), node("a1", 100)], {"a": PP, "b": SINGLE},
+            {"a": ("c", "a1"), "b": ("c",)}, {"a": "pp=2", "b": "single"},
+            id="pp-by-choice-is-never-relayed",
         ),
         pytest.param(
             {"big": BIG, "small": SMALL}, [node("c", 40), node("a1", 20), node("a2", 20)], {},
@@ -82,7 +101,7 @@ def agents_of(groups: dict[str, tuple[str, ...]]) -> list[set[str]]:
         ),
         pytest.param(
             {"a": SHAPE, "b": SHAPE}, [node("c", 60), node("a1", 60), node("a2", 60)], {},
-            {"a": ("c", "a1"), "b": ("c", "a2")}, {"a": "tp=2", "b": "tp=2"},
+            {"a": ("c", "a1"), "b": ("c", "a2")}, {"a": "tp=2", "b": "single"},
             id="from-the-tables-the-most-memory-left-on-the-tightest-machine",
         ),
     ],
@@ -109,6 +128,28 @@ def test_an_explicit_strategy_is_honoured_before_memory_headroom() -> None:
     labels = [c.describe() for c in placement.candidates]
     assert labels[0] == "a pp=2 on c, a1; b pp=2 on c, a2"
     assert "a single on c; b single on c" in labels[1:]  # valid, and ranked after
+
+
+def test_a_model_alone_on_an_agent_costs_the_coordinator_only_its_embedding() -> None:
+    """A coordinator too small for any layer beside the embedding (a pipeline's first stage
+    needs 2 MB + 1 MB, plus headroom): the model runs single on the agent, relayed."""
+    placement = place({"a": SHAPE}, [node("c", 3), node("a1", 60)])
+    assert placement.refusal is None
+    plan = placement.plans["a"]
+    assert placement_module.runs_on(plan) == "a1 (relayed by c)"
+    assert [(s.node_id, s.layers) for s in plan.stages] == [("c", range(0, 0)), ("a1", range(32))]
+    assert placement_module.need_on(plan, "c") == stage_need(SHAPE, range(0), True, False, 0)
+    assert placement_module.need_on(plan, "a1") == single_need(SHAPE, 0)
+    assert plan.checks[-1].name == "relay memory" and plan.checks[-1].passed
+    assert plan.decision.reason.startswith("alone on a1, relayed by c: ")
+    data = json.loads(json.dumps(placement.to_dict()))
+    assert [(m["strategy"], m["nodes"], m["relayed"]) for m in data["models"]] == [
+        ("single", ["c", "a1"], True)
+    ]
+    refused = place({"a": SHAPE}, [node("c", 2), node("a1", 60)])  # not even the embedding
+    assert refused.refusal is not None and "relay on c needs 2.2 MB but it has 2.0 MB" in (
+        refused.refusal
+    )
 
 
 def test_the_coordinator_is_counted_once_for_every_model() -> None:
@@ -222,10 +263,13 @@ def speed(node_id: str, slowdown: float) -> NodeSpeed:
 
 
 def measured(shapes: dict[str, ModelShape], speeds: ClusterSpeeds) -> PlanOne:
-    def plan(model: ModelToPlace, nodes: list[NodeResources]):
+    def plan(model: ModelToPlace, nodes: list[NodeResources], relay: bool = False):
+        shape = shapes[model.model_id]
+        if relay:
+            alone = plan(ModelToPlace(model.model_id, SINGLE), nodes[1:])
+            return relayed(alone, nodes[0], shape, DEFAULT_HEADROOM)
         return plan_measured(
-            model.choice, shapes[model.model_id], nodes, speeds, collective="ring",
-            context_tokens=0, max_batch=8,
+            model.choice, shape, nodes, speeds, collective="ring", context_tokens=0, max_batch=8,
         )  # fmt: skip
 
     return plan
@@ -233,8 +277,9 @@ def measured(shapes: dict[str, ModelShape], speeds: ClusterSpeeds) -> PlanOne:
 
 def test_with_measured_speeds_the_highest_predicted_total_wins() -> None:
     """A slow coordinator and one fast agent: the agent goes where the summed tok/s is highest,
-    here to the short model (a pipeline predicted 348 tok/s, the long one single 29.4) rather
-    than the long one (100 + 100), or to neither (100 + 29.4)."""
+    here to the short model alone, relayed (400 tok/s, the long one single 29.4), rather than
+    to the short one's pipeline (348 + 29.4), to the long one (alone 117.6 or pp 100, with
+    the short one single 100), or to neither (100 + 29.4)."""
     speeds = ClusterSpeeds(
         {"c": speed("c", 4.0), "a1": speed("a1", 1.0)}, {"a1": LinkSpeed("a1", 50e-6, GIGABIT)}
     )
@@ -243,8 +288,9 @@ def test_with_measured_speeds_the_highest_predicted_total_wins() -> None:
     placement = place_models(models, [node("c", 500), node("a1", 500)], measured(shapes, speeds))
     totals = [candidate.predicted_tps for candidate in placement.candidates]
     assert None not in totals and totals == sorted(totals, reverse=True) and len(totals) > 1
-    assert totals == pytest.approx([377.4, 200.0, 129.4], abs=0.05)
+    assert totals == pytest.approx([429.4, 377.4, 217.6, 200.0, 129.4], abs=0.05)
     assert placement.groups == {"short": ("c", "a1"), "long": ("c",)}
+    assert placement.candidates[0].describe().startswith("short single on a1 (relayed by c);")
     chosen = sum(plan.predictions[0].batch_tps for plan in placement.plans.values())
     assert placement.candidates[0].predicted_tps == pytest.approx(chosen)
 
@@ -306,7 +352,7 @@ def test_tandem_plan_previews_placing_two_models_over_world_size_machines(
         f"memory {here}: has 64.0 MB; needs {big} 23.1 MB, {small} 13.2 MB; 27.7 MB left",
         f"memory machine-1: has 64.0 MB; needs {big} 31.4 MB; 32.6 MB left",
         f"memory machine-2: has 64.0 MB; needs {big} 33.6 MB; 30.4 MB left",
-        "candidates that fit: 5, the best first:",
+        "candidates that fit: 7, the best first:",
     ]
     assert lines[4].startswith(f"{small}: single on {here} (")
 
