@@ -1,7 +1,7 @@
 """Two models on three lab machines (issue 40): each model alone on an agent, the coordinator
 relaying both, against each model served alone on the same machines.
 
-Run from the project root, as root: `python -m tests.bench.bench_lab_model_set` (about ten
+Run from the project root, as root: `python -m tests.bench.bench_lab_model_set` (about three
 minutes; `--rounds N`, `--no-write`). One lab of three machines on this 2-core host, each on
 a CPU quota so that they do not take each other's time: two agents of `AGENT_QUOTA` of a core,
 and the coordinator (the API, both engine cores) of `COORDINATOR_QUOTA`. One `tandem serve
@@ -9,8 +9,10 @@ and the coordinator (the API, both engine cores) of `COORDINATOR_QUOTA`. One `ta
 other weights; one BLAS thread per process) places each model alone on an agent
 (planner/relay.py), which this checks before measuring. Interleaved rounds of three phases:
 A alone, B alone, A and B at once (`STREAMS` greedy streams of 64 tokens to each); aggregate
-tok/s per model and the ratio together / alone per round, medians with the spread. The
-client runs on the host, outside the machines' quotas.
+tok/s per model and the ratio together / alone per round, medians with the spread. What the
+relay costs: a fourth machine (the first agent's core and quota) serves model A single, timed
+alone in every round beside A relayed alone. The client runs on the host, outside the
+machines' quotas.
 
 Writes "## Several models in the lab" in docs/benchmarks.md.
 """
@@ -36,7 +38,7 @@ HEADING = "## Several models in the lab"
 COMMAND = "python -m tests.bench.bench_lab_model_set"
 ROUNDS = 7
 STREAMS = 4
-AGENT_QUOTA = 0.75
+AGENT_QUOTA = 0.7
 COORDINATOR_QUOTA = 0.5
 MEMORY_LIMIT = 2 * 1024**3
 PORT = 8000
@@ -45,9 +47,17 @@ PYTHON = [sys.executable, "-m", "cli.main"]
 TARGET = 0.9  # issue 40: each model at >= 0.9x of its throughput alone
 
 
-def start(lab: Lab, models: dict[str, Path]) -> str:
-    """Two agents joined and serve started on the coordinator; its URL once healthy."""
-    coordinator, *agents = lab.machines
+def start(lab: Lab, models: dict[str, Path]) -> tuple[str, str]:
+    """Two agents joined and serve started on the coordinator, and model A served single on
+    the fourth machine; their URLs once healthy."""
+    coordinator, *agents, apart = lab.machines
+    apart.popen(
+        [*PYTHON, "serve", "--model", str(models["a"]), "--model-id", "a",
+         "--parallelism", "single", "--max-batch", str(2 * STREAMS), "--context-tokens", "256",
+         "--prefix-cache-bytes", "0",
+         "--interface", apart.address, "--host", apart.address, "--port", str(PORT)],
+        log=apart.home / "serve.log", cwd=PROJECT_ROOT, env=environment(apart),
+    )  # fmt: skip
     key = format_key(generate_key())
     for agent in agents:
         agent.popen(
@@ -63,7 +73,11 @@ def start(lab: Lab, models: dict[str, Path]) -> str:
          "--host", coordinator.address, "--port", str(PORT), "--cluster-key", key],
         log=coordinator.home / "serve.log", cwd=PROJECT_ROOT, env=environment(coordinator),
     )  # fmt: skip
-    url = f"http://{coordinator.address}:{PORT}"
+    return healthy(coordinator), healthy(apart)
+
+
+def healthy(machine: Machine) -> str:
+    url = f"http://{machine.address}:{PORT}"
     deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
         try:
@@ -72,7 +86,7 @@ def start(lab: Lab, models: dict[str, Path]) -> str:
         except (httpx.HTTPError, ValueError, KeyError):
             pass
         time.sleep(0.5)
-    log = (coordinator.home / "serve.log").read_text()
+    log = (machine.home / "serve.log").read_text()
     raise SystemExit(f"bench_lab_model_set: serve never became healthy:\n{log[-3000:]}")
 
 
@@ -103,21 +117,43 @@ def phase(url: str, ids: list[str]) -> dict[str, Burst]:
     return dict(zip(ids, asyncio.run(run()), strict=True))
 
 
-def measure(url: str, ids: list[str], rounds: int) -> dict[str, dict[str, list[float]]]:
-    """Per model: its tok/s alone and together, one value per round (after a warm-up)."""
-    phase(url, ids)
+def throttling(machine: Machine) -> tuple[int, int]:
+    """(CFS periods, periods in which the machine's CPU quota ran out) so far."""
+    [group] = [g for g in machine.cgroups if "cpu" in g.parts]
+    stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
+    return int(stat["nr_periods"]), int(stat["nr_throttled"])
+
+
+def measure(
+    url: str, apart_url: str, ids: list[str], rounds: int, coordinator: Machine
+) -> tuple[dict[str, dict[str, list[float]]], list[float], dict[str, list[int]]]:
+    """Per model: its tok/s alone and together, one value per round (after a warm-up); model
+    A's tok/s single on a machine of its own, per round; and per kind of phase, the
+    coordinator's [periods, throttled periods]."""
+    phase(url, list(ids))
+    phase(apart_url, ["a"])
     found: dict[str, dict[str, list[float]]] = {i: {"alone": [], "together": []} for i in ids}
-    phases = [[ids[0]], [ids[1]], ids]
+    throttled = {"alone": [0, 0], "together": [0, 0]}
+    single: list[float] = []
+    phases: list[list[str]] = [[ids[0]], [ids[1]], ids, []]  # []: A single on its machine
     for round_ in range(rounds):
         shift = round_ % len(phases)
         for chosen in phases[shift:] + phases[:shift]:
-            bursts = phase(url, chosen)
+            if not chosen:
+                single.append(phase(apart_url, ["a"])["a"].tokens_per_s)
+                print(f"round {round_ + 1} single: {single[-1]:.1f} tok/s", flush=True)
+                continue
+            before = throttling(coordinator)
+            bursts = phase(url, list(chosen))
             kind = "together" if len(chosen) > 1 else "alone"
+            after = throttling(coordinator)
+            pairs = zip(throttled[kind], after, before, strict=True)
+            throttled[kind] = [total + now - then for total, now, then in pairs]
             for model_id, burst in bursts.items():
                 found[model_id][kind].append(burst.tokens_per_s)
             shown = ", ".join(f"{m} {b.tokens_per_s:.1f}" for m, b in bursts.items())
             print(f"round {round_ + 1} {kind}: {shown} tok/s", flush=True)
-    return found
+    return found, single, throttled
 
 
 def spread(values: list[float]) -> str:
@@ -138,6 +174,15 @@ def table(found: dict[str, dict[str, list[float]]], nodes: dict[str, list[str]])
     return markdown_table(header, rows)
 
 
+def relay_cost(relayed: list[float], single: list[float]) -> str:
+    ratios = [r / s for r, s in zip(relayed, single, strict=True)]
+    rows = [
+        ["A single on a machine of its own", spread(single), "baseline"],
+        ["A alone on an agent, relayed", spread(relayed), f"**{spread(ratios)}**"],
+    ]
+    return markdown_table([f"{STREAMS} streams of model A", "tok/s", "vs single"], rows)
+
+
 def main() -> None:
     if problem := lab_unavailable():
         raise SystemExit(f"bench_lab_model_set: {problem}")
@@ -151,14 +196,15 @@ def main() -> None:
         MachineSpec(cpu_quota=COORDINATOR_QUOTA, memory_limit=MEMORY_LIMIT),
         MachineSpec(cores="0", cpu_quota=AGENT_QUOTA, memory_limit=MEMORY_LIMIT),
         MachineSpec(cores="1", cpu_quota=AGENT_QUOTA, memory_limit=MEMORY_LIMIT),
+        MachineSpec(cores="0", cpu_quota=AGENT_QUOTA, memory_limit=MEMORY_LIMIT),
     ]
     began = time.monotonic()
-    with Lab(3, specs) as lab:
-        url = start(lab, models)
+    with Lab(4, specs) as lab:
+        url, apart_url = start(lab, models)
         nodes = placed(url)
-        ids = sorted(nodes)
+        ids = list(nodes)  # the served order: A first
         print(f"serving {nodes} after {time.monotonic() - began:.0f} s", flush=True)
-        found = measure(url, ids, rounds)
+        found, single, throttled = measure(url, apart_url, ids, rounds, lab.machines[0])
     minutes = (time.monotonic() - began) / 60
     text = "\n\n".join(
         [
@@ -173,6 +219,16 @@ def main() -> None:
             f"over {rounds} rounds with the range, the ratio per round. The client runs on the "
             "host.",
             table(found, nodes),
+            "The coordinator ran out of its CPU quota in "
+            + " and ".join(
+                f"{100 * hit / max(periods, 1):.0f}% of its 100 ms periods {kind}"
+                for kind, (periods, hit) in throttled.items()
+            )
+            + " (cpu.stat).",
+            "What the relay costs: model A served single on a fourth machine with the first "
+            "agent's core and quota, timed alone in every round beside A alone on its agent "
+            "(ratio per round):",
+            relay_cost(found[ids[0]]["alone"], single),
         ]
     )
     print(text)
