@@ -58,6 +58,21 @@ def model_state(server: ServeProcess, model_id: str, key: str = "") -> str:
     return listed[model_id]["state"] if model_id in listed else "absent"
 
 
+def ask_both_at_once(server: ServeProcess, *model_ids: str) -> dict[str, list[str]]:
+    """Every model's greedy completions of PROMPTS, the models asked concurrently."""
+    answers: dict[str, list[str]] = {}
+
+    def ask(model_id: str) -> None:
+        answers[model_id] = completions(server, model_id)
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in model_ids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return answers
+
+
 def test_two_models_answer_as_each_alone_at_once_in_every_dialect(
     two_models: tuple[Path, Path],
     references: tuple[list[str], list[str]],
@@ -73,17 +88,10 @@ def test_two_models_answer_as_each_alone_at_once_in_every_dialect(
     second_id = second.name
     assert [card["id"] for card in server.get("/v1/models")[1]["data"]] == ["first", second_id]
 
-    answers: dict[str, list[str]] = {}
-
-    def ask(model_id: str) -> None:
-        answers[model_id] = completions(server, model_id)
-
-    threads = [threading.Thread(target=ask, args=(m,)) for m in ("first", second_id)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert answers == {"first": references[0], second_id: references[1]}
+    assert ask_both_at_once(server, "first", second_id) == {
+        "first": references[0],
+        second_id: references[1],
+    }
     assert completions(server, "smol") == references[0]  # an alias reaches its own model
 
     base = server.base_url
@@ -306,8 +314,10 @@ def test_models_alone_on_agents_answer_as_alone_and_one_falls_back_when_its_agen
     plan = server.cluster()["models"][second_id]["plan"]
     assert plan["decision"]["chosen"] == "single"
     assert [stage["layers"] for stage in plan["stages"]] == [[0, 0], [0, 2]]
-    assert completions(server, "first") == references[0]
-    assert completions(server, second_id) == references[1]
+    assert ask_both_at_once(server, "first", second_id) == {
+        "first": references[0],
+        second_id: references[1],
+    }
 
     victim = by_node[models[second_id]["nodes"][1]]
     victim.kill()
