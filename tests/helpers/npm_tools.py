@@ -6,11 +6,17 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 INSTALL_TIMEOUT_S = 600
+# A registry lookup that failed on the network (seen once: EAI_AGAIN for a minute) is tried
+# again; any other failure fails the test at once.
+INSTALL_ATTEMPTS = 3
+RETRY_AFTER_S = 15.0
+NETWORK_ERRORS = ("EAI_AGAIN", "ENOTFOUND", "ETIMEDOUT", "ECONNRESET", "ECONNREFUSED")
 
 
 def npm_cache_root() -> Path:
@@ -30,15 +36,19 @@ def npm_tool(package: str, version: str, binary: str) -> Path:
         return executable
     prefix.mkdir(parents=True, exist_ok=True)
     command = ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix)]
-    try:
-        finished = subprocess.run(
-            [*command, f"{package}@{version}"],
-            capture_output=True,
-            text=True,
-            timeout=INSTALL_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"npm install {package}@{version} took over {INSTALL_TIMEOUT_S} s")
-    if finished.returncode != 0 or not executable.exists():
-        pytest.fail(f"npm install {package}@{version} failed: {finished.stderr[-500:]}")
-    return executable
+    for attempt in range(INSTALL_ATTEMPTS):
+        try:
+            finished = subprocess.run(
+                [*command, f"{package}@{version}"],
+                capture_output=True,
+                text=True,
+                timeout=INSTALL_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"npm install {package}@{version} took over {INSTALL_TIMEOUT_S} s")
+        if finished.returncode == 0 and executable.exists():
+            return executable
+        if not any(error in finished.stderr for error in NETWORK_ERRORS):
+            break
+        time.sleep(RETRY_AFTER_S * (attempt + 1))  # a name lookup that failed may pass soon
+    pytest.fail(f"npm install {package}@{version} failed: {finished.stderr[-500:]}")
