@@ -135,7 +135,10 @@ def describe_models(models: dict[str, dict[str, Any]]) -> list[str]:
     lines = [f"{'MODEL':<28} {'STATE':<12} {'STRATEGY':<9} {'NODES':<28} BATCH"]
     for model_id, each in models.items():
         status = each if isinstance(each, dict) else {}
-        nodes = ", ".join(map(str, (status.get("plan") or {}).get("ranks") or ())) or "-"
+        ranks = [str(rank) for rank in (status.get("plan") or {}).get("ranks") or ()]
+        nodes = ", ".join(ranks) or "-"
+        if status.get("relayed") and len(ranks) == 2:
+            nodes = f"{ranks[1]} (relayed by {ranks[0]})"
         batch = (status.get("engine") or {}).get("batch") or {}
         load = (
             f"{batch.get('active', 0)}/{batch.get('capacity', 0)} active, "

@@ -328,6 +328,10 @@ def _roles(plan: dict[str, Any], strategy: Any) -> dict[str, str]:
     if strategy == "tp":
         for rank, node_id in enumerate(plan.get("ranks") or []):
             roles[node_id] = f"tp rank {rank}"
+    elif strategy == "single" and plan.get("stages"):  # alone on an agent, relayed here
+        relay, alone = plan["stages"]
+        roles[relay.get("node_id")] = "single: relays (embedding)"
+        roles[alone.get("node_id")] = "single: every layer"
     elif strategy == "pp":
         for index, stage in enumerate(plan.get("stages") or []):
             start, stop = stage.get("layers", [0, 0])

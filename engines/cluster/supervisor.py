@@ -397,6 +397,7 @@ class ClusterSupervisor:
             "excluded": self.exclusions.describe(),
             "plan": plan.to_dict() if plan else None,
             "strategy": plan.decision.chosen.value if plan else None,
+            "relayed": bool(plan and is_relayed(plan)),  # alone on an agent (planner/relay.py)
             "reason": plan.decision.reason if plan else None,
             "world_size": 1 + len(self.membership.to_resources()) if self.membership else 1,
             "engine": engine,

@@ -14,6 +14,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
+from cli.main import build_parser
 from tests.helpers.cluster import AgentPool, wait_until
 from tests.helpers.demo_models import make_demo_model
 from tests.helpers.reference import MAX_TOKENS, PROMPTS, completions, single_outputs
@@ -291,6 +292,7 @@ def test_models_alone_on_agents_answer_as_alone_and_one_falls_back_when_its_agen
     pool: AgentPool,
     servers: list[ServeProcess],
     tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Single for both over a coordinator of 300 MB, which cannot hold the first model's
     ~310 MB (weights and 16 x 4096 tokens of KV), and two agents: each model runs alone on an
@@ -314,6 +316,13 @@ def test_models_alone_on_agents_answer_as_alone_and_one_falls_back_when_its_agen
     plan = server.cluster()["models"][second_id]["plan"]
     assert plan["decision"]["chosen"] == "single"
     assert [stage["layers"] for stage in plan["stages"]] == [[0, 0], [0, 2]]
+    coordinator, second_agent = models[second_id]["nodes"]
+    args = build_parser().parse_args(["status", "--url", server.base_url, "--sample", "0"])
+    assert args.run(args) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(second_id)]
+    assert f"single    {second_agent} (relayed by {coordinator})" in line
+    page = httpx.get(f"{server.base_url}/dashboard", timeout=30).text
+    assert "single: relays (embedding)" in page and "single: every layer" in page
     assert ask_both_at_once(server, "first", second_id) == {
         "first": references[0],
         second_id: references[1],
@@ -327,7 +336,6 @@ def test_models_alone_on_agents_answer_as_alone_and_one_falls_back_when_its_agen
 
     assert wait_until(lambda: victim.node_id in second_model()["last_replan_reason"], 30)
     assert wait_until(lambda: model_state(server, second_id) == "ok", LOAD_WITHIN_S)
-    coordinator = models["first"]["nodes"][0]
     assert second_model()["plan"]["ranks"] == [coordinator]
     assert completions(server, second_id) == references[1]  # now single on the coordinator
     assert server.cluster()["models"]["first"]["replans"] == 0
