@@ -144,10 +144,12 @@ class ModelManager:
             raise
 
     def _place(self, model: ServedModel) -> None:
-        """Plan it over what the served models leave; PlanError with the numbers if it
-        does not fit there."""
+        """Plan it over what the served models leave: the coordinator's share and the free
+        agents, or, when that does not fit, alone on one free agent (planner/relay.py);
+        PlanError with the numbers if it fits neither way."""
         from engines.cluster.planning import plan_nodes
         from planner.placement import less_taken, need_on
+        from planner.relay import is_relayed
 
         coordinator = self.context.coordinator
         others = [
@@ -172,12 +174,23 @@ class ModelManager:
         members = membership.members() if membership is not None else []
         settings = model.supervisor.plan_settings
         plan = plan_nodes(model.facts, settings, [share, *free], members, model.weights)
-        if plan.refusal is not None:
-            raise PlanError(
-                f"'{model.service.model_id}' does not fit beside the models served: {plan.refusal}"
-            )
+        group, relayed = free, False
+        if plan.refusal is not None:  # alone on a free agent, the roomiest first, if it fits
+            for agent in sorted(free, key=lambda node: -node.memory_bytes):
+                alone = plan_nodes(
+                    model.facts, settings, [share, agent], members, model.weights, relayed=True
+                )
+                if alone.refusal is None and is_relayed(alone):
+                    group, relayed = [agent], True
+                    break
+            else:
+                raise PlanError(
+                    f"'{model.service.model_id}' does not fit beside the models served: "
+                    f"{plan.refusal}"
+                )
         model.supervisor.coordinator = lambda: share
-        model.supervisor.member_group = frozenset(node.node_id for node in free)
+        model.supervisor.member_group = frozenset(node.node_id for node in group)
+        model.supervisor.relayed = relayed
 
     def _evict_one(self, but: str) -> bool:
         """Unload the least recently used idle model (not `but`) to make room; False when

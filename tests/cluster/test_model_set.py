@@ -340,3 +340,30 @@ def test_models_alone_on_agents_answer_as_alone_and_one_falls_back_when_its_agen
     assert completions(server, second_id) == references[1]  # now single on the coordinator
     assert server.cluster()["models"]["first"]["replans"] == 0
     assert completions(server, "first") == references[0]
+
+
+def test_a_model_loaded_on_demand_that_fits_only_on_an_agent_runs_there_alone(
+    two_models: tuple[Path, Path],
+    references: tuple[list[str], list[str]],
+    pool: AgentPool,
+    servers: list[ServeProcess],
+    tmp_path: Path,
+) -> None:
+    """Loaded at run time (--load-on-demand), the first model (~310 MB) fits neither on the
+    coordinator of 300 MB nor, as single, with it: it runs alone on an agent, relayed; the
+    second (~170 MB) still fits on the coordinator and runs there."""
+    first, second = two_models
+    for name in ("one", "two"):
+        pool.start(name, real_roles=True)
+    server = start_serve(
+        tmp_path, first, pool.cluster_key,
+        ["--parallelism", "single", "--model", str(second), "--model-id", "first",
+         "--prefix-cache-bytes", "16M", "--memory-limit", "300M", "--load-on-demand"],
+    )  # fmt: skip
+    servers.append(server)
+    second_id = second.name
+    assert completions(server, "first") == references[0]  # loads it, then answers
+    assert completions(server, second_id) == references[1]
+    current = server.get("/v1/placements")[1]["current"]
+    assert current["first"]["relayed"] and len(current["first"]["nodes"]) == 2, current
+    assert not current[second_id]["relayed"] and len(current[second_id]["nodes"]) == 1, current
