@@ -322,7 +322,8 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
             detail["speculation"] = speculation
         if self._failure:
             detail["failure"] = self._failure
-        return EngineInfo(strategy="pp", world_size=1 + len(self.stages), detail=detail)
+        strategy = "pp" if self.layers else "single"  # a relay serves its plan's single
+        return EngineInfo(strategy=strategy, world_size=1 + len(self.stages), detail=detail)
 
     # -- the batch ---------------------------------------------------------------------------
 

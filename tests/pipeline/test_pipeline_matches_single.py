@@ -102,3 +102,13 @@ def test_cancel_frees_every_stage_and_the_next_request_is_exact(pipeline: Pipeli
         r["served_requests"] + 1 for r in before[1:]
     ]
     assert_same(pipeline, make_request(pipeline.runner, PROMPTS[1]))
+
+
+def test_a_relay_holds_no_layer_here_and_reports_the_single_it_serves(relay: Pipeline) -> None:
+    """planner/relay.py's engine: stage 0 embeds only, the worker runs all four layers."""
+    assert_same(relay, make_request(relay.runner, PROMPTS[1]))
+    info = relay.engine.info()
+    assert (info.strategy, info.world_size) == ("single", 2)
+    reports = status(relay)
+    assert [report["layers"] for report in reports] == [[0, 0], [0, 4]]
+    assert reports[0]["peak_memory_bytes"] < reports[1]["peak_memory_bytes"]
