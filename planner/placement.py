@@ -258,10 +258,9 @@ def place_models(
             free = tuple(agent for agent in free if agent.node_id not in planned.ranks)
         return _Trial(ids_in_order, plans, None)
 
-    relay_ways = 2 ** min(len(models), len(agents))  # at most, each model relayed or not
-    if math.factorial(len(models)) * (len(models) + 1) ** len(agents) * relay_ways > (
-        MAX_CANDIDATES
-    ):
+    # The bound counts assignments; the relayed variants of one (a model with one agent, tried
+    # both ways) come on top: planning is cached per model, share and group, so they are cheap.
+    if math.factorial(len(models)) * (len(models) + 1) ** len(agents) > MAX_CANDIDATES:
         size = {m.model_id: need_on(plan_over(m, 0, ()), coordinator.node_id) for m in models}
         biggest_first = sorted(models, key=lambda model: -size[model.model_id])
         trials = [attempt(biggest_first, lambda model, free: free)]
