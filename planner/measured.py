@@ -1,5 +1,6 @@
 """Auto by measurement: every plan the decision rules allow, over every group of members that
-keeps the coordinator, predicted from measured speeds (planner/speed.py); the fastest serves.
+keeps the coordinator, and the model alone on each member with the coordinator relaying
+(planner/relay.py), predicted from measured speeds (planner/speed.py); the fastest serves.
 
 The rules stay the floor: tp is a candidate only where its capabilities hold, and an explicit
 --parallelism is planned exactly as asked (it only gains its prediction). Fastest means the
@@ -19,7 +20,15 @@ from planner.decision import Decision, Parallelism
 from planner.disk import TransferSizes
 from planner.memory import DEFAULT_CONTEXT_TOKENS, DEFAULT_HEADROOM, ModelShape
 from planner.plan_data import ClusterPlan, NodeResources
-from planner.speed import ClusterSpeeds, Prediction, predict_pp, predict_single, predict_tp
+from planner.relay import is_relayed, relayed
+from planner.speed import (
+    ClusterSpeeds,
+    Prediction,
+    predict_pp,
+    predict_relay,
+    predict_single,
+    predict_tp,
+)
 
 RUNNERS_UP_IN_REASON = 2
 # How much faster a plan over more machines must be predicted than the best over fewer. Every
@@ -40,6 +49,8 @@ def predict(plan: ClusterPlan, shape: ModelShape, speeds: ClusterSpeeds) -> Pred
         return None
     batch = plan.batch_capacity
     chosen = plan.decision.chosen
+    if is_relayed(plan):
+        return predict_relay(shape, speeds, plan.ranks[0], plan.ranks[1], batch)
     if chosen is Parallelism.SINGLE:
         return predict_single(shape, speeds.nodes[plan.ranks[0]], batch)
     if chosen is Parallelism.TP:
@@ -91,6 +102,11 @@ def plan_measured(
             prediction = predict(candidate, shape, speeds)
             if candidate.decision.chosen is strategy and prediction is not None:
                 candidates.append((candidate, prediction))
+    for agent in nodes[1:]:  # the model alone on one agent, the coordinator relaying
+        candidate = relayed(plan(Parallelism.SINGLE, [agent]), nodes[0], shape, headroom)
+        prediction = predict(candidate, shape, speeds)
+        if candidate.refusal is None and prediction is not None:
+            candidates.append((candidate, prediction))
     if not candidates:
         return floor
     candidates.sort(key=lambda pair: (-pair[1].decode_tps, -pair[1].batch_tps))

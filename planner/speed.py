@@ -164,6 +164,8 @@ class Prediction:
 
     @property
     def label(self) -> str:
+        if self.strategy == "single" and len(self.nodes) > 1:  # alone on an agent, relayed
+            return f"single on {self.nodes[-1]}, relayed"
         return self.strategy if self.strategy == "single" else f"{self.strategy}={len(self.nodes)}"
 
     def describe(self) -> str:
@@ -277,6 +279,44 @@ def predict_single(
         batch,
         batch / step(batch),
         prefill * speed.prefill_layer_s + step(1),
+        dominant,
+        pass_s=_priced(step),
+    )
+
+
+def predict_relay(
+    shape: ModelShape,
+    speeds: ClusterSpeeds,
+    coordinator: str,
+    agent: str,
+    batch: int,
+    prompt_tokens: int = PREDICTION_PROMPT_TOKENS,
+) -> Prediction:
+    """Single on `agent`, relayed by `coordinator` (planner/relay.py): the agent's step, plus
+    each step's hidden states carried to it and its tokens back; one micro-batch."""
+    speed, row_bytes = speeds.nodes[agent], shape.hidden_size * shape.dtype_bytes
+    there, back = speeds.hop(coordinator, agent), speeds.hop(agent, coordinator)
+
+    def hops_s(rows: float) -> float:
+        return there.transfer_s(rows * row_bytes) + back.transfer_s(rows * 8)
+
+    def step(rows: float) -> float:
+        return shape.num_layers * speed.layer.at(rows) + speed.head.at(rows) + hops_s(rows)
+
+    chunk = speed.prefill_chunk
+    prefill = _chunks(prompt_tokens, chunk) * (
+        shape.num_layers * speed.prefill_layer_s + there.transfer_s(chunk * row_bytes)
+    )
+    dominant = (
+        f"{shape.num_layers} layers x {_ms(speed.layer.at(1))} on {agent}; hops {_ms(hops_s(1))}"
+    )
+    return Prediction(
+        "single",
+        (coordinator, agent),
+        1 / step(1),
+        batch,
+        batch / step(batch),
+        prefill + step(1),
         dominant,
         pass_s=_priced(step),
     )

@@ -86,7 +86,8 @@ def test_serve_measures_its_agent_and_serves_the_fastest_predicted_plan(
     assert list(link["tp_rest_ms"]) == ["1", "4"]
     plan = cluster["plan"]
     labels = [p["label"] for p in plan["predictions"]]
-    assert sorted(labels) == ["pp=2", "single", "tp=2"], labels
+    relay = f"single on {pool.agents[0].node_id}, relayed"  # alone on the agent
+    assert sorted(labels) == ["pp=2", "single", relay, "tp=2"], labels
     tp = next(p for p in plan["predictions"] if p["label"] == "tp=2")
     # the group measured whole prices tp: 4 layers x its layer, not the shard plus all_sums
     dominant = tp["dominant"]
@@ -94,7 +95,7 @@ def test_serve_measures_its_agent_and_serves_the_fastest_predicted_plan(
     chosen = plan["predictions"][0]
     fastest = max(plan["predictions"], key=lambda p: p["decode_tps"])
     if chosen == fastest:
-        assert cluster["reason"].startswith(f"auto -> {chosen['label']}: fastest of 3 measured")
+        assert cluster["reason"].startswith(f"auto -> {chosen['label']}: fastest of 4 measured")
     else:  # a plan on fewer machines within the margin of the fastest
         assert len(chosen["nodes"]) < len(fastest["nodes"])
         single = chosen["strategy"] == "single"

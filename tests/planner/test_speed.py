@@ -8,6 +8,7 @@ import pytest
 
 from planner import NodeResources, Parallelism, PlanError, plan_cluster
 from planner.measured import _pick, plan_measured
+from planner.relay import is_relayed
 from planner.speed import (
     ClusterSpeeds,
     Curve,
@@ -364,9 +365,9 @@ def measured(choice: Parallelism, speeds: ClusterSpeeds, *nodes: NodeResources):
 def test_auto_picks_tp_when_it_is_predicted_fastest_and_names_the_numbers() -> None:
     plan = measured(AUTO, cluster(speed("a"), speed("b")), member("a"), member("b"))
     assert plan.decision.chosen is TP and plan.refusal is None
-    assert plan.decision.reason.startswith("auto -> tp=2: fastest of 3 measured candidates")
-    assert [p.label for p in plan.predictions] == ["tp=2", "single", "pp=2"]
-    assert "predicted" in plan.describe()[-3]
+    assert plan.decision.reason.startswith("auto -> tp=2: fastest of 4 measured candidates")
+    assert [p.label for p in plan.predictions] == ["tp=2", "single", "pp=2", "single on b, relayed"]
+    assert "predicted" in plan.describe()[-4]
 
 
 def test_auto_stays_single_when_the_second_machine_is_slow() -> None:
@@ -374,6 +375,22 @@ def test_auto_stays_single_when_the_second_machine_is_slow() -> None:
     plan = measured(AUTO, speeds, member("a"), member("b"))
     assert plan.decision.chosen is SINGLE
     assert plan.ranks == ("a",) and "sitting out: b" in plan.decision.reason
+
+
+def test_auto_runs_the_model_alone_on_a_much_faster_agent_the_coordinator_relaying() -> None:
+    """A coordinator 4x slower than its agent: single on the agent, relayed (planner/relay.py),
+    is the fastest plan: 32 layers x 1 ms + a 2 ms head + the hops there (50 us + 1 KB at a
+    gigabit) and back (50 us + 8 B), 34.11 ms a token; single on the coordinator 136 ms."""
+    speeds = cluster(speed("a", slowdown=4.0), speed("b"))
+    plan = measured(AUTO, speeds, member("a"), member("b"))
+    assert is_relayed(plan) and plan.refusal is None
+    assert [(s.node_id, s.layers) for s in plan.stages] == [("a", range(0)), ("b", range(32))]
+    relay = plan.predictions[0]
+    assert relay.label == "single on b, relayed"
+    assert relay.decode_tps == pytest.approx(1 / (34e-3 + 2 * 50e-6 + (1024 + 8) / GIGABIT))
+    assert plan.decision.reason.startswith("auto -> single on b, relayed: fastest of 4 ")
+    equal = measured(AUTO, cluster(speed("a"), speed("b", slowdown=1.1)), member("a"), member("b"))
+    assert not is_relayed(equal)  # not 20% faster than single on the coordinator
 
 
 def test_auto_leaves_tp_when_the_link_is_slow() -> None:
@@ -455,4 +472,4 @@ def test_a_plan_on_more_machines_must_be_predicted_twenty_percent_faster() -> No
     a, b = (replace(speed(node), shards=_shard_at(0.5)) for node in "ab")
     plan = measured(AUTO, cluster(a, b), member("a"), member("b"))
     assert plan.decision.chosen is TP
-    assert plan.decision.reason.startswith("auto -> tp=2: fastest of 3 measured candidates")
+    assert plan.decision.reason.startswith("auto -> tp=2: fastest of 4 measured candidates")
