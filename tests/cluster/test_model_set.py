@@ -24,6 +24,9 @@ pytestmark = pytest.mark.cluster
 
 LOAD_WITHIN_S = 60.0
 MEMORY_RETURNED_BYTES = 50 * 1024 * 1024
+# Too small for the first model (~310 MB: weights and 16 x 4096 tokens of KV), not the second
+# (~170 MB); a fixed prefix cache, so that the first model planned does not take half of it.
+TIGHT_COORDINATOR = ["--prefix-cache-bytes", "16M", "--memory-limit", "300M"]
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +307,7 @@ def test_models_alone_on_agents_answer_as_alone_and_one_falls_back_when_its_agen
     server = start_serve(
         tmp_path, first, pool.cluster_key,
         ["--parallelism", "single", "--model", str(second), "--model-id", "first",
-         "--prefix-cache-bytes", "16M", "--memory-limit", "300M"],
+         *TIGHT_COORDINATOR],
     )  # fmt: skip
     servers.append(server)
     second_id = second.name
@@ -358,7 +361,7 @@ def test_a_model_loaded_on_demand_that_fits_only_on_an_agent_runs_there_alone(
     server = start_serve(
         tmp_path, first, pool.cluster_key,
         ["--parallelism", "single", "--model", str(second), "--model-id", "first",
-         "--prefix-cache-bytes", "16M", "--memory-limit", "300M", "--load-on-demand"],
+         *TIGHT_COORDINATOR, "--load-on-demand"],
     )  # fmt: skip
     servers.append(server)
     second_id = second.name
