@@ -6,6 +6,7 @@ and its decisions must stay a function of the tokens (every tensor-parallel rank
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 SAMPLE_STEPS = 8  # steps of each kind a verdict is drawn from
@@ -84,5 +85,9 @@ class Payoff:
 
 
 def rate(steps: deque[tuple[float, int]]) -> float:
-    seconds = sum(spent for spent, _ in steps)
-    return sum(tokens for _, tokens in steps) / seconds if seconds > 0 else float("inf")
+    """Plain decoding's tokens per second: the median step's, so that a few steps slowed by
+    something else (a collection, a neighbour's burst on a shared core) do not make drafting
+    look faster than it is."""
+    return statistics.median(
+        tokens / spent if spent > 0 else float("inf") for spent, tokens in steps
+    )

@@ -109,6 +109,6 @@ def test_a_relay_holds_no_layer_here_and_reports_the_single_it_serves(relay: Pip
     assert_same(relay, make_request(relay.runner, PROMPTS[1]))
     info = relay.engine.info()
     assert (info.strategy, info.world_size) == ("single", 2)
-    reports = status(relay)
-    assert [report["layers"] for report in reports] == [[0, 0], [0, 4]]
-    assert reports[0]["peak_memory_bytes"] < reports[1]["peak_memory_bytes"]
+    assert [report["layers"] for report in status(relay)] == [[0, 0], [0, 4]]
+    # the weights held here: the embedding alone (1024 x 256 float32 in the demo model)
+    assert relay.engine.memory_held() == {"weights": 1024 * 256 * 4}

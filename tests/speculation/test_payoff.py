@@ -67,6 +67,18 @@ def test_a_try_that_could_not_win_with_every_draft_right_ends_after_early_steps(
     assert not payoff.allows()
 
 
+def test_one_plain_step_slowed_by_something_else_does_not_make_drafting_win():
+    """Plain steps of 10 ms but one of 2 s (a collection, a neighbour's burst): their median,
+    100 tok/s, is plain decoding's rate, not the 3.9 tok/s of their total, so a drafter at
+    5 tok/s at best is set aside after EARLY_STEPS as it would be without the slow step."""
+    payoff = Payoff()
+    payoff.new_sequence()
+    drafting_steps(payoff, 1 + EARLY_STEPS, 0.8, 4)
+    plain_steps(payoff, SAMPLE_STEPS - 1, 0.01)
+    plain_steps(payoff, 1, 2.0)
+    assert not payoff.allows()
+
+
 class SlowScriptedDrafter(ScriptedDrafter):
     """Right at every position, and slow to say so (a costly one, as a draft model is)."""
 
