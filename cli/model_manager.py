@@ -282,10 +282,10 @@ class ModelManager:
         """GET /v1/placements: every model known placed afresh over the machines there now
         (every candidate, each node's memory before and after, predicted speeds when
         measured), beside where each model runs now."""
-        with self._lock:
-            served = list(self._served.values())
         from planner.relay import is_relayed
 
+        with self._lock:
+            served = list(self._served.values())
         placement = placement_of(served, self.context.coordinator, self.context.membership)
         current = {
             model.service.model_id: {

@@ -271,8 +271,6 @@ def place(models: list[ServedModel], coordinator: NodeResources, membership: Any
     """Place the models (placement_of): each supervisor gets its group of members and the
     coordinator's memory less what the others need there. Raises PlanError, with the
     numbers, when the set does not fit."""
-    from planner.relay import is_relayed
-
     placement = placement_of(models, coordinator, membership)
     if placement.refusal is not None:
         raise PlanError(f"refusing to serve: {placement.refusal}")
@@ -280,11 +278,19 @@ def place(models: list[ServedModel], coordinator: NodeResources, membership: Any
         log.info("placement: %s", line)
     shares = coordinator_shares(placement, coordinator)
     for model in models:
-        model_id = model.service.model_id
-        model.supervisor.coordinator = lambda share=shares[model_id]: share
-        model.supervisor.member_group = group_of(placement, model_id)
-        model.supervisor.relayed = is_relayed(placement.plans[model_id])
+        assign(model, placement, shares[model.service.model_id])
     return placement
+
+
+def assign(model: ServedModel, placement: Any, share: NodeResources) -> None:
+    """Give `model`'s supervisor its part of `placement` for its next plan: its share of the
+    coordinator, its members, and whether it runs alone on its one agent (planner/relay.py)."""
+    from planner.relay import is_relayed
+
+    model_id = model.service.model_id
+    model.supervisor.coordinator = lambda: share
+    model.supervisor.member_group = group_of(placement, model_id)
+    model.supervisor.relayed = is_relayed(placement.plans[model_id])
 
 
 def coordinator_shares(placement: Any, coordinator: NodeResources) -> dict[str, NodeResources]:

@@ -20,7 +20,7 @@ from typing import Any
 from planner import NodeResources
 from planner.errors import TandemError
 
-from .served_model import ServedModel, coordinator_shares, group_of, placement_of
+from .served_model import ServedModel, assign, coordinator_shares, group_of, placement_of
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +119,7 @@ class SetRediscovery:
         shares = coordinator_shares(placement, self.coordinator)
         for model in models:  # the models that stay plan their next re-plan over the new share
             if id_of(model) not in moving_ids:
-                share = shares[id_of(model)]
-                model.supervisor.coordinator = lambda share=share: share
-                model.supervisor.member_group = group_of(placement, id_of(model))
-                model.supervisor.relayed = is_relayed(placement.plans[id_of(model)])
+                assign(model, placement, shares[id_of(model)])
         relays = frozenset(m for m in moving_ids if is_relayed(placement.plans[m]))
         moves = group_moves({m: group_of(placement, m) for m in moving_ids}, shares, relays)
         for model in moving:

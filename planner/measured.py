@@ -103,10 +103,9 @@ def plan_measured(
             if candidate.decision.chosen is strategy and prediction is not None:
                 candidates.append((candidate, prediction))
     for agent in nodes[1:]:  # the model alone on one agent, the coordinator relaying
-        candidate = relayed(plan(Parallelism.SINGLE, [agent]), nodes[0], shape, headroom)
-        prediction = predict(candidate, shape, speeds)
-        if candidate.refusal is None and prediction is not None:
-            candidates.append((candidate, prediction))
+        candidate = plan_relay(plan(Parallelism.SINGLE, [agent]), nodes[0], shape, headroom, speeds)
+        if candidate.refusal is None and candidate.predictions:
+            candidates.append((candidate, candidate.predictions[0]))
     if not candidates:
         return floor
     candidates.sort(key=lambda pair: (-pair[1].decode_tps, -pair[1].batch_tps))
@@ -138,6 +137,20 @@ def plan_measured(
         decision=Decision(Parallelism(prediction.strategy), reason),
         predictions=(prediction, *others),
     )
+
+
+def plan_relay(
+    alone: ClusterPlan,
+    coordinator: NodeResources,
+    shape: ModelShape,
+    headroom: float,
+    speeds: ClusterSpeeds | None = None,
+) -> ClusterPlan:
+    """`alone` (single over one agent) relayed by `coordinator` (planner/relay.py), with the
+    relay's own prediction (the hops there and back included) when `speeds` cover both."""
+    plan = relayed(alone, coordinator, shape, headroom)
+    prediction = predict(plan, shape, speeds) if speeds is not None else None
+    return replace(plan, predictions=(prediction,) if prediction is not None else ())
 
 
 def margin(fewer: Prediction) -> float:

@@ -11,10 +11,9 @@ from typing import Any
 from engines.model.info import ModelFacts
 from engines.model.precision import on_cpu
 from planner import ClusterPlan, NodeResources, Parallelism, TransferSizes, plan_cluster
-from planner.measured import plan_measured
+from planner.measured import plan_measured, plan_relay
 from planner.memory import DEFAULT_HEADROOM, DEFAULT_QUANTIZED_KV_START, ModelShape
 from planner.relay import may_relay
-from planner.relay import relayed as relayed_plan
 from planner.speed import ClusterSpeeds
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ def plan_nodes(
         shape = facts.to_shape(float32, settings.kv_bits, settings.quantized_kv_start)
         if relay:
             alone = plan_alone(Parallelism.SINGLE, shape, nodes[1:])
-            return relayed_plan(alone, nodes[0], shape, DEFAULT_HEADROOM)
+            return plan_relay(alone, nodes[0], shape, DEFAULT_HEADROOM, speeds)
         return plan_alone(settings.choice, shape, nodes)
 
     def plan_alone(
