@@ -320,16 +320,20 @@ class ClusterSupervisor:
 
     def _replan(self) -> None:
         """Close what was retired, release every worker, then launch the survivors' plan,
-        backing off between failed attempts; a loss reported meanwhile re-plans again."""
+        backing off between failed attempts; a loss reported during the launch re-plans again."""
         with self._lock:
-            self._replan_wanted.clear()
-            losses = self._loss_count
             retired, self._retired = self._retired, []
         for runner in retired:
             runner.close()
         del retired
         release_freed_memory()  # what the old engine held, back to the OS
         self._release_workers(self.last_replan_reason)
+        with self._lock:
+            # Reports until now concern the workers just released (a killed worker's agent
+            # reports it after the engine noticed): the plan made next sees who is left and
+            # who is excluded. Re-planning for them again would cut the new engine for nothing.
+            self._replan_wanted.clear()
+            losses = self._loss_count
         self._adopt_move()
         delay_s = RETRY_FIRST_S
         while not self._closed.is_set():
