@@ -13,6 +13,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_config, load_model
 
+from engines.model.gemm_layout import lay_out
 from engines.model.kv_quantization import KVQuantization, kv_quantization
 from engines.model.layers import StageLayout, apply_softcap, describe, pipeline_problem
 from engines.model.precision import upcast_on_cpu
@@ -139,6 +140,8 @@ class StageModel:
         mx.eval([module.parameters() for module in kept])
         for module in kept:
             upcast_on_cpu(module, upcast)
+        blocks = [lay_out(block) for block in blocks]
+        head = None if head is None else lay_out(head)
         hidden_size = int(model.args.hidden_size)
         vocab_size = int(getattr(model.args, "vocab_size", 0) or 0)
         del model, inner

@@ -25,6 +25,7 @@ from engines.core.request import GenerationRequest
 from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.grammar import GrammarCompiler
 from engines.decoding.sampling import UnseededSamplers, make_request_processors
+from engines.model.gemm_layout import lay_out
 from engines.model.load_progress import evaluate_by_layer
 from engines.model.precision import upcast_on_cpu
 from engines.observability.process_memory import parameter_bytes
@@ -108,6 +109,7 @@ class SingleEngine(Engine):
         except (OSError, ValueError, RuntimeError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
         self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
+        self.model = lay_out(self.model)
         self._weight_bytes = parameter_bytes(self.model)
         if not reusable(make_prompt_cache(self.model)):
             self.prefix_index.turn_off(NOT_REUSABLE)
