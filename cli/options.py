@@ -73,12 +73,21 @@ def add_blas_flags(parser: argparse.ArgumentParser) -> None:
         help="auto: an optimized BLAS under mlx on Linux; reference: mlx as installed",
     )
     add_flag(parser, "--blas-threads", default=0, cast=int, help="BLAS threads (0: every core)")
+    add_flag(
+        parser,
+        "--gemm-layout",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: Linear layers over 16-48 rows computed weights first where MKL measured "
+        "that faster at load; off: every product as mlx computes it",
+    )
 
 
 def apply_blas_flags(args: argparse.Namespace) -> None:
     """Hand the choice to engines/core/blas.py through its environment variables, which every
     worker process inherits; must run before the first import of anything under engines/."""
     os.environ["TANDEM_BLAS"] = args.blas
+    os.environ["TANDEM_GEMM_LAYOUT"] = args.gemm_layout  # engines/model/gemm_layout.py
     if args.blas_threads > 0:
         os.environ["TANDEM_BLAS_THREADS"] = str(args.blas_threads)
 

@@ -43,3 +43,21 @@ def test_a_served_id_answers_to_its_aliases() -> None:
     assert service.served_id("tandem-demo") == "tandem-demo"
     assert service.served_id("claude-sonnet-4-5") == "tandem-demo"
     assert service.served_id("gpt-4o") is None
+
+
+def test_the_gemm_layout_flag_reaches_every_process_through_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--gemm-layout is handed on as TANDEM_GEMM_LAYOUT, which engines/model/gemm_layout.py
+    reads in the engine core and in every stage worker started from here."""
+    import os
+
+    from cli.options import apply_blas_flags
+
+    for flags, expected in (((), "auto"), (("--gemm-layout", "off"), "off")):
+        monkeypatch.delenv("TANDEM_GEMM_LAYOUT", raising=False)
+        monkeypatch.setenv("TANDEM_BLAS", "auto")  # restored afterwards, like the layout's
+        apply_blas_flags(build_parser().parse_args(["serve", *KEY, *flags]))
+        assert os.environ["TANDEM_GEMM_LAYOUT"] == expected
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *KEY, "--gemm-layout", "fastest"])
