@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 BLAS_ENV = "TANDEM_BLAS"  # "auto" (default) or "reference"
 THREADS_ENV = "TANDEM_BLAS_THREADS"  # a positive integer; default: every core
+LAYOUT_ENV = "TANDEM_GEMM_LAYOUT"  # "auto" (default) or "off" (engines/model/gemm_layout.py)
 CHOICES = ("auto", "reference")
 MKL_INTEL, MKL_SEQUENTIAL = 0, 1  # MKL_Set_Threading_Layer values
 
@@ -69,6 +70,12 @@ def activate() -> BlasStatus:
 
 def status() -> BlasStatus:
     return activate()
+
+
+def weights_first_allowed() -> bool:
+    """Whether Linear layers may be computed weights first (engines/model/gemm_layout.py):
+    what that avoids is MKL's packing, and TANDEM_GEMM_LAYOUT=off (--gemm-layout) says no."""
+    return status().name == "mkl" and os.environ.get(LAYOUT_ENV, "").strip().lower() != "off"
 
 
 def set_threads(threads: int) -> BlasStatus:

@@ -13,7 +13,6 @@ weights-first product only for the row counts where it measured faster (docs/ben
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -27,7 +26,6 @@ from engines.core import blas
 
 log = logging.getLogger(__name__)
 
-LAYOUT_ENV = "TANDEM_GEMM_LAYOUT"  # "auto" (default) or "off": every product as mlx computes it
 ROW_COUNTS = (16, 32, 48)  # rows timed: below, one product packs little; above, MKL amortizes
 # Smaller weights are left alone: their products take tens of microseconds, less than what
 # timing them costs at every load (the test suite loads hundreds of small demo models).
@@ -95,13 +93,14 @@ def _gain(seconds: tuple[float, float]) -> float:
     return usual / weights_first if weights_first > 0 else 0.0
 
 
-def lay_out(module: Any, timer: Timer | None = None) -> Any:
-    """`module` with its float32 nn.Linear layers (or itself, if it is one) swapped for
-    WeightsFirstLinear where their shape measured faster; only under MKL, whose packing this
-    avoids. Not for tensor-parallel ranks: each decides by its own clock, and a layer every
-    rank computes must round alike on all of them."""
-    if blas.status().name != "mkl" or os.environ.get(LAYOUT_ENV, "auto").lower() == "off":
-        return module
+def lay_out(*modules: Any, timer: Timer | None = None) -> list[Any]:
+    """Each of `modules` (None passes through) with its float32 nn.Linear layers, or itself if
+    it is one, swapped for WeightsFirstLinear where their shape measured faster; each shape is
+    timed once for them all. Only where blas.weights_first_allowed(). Not for tensor-parallel
+    ranks: each decides by its own clock, and a layer every rank computes must round alike on
+    all of them."""
+    if not blas.weights_first_allowed():
+        return list(modules)
     decided: dict[tuple[int, ...], Rows | None] = {}
 
     def swap(_: str, layer: Any) -> Any:
@@ -117,12 +116,15 @@ def lay_out(module: Any, timer: Timer | None = None) -> Any:
         rows = decided[shape]
         return layer if rows is None else WeightsFirstLinear(layer, rows)
 
-    if isinstance(module, nn.Linear):
-        module = swap("", module)
-    else:
-        leaves = tree_map_with_path(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
-        module.update_modules(leaves)
+    laid_out = []
+    for module in modules:
+        if isinstance(module, nn.Linear):
+            module = swap("", module)
+        elif module is not None:
+            leaves = tree_map_with_path(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
+            module.update_modules(leaves)
+        laid_out.append(module)
     chosen = {shape: rows for shape, rows in decided.items() if rows is not None}
     if chosen:
         log.info("linear layers computed weights first (shape: rows): %s", chosen)
-    return module
+    return laid_out

@@ -213,7 +213,7 @@ def _layer_and_rest(config: dict[str, Any], ranks: int, rows: tuple[int, ...], f
     one = build_model(config_with(config, 1, ranks), float32)
     long = build_model(config_with(config, LONG_MODEL_LAYERS, ranks), float32, rest_from=one)
     if ranks == 1:  # as single and pipeline stages compute (tp ranks do not lay out)
-        one, long = lay_out(one), lay_out(long)
+        one, long = lay_out(one, long)
     points = layer_points(
         rows, lambda count: _paired(decode_step(one, count), decode_step(long, count))
     )

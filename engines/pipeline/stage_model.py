@@ -140,8 +140,7 @@ class StageModel:
         mx.eval([module.parameters() for module in kept])
         for module in kept:
             upcast_on_cpu(module, upcast)
-        blocks = [lay_out(block) for block in blocks]
-        head = None if head is None else lay_out(head)
+        *blocks, head = lay_out(*blocks, head)  # every block's shapes timed once
         hidden_size = int(model.args.hidden_size)
         vocab_size = int(getattr(model.args, "vocab_size", 0) or 0)
         del model, inner

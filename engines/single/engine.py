@@ -109,7 +109,7 @@ class SingleEngine(Engine):
         except (OSError, ValueError, RuntimeError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
         self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
-        self.model = lay_out(self.model)
+        (self.model,) = lay_out(self.model)
         self._weight_bytes = parameter_bytes(self.model)
         if not reusable(make_prompt_cache(self.model)):
             self.prefix_index.turn_off(NOT_REUSABLE)

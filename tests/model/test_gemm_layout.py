@@ -8,10 +8,10 @@ import pytest
 from mlx_lm.utils import load
 
 from engines.core import blas
+from engines.core.blas import LAYOUT_ENV
 from engines.core.runner import EngineRunner
 from engines.model import gemm_layout
 from engines.model.gemm_layout import (
-    LAYOUT_ENV,
     SMALLEST_WEIGHT,
     WeightsFirstLinear,
     faster_rows,
@@ -69,7 +69,7 @@ def test_a_models_float32_linears_are_laid_out_by_shape_and_its_logits_do_not_ch
         asked.append((tuple(weight.shape), rows))
         return (2.0, 1.0) if weight.shape[0] != weight.shape[1] else (1.0, 1.0)
 
-    laid_out = lay_out(model, timer)
+    (laid_out,) = lay_out(model, timer=timer)
     assert laid_out is model
     linears = [layer for _, layer in model.named_modules() if isinstance(layer, nn.Linear)]
     large = [layer for layer in linears if layer.weight.size >= SMALLEST_WEIGHT]
@@ -87,11 +87,11 @@ def test_a_models_float32_linears_are_laid_out_by_shape_and_its_logits_do_not_ch
 
 def test_a_linear_alone_is_laid_out_and_the_environment_can_turn_it_off(monkeypatch):
     winning = scripted({16: 2.0, 32: 2.0, 48: 2.0})
-    laid_out = lay_out(nn.Linear(512, 1024), winning)
+    (laid_out,) = lay_out(nn.Linear(512, 1024), timer=winning)
     assert isinstance(laid_out, WeightsFirstLinear) == (blas.status().name == "mkl")
-    assert type(lay_out(nn.Linear(32, 64), winning)) is nn.Linear  # too small to matter
+    assert type(lay_out(nn.Linear(32, 64), timer=winning)[0]) is nn.Linear  # too small to matter
     monkeypatch.setenv(LAYOUT_ENV, "off")
-    assert type(lay_out(nn.Linear(512, 1024), winning)) is nn.Linear
+    assert type(lay_out(nn.Linear(512, 1024), timer=winning)[0]) is nn.Linear
 
 
 def test_a_batch_of_sixteen_decodes_the_same_tokens_weights_first(demo_model_factory, monkeypatch):
