@@ -19,10 +19,11 @@ import pytest
 
 from tests.helpers.cluster import new_key_text
 from tests.helpers.npm_tools import npm_tool
+from tests.helpers.prefetch import NPM_TOOLS
 from tests.helpers.serve import start_serve
 
 pytestmark = pytest.mark.cluster
-CLAUDE_CODE_VERSION = "2.1.197"  # the version whose requests docs/api.md describes
+CLAUDE_CODE_VERSION = NPM_TOOLS[0][1]  # the version whose requests docs/api.md describes
 MODEL_ID = "tandem-demo"
 API_KEY = "claude-code-test-key"
 MAX_TOKENS_CAP = 64  # Claude Code asks for 32000; random weights would use them all

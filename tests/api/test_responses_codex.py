@@ -12,10 +12,11 @@ import pytest
 
 from tests.helpers.cluster import new_key_text
 from tests.helpers.npm_tools import npm_tool
+from tests.helpers.prefetch import NPM_TOOLS
 from tests.helpers.serve import start_serve
 
 pytestmark = pytest.mark.cluster
-CODEX_VERSION = "0.171.0"  # the version whose requests docs/api.md describes
+CODEX_VERSION = NPM_TOOLS[1][1]  # the version whose requests docs/api.md describes
 MODEL_ID = "tandem-demo"
 # Random weights never end a reply on their own: Codex would get `response.incomplete`
 # (max_output_tokens) and fail the turn. A JSON schema (`--output-schema`, sent as

@@ -11,12 +11,15 @@ import fcntl
 import os
 import socket
 import struct
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import prefetch
 
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
@@ -87,6 +90,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{SOLO_MARKER}: runs with no other test beside it")
     if worker_id(config) is not None:
         config.stash[ISOLATED] = isolate_loopback()
+        if not config.stash[ISOLATED]:
+            prefetch.mark_offline()
+    elif getattr(config.option, "numprocesses", None):
+        # The controller, before any worker starts: the workers will have no network.
+        for problem in prefetch.prefetch_all():
+            print(f"prefetch: {problem}", file=sys.stderr)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
