@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/python -m engines.kernels.build || true  # CPU kernels, once per machine (~30 s); else mlx's
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -42,6 +42,7 @@ from discovery.capabilities import read_bounded_memory  # noqa: E402
 from discovery.cgroup_cpu import read_cpu_share  # noqa: E402
 from discovery.json_child import run_measuring_role  # noqa: E402
 from engines.model.gemm_layout import lay_out  # noqa: E402
+from engines.model.packed_quantized import pack  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,7 @@ def _layer_and_rest(config: dict[str, Any], ranks: int, rows: tuple[int, ...], f
     long = build_model(config_with(config, LONG_MODEL_LAYERS, ranks), float32, rest_from=one)
     if ranks == 1:  # as single and pipeline stages compute (tp ranks do not lay out)
         one, long = lay_out(one, long)
+    one, long = pack(one, long)  # quantized layers as every engine computes them
     points = layer_points(
         rows, lambda count: _paired(decode_step(one, count), decode_step(long, count))
     )

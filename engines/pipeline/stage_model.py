@@ -16,6 +16,7 @@ from mlx_lm.utils import load_config, load_model
 from engines.model.gemm_layout import lay_out
 from engines.model.kv_quantization import KVQuantization, kv_quantization
 from engines.model.layers import StageLayout, apply_softcap, describe, pipeline_problem
+from engines.model.packed_quantized import pack
 from engines.model.precision import upcast_on_cpu
 from engines.model.reference import local_model_path
 from engines.weights.manifest import is_partial_copy
@@ -140,7 +141,9 @@ class StageModel:
         mx.eval([module.parameters() for module in kept])
         for module in kept:
             upcast_on_cpu(module, upcast)
-        *blocks, head = lay_out(*blocks, head)  # every block's shapes timed once
+        *blocks, head = pack(*lay_out(*blocks, head))  # every block's shapes timed once
+        if embed is not None:
+            (embed,) = pack(embed)  # a tied head's product
         hidden_size = int(model.args.hidden_size)
         vocab_size = int(getattr(model.args, "vocab_size", 0) or 0)
         del model, inner

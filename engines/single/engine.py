@@ -27,6 +27,7 @@ from engines.decoding.grammar import GrammarCompiler
 from engines.decoding.sampling import UnseededSamplers, make_request_processors
 from engines.model.gemm_layout import lay_out
 from engines.model.load_progress import evaluate_by_layer
+from engines.model.packed_quantized import pack
 from engines.model.precision import upcast_on_cpu
 from engines.observability.process_memory import parameter_bytes
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
@@ -109,7 +110,7 @@ class SingleEngine(Engine):
         except (OSError, ValueError, RuntimeError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
         self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
-        (self.model,) = lay_out(self.model)
+        (self.model,) = pack(*lay_out(self.model))  # float32 layers, then quantized ones
         self._weight_bytes = parameter_bytes(self.model)
         if not reusable(make_prompt_cache(self.model)):
             self.prefix_index.turn_off(NOT_REUSABLE)

@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from discovery.json_child import ProtocolOutput, configure_child_logging, open_protocol_output
 from engines.core import blas
+from engines.model.packed_quantized import pack
 from engines.model.precision import upcast_on_cpu
 from engines.tensor_parallel.group import WorkerSpec, group_environment
 from engines.tensor_parallel.lockstep import (
@@ -126,6 +127,7 @@ def load_shard(
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
     upcast_on_cpu(model, spec.upcast_float32)
+    (model,) = pack(model)  # the kernel rounds alike on every rank: no clock decides it
     model_vocab = getattr(getattr(model, "args", None), "vocab_size", 0) or 0
     grammars = RankGrammars(model_path, model_vocab, config.get("eos_token_id"))
     return model, config.get("vocab_size"), group, grammars

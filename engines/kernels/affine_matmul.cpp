@@ -1,0 +1,364 @@
+// x @ dequantize(w).T on the CPU, reading the packed codes as they are stored.
+//
+// A decode step reads every weight once per token, so it runs at the speed the codes can be
+// streamed from memory: each group's codes are widened to floats in registers (never
+// written out), multiplied with x, and scaled once per group:
+//     sum_i (s * q_i + b) * x_i  =  s * sum_i q_i * x_i  +  b * sum_i x_i
+// with sum_i x_i computed once per call. Up to 4 rows of x share each widened group; more
+// rows take 4 at a time. From gemm_rows() rows on (a prefill chunk), the BLAS's GEMM wins:
+// tiles of the weights are dequantized into a scratch buffer and handed to cblas_sgemm.
+#include "affine_matmul.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "thread_pool.h"
+
+extern "C" void cblas_sgemm(
+    int layout, int transa, int transb, int m, int n, int k, float alpha, const float* a,
+    int lda, const float* b, int ldb, float beta, float* c, int ldc);
+
+namespace tandem_kernels {
+
+namespace {
+
+constexpr int ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112;  // CBLAS enum values
+constexpr int ROWS_PER_REGISTER_BLOCK = 4;
+constexpr size_t TILE_FLOATS = 1 << 20;  // a dequantized weight tile for the GEMM: 4 MiB
+constexpr int64_t WORK_PER_CHUNK = 1 << 16;  // weights x rows a pool chunk should carry
+int gemm_rows_ = 32;
+
+struct Problem {
+  const float* x;  // (M, K)
+  const uint8_t* w;  // (N, row_bytes)
+  const void* scales;  // (N, groups)
+  const void* biases;
+  const float* x_sums;  // (M, groups)
+  float* y;  // (M, N)
+  int M, N, K, group_size, groups;
+  int64_t row_bytes;
+};
+
+template <typename S>
+inline float to_float(S value);
+template <>
+inline float to_float<float>(float value) {
+  return value;
+}
+template <>
+inline float to_float<uint16_t>(uint16_t value) {  // float16
+  return _cvtsh_ss(value);
+}
+struct BFloat16 {
+  uint16_t bits;
+};
+template <>
+inline float to_float<BFloat16>(BFloat16 value) {
+  uint32_t widened = static_cast<uint32_t>(value.bits) << 16;
+  float out;
+  std::memcpy(&out, &widened, sizeof(out));
+  return out;
+}
+
+// The pshufb control and shifts that put code j (of 8 packed LSB first in BITS bytes) into
+// 32-bit lane j: its two bytes at the bottom of the lane, then shifted down to bit 0.
+template <int BITS>
+struct Unpacker {
+  __m256i control, shifts, mask;
+  Unpacker() {
+    alignas(32) int8_t bytes[32];
+    alignas(32) int32_t shift[8];
+    for (int j = 0; j < 8; j++) {
+      int bit = BITS * j;
+      int lane_byte = (j % 4) * 4 + (j / 4) * 16;
+      bytes[lane_byte] = static_cast<int8_t>(bit / 8);
+      bytes[lane_byte + 1] = static_cast<int8_t>(std::min(bit / 8 + 1, 7));
+      bytes[lane_byte + 2] = bytes[lane_byte + 3] = static_cast<int8_t>(0x80);
+      shift[j] = BITS == 4 ? bit : bit % 8;  // 4-bit codes are shifted out of one word
+    }
+    control = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
+    shifts = _mm256_load_si256(reinterpret_cast<const __m256i*>(shift));
+    mask = _mm256_set1_epi32((1 << BITS) - 1);
+  }
+  // The 8 codes packed at p, as floats. Reads 8 bytes (4 for 4-bit codes).
+  inline __m256 codes(const uint8_t* p) const {
+    if constexpr (BITS == 8) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    } else if constexpr (BITS == 4) {
+      int32_t word;
+      std::memcpy(&word, p, sizeof(word));
+      __m256i lanes = _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts);
+      return _mm256_cvtepi32_ps(_mm256_and_si256(lanes, mask));
+    } else {
+      int64_t word;
+      std::memcpy(&word, p, sizeof(word));
+      __m256i lanes = _mm256_shuffle_epi8(_mm256_set1_epi64x(word), control);
+      return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(lanes, shifts), mask));
+    }
+  }
+};
+
+inline float horizontal_sum(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  return _mm_cvtss_f32(half);
+}
+
+// y[m0 .. m0+ROWS, n] for one weight row n, whose packed codes start at `codes`.
+template <int BITS, int ROWS, typename S>
+inline void dot_row(const Problem& p, const Unpacker<BITS>& unpack, const uint8_t* codes, int n, int m0) {
+  const S* scales = static_cast<const S*>(p.scales) + static_cast<int64_t>(n) * p.groups;
+  const S* biases = static_cast<const S*>(p.biases) + static_cast<int64_t>(n) * p.groups;
+  const int chunks = p.group_size / 8;
+  __m256 total[ROWS];
+  float bias_total[ROWS];
+  for (int r = 0; r < ROWS; r++) {
+    total[r] = _mm256_setzero_ps();
+    bias_total[r] = 0.0f;
+  }
+  for (int g = 0; g < p.groups; g++) {
+    __m256 group[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+      group[r] = _mm256_setzero_ps();
+    }
+    const int k0 = g * p.group_size;
+    for (int c = 0; c < chunks; c++) {
+      __m256 q = unpack.codes(codes + (static_cast<int64_t>(k0) + 8 * c) * BITS / 8);
+      for (int r = 0; r < ROWS; r++) {
+        const float* x = p.x + static_cast<int64_t>(m0 + r) * p.K + k0 + 8 * c;
+        group[r] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x), group[r]);
+      }
+    }
+    const __m256 scale = _mm256_set1_ps(to_float<S>(scales[g]));
+    const float bias = to_float<S>(biases[g]);
+    for (int r = 0; r < ROWS; r++) {
+      total[r] = _mm256_fmadd_ps(group[r], scale, total[r]);
+      bias_total[r] += bias * p.x_sums[static_cast<int64_t>(m0 + r) * p.groups + g];
+    }
+  }
+  for (int r = 0; r < ROWS; r++) {
+    p.y[static_cast<int64_t>(m0 + r) * p.N + n] = horizontal_sum(total[r]) + bias_total[r];
+  }
+}
+
+template <int BITS, typename S>
+void dot_rows(const Problem& p, int n0, int n1) {
+  static const Unpacker<BITS> unpack;
+  // The generic unpacker reads past a row's last code: the matrix's last row goes through a
+  // padded copy so it never reads past the buffer.
+  std::vector<uint8_t> padded;
+  for (int n = n0; n < n1; n++) {
+    const uint8_t* codes = p.w + n * p.row_bytes;
+    if (BITS != 4 && BITS != 8 && n == p.N - 1) {
+      padded.assign(codes, codes + p.row_bytes);
+      padded.resize(p.row_bytes + 8, 0);
+      codes = padded.data();
+    }
+    int m = 0;
+    for (; m + ROWS_PER_REGISTER_BLOCK <= p.M; m += ROWS_PER_REGISTER_BLOCK) {
+      dot_row<BITS, ROWS_PER_REGISTER_BLOCK, S>(p, unpack, codes, n, m);
+    }
+    switch (p.M - m) {
+      case 1: dot_row<BITS, 1, S>(p, unpack, codes, n, m); break;
+      case 2: dot_row<BITS, 2, S>(p, unpack, codes, n, m); break;
+      case 3: dot_row<BITS, 3, S>(p, unpack, codes, n, m); break;
+      default: break;
+    }
+  }
+}
+
+// Rows [n0, n1) of the weights as floats, row-major (n1 - n0, K), into `out`.
+template <int BITS, typename S>
+void dequantize_rows(const Problem& p, int n0, int n1, float* out) {
+  static const Unpacker<BITS> unpack;
+  std::vector<uint8_t> padded;
+  const int chunks = p.group_size / 8;
+  for (int n = n0; n < n1; n++) {
+    const uint8_t* codes = p.w + n * p.row_bytes;
+    if (BITS != 4 && BITS != 8 && n == p.N - 1) {
+      padded.assign(codes, codes + p.row_bytes);
+      padded.resize(p.row_bytes + 8, 0);
+      codes = padded.data();
+    }
+    const S* scales = static_cast<const S*>(p.scales) + static_cast<int64_t>(n) * p.groups;
+    const S* biases = static_cast<const S*>(p.biases) + static_cast<int64_t>(n) * p.groups;
+    float* row = out + static_cast<int64_t>(n - n0) * p.K;
+    for (int g = 0; g < p.groups; g++) {
+      const __m256 scale = _mm256_set1_ps(to_float<S>(scales[g]));
+      const __m256 bias = _mm256_set1_ps(to_float<S>(biases[g]));
+      for (int c = 0; c < chunks; c++) {
+        const int k = g * p.group_size + 8 * c;
+        __m256 q = unpack.codes(codes + static_cast<int64_t>(k) * BITS / 8);
+        _mm256_storeu_ps(row + k, _mm256_fmadd_ps(q, scale, bias));  // mlx's s * q + b
+      }
+    }
+  }
+}
+
+template <int BITS, typename S>
+void gemm_by_tiles(const Problem& p) {
+  const int tile_rows = std::max<int>(8, static_cast<int>(TILE_FLOATS / p.K));
+  std::vector<float> tile(static_cast<size_t>(std::min(tile_rows, p.N)) * p.K);
+  for (int n0 = 0; n0 < p.N; n0 += tile_rows) {
+    const int n1 = std::min(p.N, n0 + tile_rows);
+    dequantize_rows<BITS, S>(p, n0, n1, tile.data());
+    cblas_sgemm(ROW_MAJOR, NO_TRANS, TRANS, p.M, n1 - n0, p.K, 1.0f, p.x, p.K, tile.data(),
+                p.K, 0.0f, p.y + n0, p.N);
+  }
+}
+
+template <int BITS, typename S>
+void run(const Problem& p) {
+  if (p.M >= gemm_rows_) {
+    gemm_by_tiles<BITS, S>(p);
+    return;
+  }
+  auto& pool = ThreadPool::instance();
+  const int64_t work = static_cast<int64_t>(p.N) * p.K * p.M;
+  int chunks = static_cast<int>(std::min<int64_t>(work / WORK_PER_CHUNK, 8 * pool.threads()));
+  chunks = std::max(1, std::min(chunks, p.N));
+  const int rows_per_chunk = (p.N + chunks - 1) / chunks;
+  pool.parallel_for(chunks, [&](int chunk) {
+    const int n0 = chunk * rows_per_chunk;
+    dot_rows<BITS, S>(p, n0, std::min(p.N, n0 + rows_per_chunk));
+  });
+}
+
+template <typename S>
+void run_bits(const Problem& p, int bits) {
+  switch (bits) {
+    case 2: return run<2, S>(p);
+    case 3: return run<3, S>(p);
+    case 4: return run<4, S>(p);
+    case 5: return run<5, S>(p);
+    case 6: return run<6, S>(p);
+    case 8: return run<8, S>(p);
+    default: throw std::invalid_argument("affine_matmul: unsupported bits " + std::to_string(bits));
+  }
+}
+
+void sum_groups(const float* x, int M, int K, int group_size, float* sums) {
+  const int groups = K / group_size;
+  for (int m = 0; m < M; m++) {
+    for (int g = 0; g < groups; g++) {
+      const float* start = x + static_cast<int64_t>(m) * K + g * group_size;
+      __m256 total = _mm256_setzero_ps();
+      for (int i = 0; i < group_size; i += 8) {
+        total = _mm256_add_ps(total, _mm256_loadu_ps(start + i));
+      }
+      sums[static_cast<int64_t>(m) * groups + g] = horizontal_sum(total);
+    }
+  }
+}
+
+void check(bool condition, const std::string& message) {
+  if (!condition) {
+    throw std::invalid_argument("affine_matmul: " + message);
+  }
+}
+
+}  // namespace
+
+int gemm_rows() {
+  return gemm_rows_;
+}
+
+void set_gemm_rows(int rows) {
+  gemm_rows_ = std::max(1, rows);
+}
+
+mx::array affine_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits) {
+  check(x.dtype() == mx::float32, "x must be float32");
+  check(x.ndim() >= 1 && w.ndim() == 2, "x must have a last axis and w must be 2-D");
+  check(w.dtype() == mx::uint32, "w must be uint32 (mlx.core.quantize's packing)");
+  check(bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8,
+        "bits must be 2, 3, 4, 5, 6 or 8, not " + std::to_string(bits));
+  check(group_size % 8 == 0 && group_size > 0, "group_size must be a multiple of 8");
+  const int K = x.shape(-1);
+  const int N = w.shape(0);
+  check(static_cast<int64_t>(w.shape(1)) * 32 == static_cast<int64_t>(K) * bits,
+        "w holds " + std::to_string(w.shape(1) * 32 / bits) + " codes a row, x has " +
+            std::to_string(K));
+  check(K % group_size == 0, "K must be a multiple of group_size");
+  check(scales.shape() == biases.shape() && scales.ndim() == 2 && scales.shape(0) == N &&
+            scales.shape(1) == K / group_size,
+        "scales and biases must be (N, K / group_size)");
+  check(scales.dtype() == biases.dtype() &&
+            (scales.dtype() == mx::float32 || scales.dtype() == mx::float16 ||
+             scales.dtype() == mx::bfloat16),
+        "scales and biases must share a float dtype");
+  auto shape = x.shape();
+  shape.back() = N;
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(
+      shape, mx::float32, std::make_shared<AffineMatmul>(stream, group_size, bits),
+      {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream),
+       mx::contiguous(scales, false, stream), mx::contiguous(biases, false, stream)});
+}
+
+void AffineMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  const auto& scales = inputs[2];
+  const auto& biases = inputs[3];
+  auto& y = outputs[0];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_input_array(scales);
+  encoder.set_input_array(biases);
+  encoder.set_output_array(y);
+
+  Problem p{};
+  p.K = x.shape(-1);
+  p.M = static_cast<int>(x.size() / p.K);
+  p.N = w.shape(0);
+  p.group_size = group_size_;
+  p.groups = p.K / group_size_;
+  p.row_bytes = static_cast<int64_t>(w.shape(1)) * 4;
+  p.x = x.data<float>();
+  p.w = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
+  p.scales = scales.data<void>();
+  p.biases = biases.data<void>();
+  p.y = y.data<float>();
+  const auto dtype = scales.dtype();
+  const int bits = bits_;
+  encoder.dispatch([p, dtype, bits]() mutable {
+    std::vector<float> x_sums(static_cast<size_t>(p.M) * p.groups);
+    sum_groups(p.x, p.M, p.K, p.group_size, x_sums.data());
+    p.x_sums = x_sums.data();
+    if (dtype == mx::float32) {
+      run_bits<float>(p, bits);
+    } else if (dtype == mx::float16) {
+      run_bits<uint16_t>(p, bits);
+    } else {
+      run_bits<BFloat16>(p, bits);
+    }
+  });
+}
+
+void AffineMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("TandemAffineMatmul runs on the CPU only");
+}
+
+bool AffineMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& that = static_cast<const AffineMatmul&>(other);
+  return group_size_ == that.group_size_ && bits_ == that.bits_;
+}
+
+}  // namespace tandem_kernels
