@@ -2,8 +2,10 @@
 
 The extension is compiled with CMake, with mlx's own CMake config and nanobind in the mlx
 domain (so an `mx.array` passes straight in), for this machine's CPU (`-march=native`). The
-result is kept in `<cache>/kernels/<key>/`, the key hashing the sources, mlx's and nanobind's
-versions, the Python and the CPU, so an upgrade or another machine builds anew. A file lock
+result is kept beside the installation, in `<sys.prefix>/var/tandem-kernels/<key>/` (or
+`<cache>/kernels/<key>/` when that is not writable): every process of this install finds it,
+whatever its HOME (lab machines and agents have their own). The key hashes the sources, mlx's
+and nanobind's versions, the Python and the CPU, so an upgrade or another machine builds anew. A file lock
 keeps concurrent processes (tensor-parallel ranks, test workers) to one build.
 
 `python -m engines.kernels.build` builds (the Makefile's install step runs it); a process that
@@ -47,6 +49,9 @@ class KernelBuildError(RuntimeError):
 
 def kernel_dir(cache_dir: Path | None = None) -> Path:
     """Where this machine's build of the current sources lives."""
+    beside_install = Path(sys.prefix) / "var" / "tandem-kernels"
+    if os.access(sys.prefix, os.W_OK) or beside_install.is_dir():
+        return beside_install / build_key()
     return (cache_dir or default_cache_dir()) / "kernels" / build_key()
 
 

@@ -83,8 +83,11 @@ PACKED = {
 def pack(*modules: Any) -> list[Any]:
     """Each of `modules` (None passes through) with its quantized layers, or itself if it is
     one, computing through the kernel; unchanged where the kernel is unavailable."""
-    if kernels.load() is None:
-        return list(modules)
+    def quantized(module: Any) -> bool:
+        return module is not None and any(type(m) in PACKED for m in module.modules())
+
+    if not any(quantized(module) for module in modules) or kernels.load() is None:
+        return list(modules)  # float models never load (or build) the kernel
     swapped = 0
 
     def swap(_: str, layer: Any) -> Any:
