@@ -5,8 +5,8 @@ domain (so an `mx.array` passes straight in), for this machine's CPU (`-march=na
 result is kept beside the installation, in `<sys.prefix>/var/tandem-kernels/<key>/` (or
 `<cache>/kernels/<key>/` when that is not writable): every process of this install finds it,
 whatever its HOME (lab machines and agents have their own). The key hashes the sources, mlx's
-and nanobind's versions, the Python and the CPU, so an upgrade or another machine builds anew. A file lock
-keeps concurrent processes (tensor-parallel ranks, test workers) to one build.
+and nanobind's versions, the Python and the CPU, so an upgrade or another machine builds anew.
+A file lock keeps concurrent processes (tensor-parallel ranks, test workers) to one build.
 
 `python -m engines.kernels.build` builds (the Makefile's install step runs it); a process that
 finds no build makes one at first use (about 30 s on 2 cores).
