@@ -81,6 +81,14 @@ def add_blas_flags(parser: argparse.ArgumentParser) -> None:
         help="auto: Linear layers over 16-48 rows computed weights first where MKL measured "
         "that faster at load; off: every product as mlx computes it",
     )
+    add_flag(
+        parser,
+        "--cpu-kernels",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: quantized layers on tandem's CPU kernel (x86-64 Linux, built once per "
+        "machine); off: mlx's own quantized matmul",
+    )
 
 
 def apply_blas_flags(args: argparse.Namespace) -> None:
@@ -88,6 +96,7 @@ def apply_blas_flags(args: argparse.Namespace) -> None:
     worker process inherits; must run before the first import of anything under engines/."""
     os.environ["TANDEM_BLAS"] = args.blas
     os.environ["TANDEM_GEMM_LAYOUT"] = args.gemm_layout  # engines/model/gemm_layout.py
+    os.environ["TANDEM_CPU_KERNELS"] = args.cpu_kernels  # engines/kernels
     if args.blas_threads > 0:
         os.environ["TANDEM_BLAS_THREADS"] = str(args.blas_threads)
 

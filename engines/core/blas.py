@@ -8,8 +8,10 @@ lookup for `cblas_*`, so mlx calls it instead. This module must not import mlx: 
 Candidates, first that loads wins (docs/operations.md says why): Intel's MKL (`libmkl_rt`, the
 `mkl` wheel), then OpenBLAS from the `cmeel-openblas` wheel (it needs the system's
 libgfortran5). `TANDEM_BLAS=reference` keeps mlx's own; `TANDEM_BLAS_THREADS` sizes the pool.
-Both are environment variables because they must cross into every worker process before its
-first mlx import; the CLI's `--blas` / `--blas-threads` flags set them.
+They, and the switches of the products tandem computes itself (`TANDEM_GEMM_LAYOUT`,
+`TANDEM_CPU_KERNELS`), are environment variables because they must cross into every worker
+process before its first mlx import; the CLI's `--blas`, `--blas-threads`, `--gemm-layout` and
+`--cpu-kernels` flags set them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 BLAS_ENV = "TANDEM_BLAS"  # "auto" (default) or "reference"
 THREADS_ENV = "TANDEM_BLAS_THREADS"  # a positive integer; default: every core
 LAYOUT_ENV = "TANDEM_GEMM_LAYOUT"  # "auto" (default) or "off" (engines/model/gemm_layout.py)
+KERNELS_ENV = "TANDEM_CPU_KERNELS"  # "auto" (default) or "off" (engines/kernels)
 CHOICES = ("auto", "reference")
 MKL_INTEL, MKL_SEQUENTIAL = 0, 1  # MKL_Set_Threading_Layer values
 
@@ -76,6 +79,12 @@ def weights_first_allowed() -> bool:
     """Whether Linear layers may be computed weights first (engines/model/gemm_layout.py):
     what that avoids is MKL's packing, and TANDEM_GEMM_LAYOUT=off (--gemm-layout) says no."""
     return status().name == "mkl" and os.environ.get(LAYOUT_ENV, "").strip().lower() != "off"
+
+
+def cpu_kernels_choice() -> str:
+    """"auto" or "off" for tandem's CPU kernels (engines/kernels), as --cpu-kernels set it;
+    anything else is returned as given, for the caller to refuse."""
+    return os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
 
 
 def set_threads(threads: int) -> BlasStatus:

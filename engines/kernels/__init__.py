@@ -6,7 +6,7 @@ mlx stores them, on every core, and hands prefill-sized products to the BLAS. It
 primitive: it stays in the lazy graph, no synchronisation per layer.
 
 `load()` gives the module, building it first if this machine has no build (build.py), or
-None with the reason logged once: no compiler, not x86-64 Linux, `TANDEM_CPU_KERNELS=off`.
+None with the reason logged once: no compiler, not x86-64 Linux, `--cpu-kernels off`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from engines.core import blas
 
 log = logging.getLogger(__name__)
 
-SWITCH_ENV = "TANDEM_CPU_KERNELS"  # "auto" (default) or "off"; crosses into every worker
 CHOICES = ("auto", "off")
 
 _loaded: tuple[ModuleType | None, str] | None = None
@@ -46,11 +45,11 @@ def unavailable_reason() -> str:
 
 
 def _load() -> tuple[ModuleType | None, str]:
-    choice = os.environ.get(SWITCH_ENV, "auto").strip().lower() or "auto"
+    choice = blas.cpu_kernels_choice()
     if choice not in CHOICES:
-        return None, f"{SWITCH_ENV}={choice!r} is not one of {CHOICES}"
+        return None, f"{blas.KERNELS_ENV}={choice!r} is not one of {CHOICES}"
     if choice == "off":
-        return None, f"turned off ({SWITCH_ENV}=off)"
+        return None, "turned off (--cpu-kernels off)"
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return None, f"written for x86-64 Linux, this is {sys.platform} {platform.machine()}"
     from engines.kernels.build import MODULE_NAME, KernelBuildError, built_module, ensure_built

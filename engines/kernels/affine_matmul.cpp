@@ -148,19 +148,25 @@ inline void dot_row(const Problem& p, const Unpacker<BITS>& unpack, const uint8_
   }
 }
 
+// The codes of weight row n. The generic unpacker reads past a row's last code: the matrix's
+// last row comes from a padded copy in `padded`, so nothing reads past the buffer.
+template <int BITS>
+const uint8_t* row_codes(const Problem& p, int n, std::vector<uint8_t>& padded) {
+  const uint8_t* codes = p.w + n * p.row_bytes;
+  if (BITS == 4 || BITS == 8 || n != p.N - 1) {
+    return codes;
+  }
+  padded.assign(codes, codes + p.row_bytes);
+  padded.resize(p.row_bytes + 8, 0);
+  return padded.data();
+}
+
 template <int BITS, typename S>
 void dot_rows(const Problem& p, int n0, int n1) {
   static const Unpacker<BITS> unpack;
-  // The generic unpacker reads past a row's last code: the matrix's last row goes through a
-  // padded copy so it never reads past the buffer.
   std::vector<uint8_t> padded;
   for (int n = n0; n < n1; n++) {
-    const uint8_t* codes = p.w + n * p.row_bytes;
-    if (BITS != 4 && BITS != 8 && n == p.N - 1) {
-      padded.assign(codes, codes + p.row_bytes);
-      padded.resize(p.row_bytes + 8, 0);
-      codes = padded.data();
-    }
+    const uint8_t* codes = row_codes<BITS>(p, n, padded);
     int m = 0;
     for (; m + ROWS_PER_REGISTER_BLOCK <= p.M; m += ROWS_PER_REGISTER_BLOCK) {
       dot_row<BITS, ROWS_PER_REGISTER_BLOCK, S>(p, unpack, codes, n, m);
@@ -181,12 +187,7 @@ void dequantize_rows(const Problem& p, int n0, int n1, float* out) {
   std::vector<uint8_t> padded;
   const int chunks = p.group_size / 8;
   for (int n = n0; n < n1; n++) {
-    const uint8_t* codes = p.w + n * p.row_bytes;
-    if (BITS != 4 && BITS != 8 && n == p.N - 1) {
-      padded.assign(codes, codes + p.row_bytes);
-      padded.resize(p.row_bytes + 8, 0);
-      codes = padded.data();
-    }
+    const uint8_t* codes = row_codes<BITS>(p, n, padded);
     const S* scales = static_cast<const S*>(p.scales) + static_cast<int64_t>(n) * p.groups;
     const S* biases = static_cast<const S*>(p.biases) + static_cast<int64_t>(n) * p.groups;
     float* row = out + static_cast<int64_t>(n - n0) * p.K;

@@ -143,9 +143,9 @@ def main() -> int:
     try:
         path = ensure_built(verbose=True)
     except KernelBuildError as error:
-        print(f"tandem: cannot build the CPU kernels: {error}", file=sys.stderr)
+        log.error("tandem: cannot build the CPU kernels: %s", error)
         return 1
-    print(f"tandem's CPU kernels: {path}")
+    log.info("tandem's CPU kernels: %s", path)
     return 0
 
 

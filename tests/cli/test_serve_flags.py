@@ -61,3 +61,21 @@ def test_the_gemm_layout_flag_reaches_every_process_through_the_environment(
         assert os.environ["TANDEM_GEMM_LAYOUT"] == expected
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *KEY, "--gemm-layout", "fastest"])
+
+
+def test_the_cpu_kernels_flag_reaches_the_kernels_switch_through_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--cpu-kernels is handed on as TANDEM_CPU_KERNELS, which engines/kernels reads (through
+    engines/core/blas.py) in every process that loads a quantized model."""
+    from cli.options import apply_blas_flags
+    from engines.core import blas
+
+    for flags, expected in (((), "auto"), (("--cpu-kernels", "off"), "off")):
+        monkeypatch.delenv(blas.KERNELS_ENV, raising=False)
+        monkeypatch.setenv("TANDEM_BLAS", "auto")
+        monkeypatch.setenv("TANDEM_GEMM_LAYOUT", "auto")
+        apply_blas_flags(build_parser().parse_args(["serve", *KEY, *flags]))
+        assert blas.cpu_kernels_choice() == expected
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *KEY, "--cpu-kernels", "avx9000"])
