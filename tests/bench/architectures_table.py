@@ -104,7 +104,7 @@ def run_real_case(root: Path) -> list[str]:
     chat questions, with tp=3)."""
     from engines.model.gguf.cache import ensure_imported
     from engines.model.info import inspect_model
-    from tests.helpers.smollm2 import smollm2_gguf
+    from tests.helpers.real_models import smollm2_gguf
 
     started = time.monotonic()
     path = ensure_imported(smollm2_gguf(), root)

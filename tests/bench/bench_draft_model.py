@@ -40,7 +40,7 @@ from engines.model.gguf.cache import ensure_imported
 from engines.speculation.draft_model import DraftModelDrafter
 from tests.bench.bench_single import HOST, ServerProcess, tandem_command, time_stream
 from tests.bench.common import Sample, markdown_table, run_interleaved, write_section
-from tests.helpers.smollm2 import smollm2_gguf
+from tests.helpers.real_models import smollm2_gguf
 
 HEADING = "## Draft-model speculation"
 COMMAND = "python -m tests.bench.bench_draft_model"

@@ -41,7 +41,7 @@ from planner import allocate_layers  # noqa: E402
 from tests.bench.common import markdown_table, write_section  # noqa: E402
 from tests.helpers.engine import run_all, run_one  # noqa: E402
 from tests.helpers.pipeline import make_engine, start_workers, stop_workers  # noqa: E402
-from tests.helpers.smollm2 import smollm2_gguf  # noqa: E402
+from tests.helpers.real_models import smollm2_gguf  # noqa: E402
 
 CACHE = Path(tempfile.gettempdir()) / "tandem-bench"
 SYSTEM = "Answer in a few words."

@@ -32,7 +32,7 @@ from engines.model.smollm2 import serves_float_weights
 from tests.bench.bench_scaling import environment
 from tests.bench.bench_speculation import COPY_PROMPTS, FREE_PROMPTS
 from tests.bench.common import PROJECT_ROOT, markdown_table, write_section
-from tests.helpers.smollm2 import smollm2_gguf
+from tests.helpers.real_models import smollm2_gguf
 from tests.lab.machines import Lab, Machine, MachineSpec, lab_unavailable
 
 HEADING = "## Speculation in the lab"

@@ -20,7 +20,7 @@ from engines.model.smollm2 import serves_float_weights
 from tests.bench.bench_speculation import COPY_PROMPTS, FREE_PROMPTS, Run, one, start
 from tests.bench.common import markdown_table, write_section
 from tests.bench.pipeline_cluster import open_pipeline_runner
-from tests.helpers.smollm2 import smollm2_gguf
+from tests.helpers.real_models import smollm2_gguf
 
 HEADING = "## Speculation over a pipeline"
 COMMAND = "python -m tests.bench.bench_pp_speculation"

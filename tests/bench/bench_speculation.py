@@ -25,7 +25,7 @@ from engines.model.gguf.cache import ensure_imported
 from engines.model.smollm2 import serves_float_weights
 from engines.single.engine import SingleEngine
 from tests.bench.common import markdown_table, write_section
-from tests.helpers.smollm2 import smollm2_gguf
+from tests.helpers.real_models import smollm2_gguf
 
 HEADING = "## Speculative decoding"
 COMMAND = "python -m tests.bench.bench_speculation"

@@ -27,7 +27,7 @@ from engines.speculation.lane import accepted_prefix
 from engines.speculation.prompt_lookup import PromptLookup
 from tests.bench.bench_speculation import COPY_PROMPTS, FREE_PROMPTS, MAX_TOKENS
 from tests.bench.common import markdown_table, write_section
-from tests.helpers.smollm2 import smollm2_gguf
+from tests.helpers.real_models import smollm2_gguf
 
 HEADING = "## Speculation: the batch crossover"
 COMMAND = "python -m tests.bench.bench_speculation_crossover"

@@ -21,7 +21,7 @@ from engines.model.gguf.importer import check_disk_room, import_gguf
 from planner.errors import ModelError
 from tests.helpers.demo_models import make_demo_model
 from tests.helpers.gguf_export import export_gguf
-from tests.helpers.smollm2 import smollm2_gguf
+from tests.helpers.real_models import smollm2_gguf
 
 T = GGMLQuantizationType
 TINY = {"arch": "llama", "layers": 2, "heads": 4, "kv_heads": 2, "hidden": 64}

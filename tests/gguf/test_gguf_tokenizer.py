@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from engines.model.gguf.tokenizer import read_vocabulary, write_tokenizer
 from planner.errors import ModelError
-from tests.helpers.smollm2 import smollm2_gguf
+from tests.helpers.real_models import smollm2_gguf
 
 CORPUS_PATH = Path(__file__).parents[2] / "engines" / "model" / "data" / "corpus.txt"
 

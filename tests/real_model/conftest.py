@@ -10,7 +10,7 @@ import pytest
 from engines.model.gguf.cache import ensure_imported
 from engines.model.smollm2 import serves_float_weights
 from tests.helpers.real_model import QUESTIONS, Greedy, mlx_lm_greedy
-from tests.helpers.smollm2 import smollm2_gguf
+from tests.helpers.real_models import smollm2_gguf
 
 
 @pytest.fixture(scope="session")

