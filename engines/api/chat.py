@@ -43,7 +43,7 @@ from engines.api.schemas import (
     Usage,
 )
 from engines.api.streaming import OPENAI_SSE, Frame, stream_response
-from engines.api.tools import tool_format_for
+from engines.api.tools import ends_in_calls, tool_format_for
 from engines.core.engine import TokenEvent
 from engines.core.served_models import ServedModels
 from engines.core.service import Service
@@ -163,7 +163,7 @@ class ChatChunks:
         pieces, calls = self._reply.finish()
         frames = [self._chunk(self._delta(piece.kind, piece.text)) for piece in pieces]
         reason = str(final.finish_reason)
-        if calls:
+        if calls:  # a call cut short keeps the reason "length", its arguments as written
             deltas = [
                 ToolCallDelta(
                     index=index,
@@ -173,7 +173,7 @@ class ChatChunks:
                 for index, call in enumerate(calls)
             ]
             frames.append(self._chunk(ChatDelta(tool_calls=deltas)))
-            reason = "tool_calls"
+            reason = "tool_calls" if ends_in_calls(calls) else reason
         frames.append(self._chunk(ChatDelta(), reason))
         if self._include_usage:
             usage = Usage.of(final)
@@ -243,7 +243,7 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
             return stream_response(submission, wait_budget_s(service), writer, OPENAI_SSE)
         outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
         whole = reply.read_whole(outcome.text)
-        finish_reason = "tool_calls" if whole.calls else outcome.finish_reason
+        finish_reason = "tool_calls" if ends_in_calls(whole.calls) else outcome.finish_reason
         # OpenAI's content is null beside calls when the model said nothing else
         content = (whole.content or None) if whole.calls else whole.content
         message = AssistantMessage(

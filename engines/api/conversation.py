@@ -32,6 +32,7 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # JSON text, as OpenAI carries it
+    complete: bool = True  # False: cut short by max_tokens, `arguments` as far as written
 
     def arguments_value(self) -> Any:
         """The arguments as an object, as chat templates render them (`arguments | tojson`)."""
@@ -110,6 +111,10 @@ class ChatInput:
     def single_call(self) -> bool:
         """At most one call: parallel calls off, or a forced call (its grammar allows one)."""
         return not self.parallel_tool_calls or self.forces_call()
+
+    def offered_tools(self) -> list[FunctionTool]:
+        """The tools the model may call (none when tool_mode is "none")."""
+        return list(self.tools) if self.tools and self.tool_mode != "none" else []
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates expect them (None: no tools, or tool_mode "none")."""

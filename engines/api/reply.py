@@ -64,7 +64,7 @@ class ReplyStream:
         thinking: bool = False,
     ) -> None:
         self._chat = chat
-        self._tools = ToolCallStream(tools) if tools is not None else None
+        self._tools = ToolCallStream(tools, chat.offered_tools()) if tools is not None else None
         self._markers = markers
         self._thinking = thinking and markers is not None  # inside a thought now
         self._held = ""

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engines.api.conversation import ChatInput, ToolCall
+from engines.api.conversation import ChatInput, FunctionTool, ToolCall
 from engines.api.errors import APIError
+from engines.api.loose_calls import FENCE, calls_in_json, fence_body, new_call_id, opens_call_fence
 
 log = logging.getLogger(__name__)
+
+# The name of a call cut short, before its JSON closes.
+CALLED_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+ARGUMENTS_START = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 # The one format whose calls tandem can also force (tool_choice "required" or a named
 # function) with a grammar: <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
@@ -60,8 +66,13 @@ def tool_format_for(chat: ChatInput, tokenizer: Any) -> ToolFormat | None:
     return found
 
 
+def ends_in_calls(calls: Sequence[ToolCall]) -> bool:
+    """The reply ended by calling tools (a call cut short by max_tokens did not)."""
+    return bool(calls) and all(call.complete for call in calls)
+
+
 def split_tool_calls(
-    text: str, found: ToolFormat, tools: list[dict[str, Any]] | None, single: bool = False
+    text: str, found: ToolFormat, tools: list[dict[str, Any]] | None
 ) -> tuple[str, list[ToolCall]]:
     """(the text outside the calls, the calls) for a whole generation."""
     content: list[str] = []
@@ -77,15 +88,16 @@ def split_tool_calls(
         end = rest.find(found.end, body_start) if found.end else -1
         body = rest[body_start:] if end < 0 else rest[body_start:end]
         call = parse_call(body, found, tools, len(calls))
-        if call is None:  # unparseable: keep it as text rather than lose it
-            content.append(rest[start:] if end < 0 else rest[start : end + len(found.end)])
+        if call is None and end < 0:
+            call = cut_short_call(body)  # never markup to the client
+        if call is None:  # a closed call that does not parse: keep it as text, not lose it
+            if end >= 0:
+                content.append(rest[start : end + len(found.end)])
         else:
             calls.append(call)
         if end < 0:
             break
         rest = rest[end + len(found.end) :]
-    if single:
-        calls = calls[:1]
     return "".join(content), calls
 
 
@@ -104,45 +116,131 @@ def parse_call(
     arguments = parsed.get("arguments", {})
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=parsed["name"], arguments=arguments)
+    return ToolCall(id=new_call_id(), name=parsed["name"], arguments=arguments)
+
+
+def cut_short_call(body: str) -> ToolCall | None:
+    """A call whose text ended before its JSON closed (`max_tokens`): its name and the
+    arguments written so far, marked incomplete; None when not even the name was written."""
+    named = CALLED_NAME.search(body)
+    if named is None:
+        return None
+    opened = ARGUMENTS_START.search(body, named.end()) or ARGUMENTS_START.search(body)
+    arguments = body[opened.end() :] if opened else ""
+    name = json.loads(f'"{named.group(1)}"')
+    return ToolCall(id=new_call_id(), name=name, arguments=arguments, complete=False)
 
 
 class ToolCallStream:
-    """While streaming: pass text through, hold back what may start a call, collect calls.
+    """While streaming: pass text through, hold back what may be a call, collect calls.
 
-    Text that could be the beginning of the start marker is held until it is not; from the
-    marker on, everything is kept until the end, where `finish` parses it.
+    Three things may be a call. The template's start marker: held from there to the end and
+    parsed at `finish`. With tools on offer, a reply that opens with `{` or `[` (held whole)
+    and a ```json or bare ``` fence (held until it closes): calls written without the markers
+    (engines/api/loose_calls.py), else released as the text they are. Other fences stream.
     """
 
-    def __init__(self, found: ToolFormat) -> None:
+    def __init__(self, found: ToolFormat, tools: Sequence[FunctionTool] = ()) -> None:
         self._found = found
+        self._tools = tuple(tools)
         self._held = ""
-        self._in_call = False
+        self._mode = "text"  # "text", "marker", "whole", "fence", "code"
+        self._started = False  # the reply said something that is not a call
+        self._calls: list[ToolCall] = []
 
     def feed(self, text: str) -> str:
         """The part of `text` that is plain content and safe to send now."""
-        if self._in_call:
-            self._held += text
-            return ""
         self._held += text
-        start = self._held.find(self._found.start)
-        if start >= 0:
-            self._in_call = True
-            ready, self._held = self._held[:start], self._held[start:]
-            return ready
-        keep = partial_suffix(self._held, self._found.start)
-        ready = self._held[: len(self._held) - keep]
-        self._held = self._held[len(ready) :]
-        return ready
+        ready: list[str] = []
+        while self._mode not in ("marker", "whole"):
+            if self._mode == "text" and not self._read_text(ready):
+                break
+            if self._mode == "fence" and not self._read_call_fence(ready):
+                break
+            if self._mode == "code" and not self._read_code(ready):
+                break
+        return "".join(ready)
 
     def finish(
         self, tools: list[dict[str, Any]] | None, single: bool
     ) -> tuple[str, list[ToolCall]]:
         """(content still held, the calls) once the generation has ended."""
         held, self._held = self._held, ""
-        if not self._in_call:
-            return held, []
-        return split_tool_calls(held, self._found, tools, single)
+        calls, content = list(self._calls), held
+        if self._mode == "marker":
+            content, more = split_tool_calls(held, self._found, tools)
+            calls += more
+        elif self._mode in ("whole", "fence"):
+            body = held.strip() if self._mode == "whole" else held.partition("\n")[2]
+            more = calls_in_json(body.removesuffix(FENCE), self._tools)
+            if more:
+                calls, content = calls + more, ""
+        return content, calls[:1] if single else calls
+
+    def _read_text(self, ready: list[str]) -> bool:
+        """Plain text up to what may start a call; False when it must wait for more."""
+        if self._tools and not self._started:
+            stripped = self._held.lstrip()
+            if not stripped:
+                return False
+            if stripped[0] in "{[":
+                self._mode = "whole"
+                return False
+            self._started = True
+        starts = [self._held.find(self._found.start)]
+        if self._tools:
+            starts.append(self._held.find(FENCE))
+        found = [index for index in starts if index >= 0]
+        if not found:
+            keep = max(partial_suffix(self._held, self._found.start), self._fence_suffix())
+            ready.append(self._held[: len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep :]
+            return False
+        first = min(found)
+        ready.append(self._held[:first])
+        self._held = self._held[first:]
+        if first == starts[0]:
+            self._mode = "marker"
+            return False
+        opening, newline, _ = self._held[len(FENCE) :].partition("\n")
+        if not newline:
+            return False  # the fence's language is not known yet
+        self._mode = "fence" if opens_call_fence(opening) else "code"
+        if self._mode == "code":
+            cut = len(FENCE) + len(opening) + 1
+            ready.append(self._held[:cut])
+            self._held = self._held[cut:]
+        return True
+
+    def _read_call_fence(self, ready: list[str]) -> bool:
+        close = self._held.find(FENCE, self._held.find("\n") + 1)
+        if close < 0:
+            return False
+        block, self._held = self._held[: close + len(FENCE)], self._held[close + len(FENCE) :]
+        calls = calls_in_json(fence_body(block) or "", self._tools)
+        if calls:
+            self._calls += calls
+        else:
+            ready.append(block)
+        self._mode = "text"
+        return True
+
+    def _read_code(self, ready: list[str]) -> bool:
+        """Inside a code fence: stream it, up to its closing backticks."""
+        close = self._held.find(FENCE)
+        if close < 0:
+            keep = self._fence_suffix()
+            ready.append(self._held[: len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep :]
+            return False
+        cut = close + len(FENCE)
+        ready.append(self._held[:cut])
+        self._held = self._held[cut:]
+        self._mode = "text"
+        return True
+
+    def _fence_suffix(self) -> int:
+        return partial_suffix(self._held, FENCE) if self._tools else 0
 
 
 def partial_suffix(text: str, marker: str) -> int:

@@ -21,6 +21,7 @@ from engines.api.errors import APIError
 from engines.api.logprobs import TokenScore
 from engines.api.reply import Piece, Reply, ReplyStream
 from engines.api.streaming import Frame
+from engines.api.tools import ends_in_calls
 from engines.core.engine import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def stop_reason_of(
     finish_reason: str, stop_sequence: str | None, calls: list[ToolCall]
 ) -> tuple[StopReason, str | None]:
     """(stop_reason, the stop sequence that ended it)."""
-    if calls:
+    if ends_in_calls(calls):
         return "tool_use", None
     if finish_reason == "length":
         return "max_tokens", None

@@ -46,7 +46,9 @@ def durations(submission: Submission, prompt_tokens: int, completion_tokens: int
 
 
 def ollama_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """Ollama carries a call's arguments as an object, not JSON text."""
+    """Ollama carries a call's arguments as an object, not JSON text; it has no shape for a
+    call cut short by num_predict, which is left out (done_reason says "length")."""
+    calls = [call for call in calls if call.complete]
     return [
         {
             "id": call.id,
@@ -79,7 +81,7 @@ class OllamaReplies:
     def finish(self, final: TokenEvent) -> list[Frame]:
         pieces, calls = self._reply.finish()
         frames = [self._piece(piece) for piece in pieces]
-        if calls:
+        if ollama_tool_calls(calls):
             frames.append((None, self._object(calls=calls, done=False)))
         counts = durations(self._submission, final.prompt_tokens, final.completion_tokens)
         frames.append((None, self._object(reason=str(final.finish_reason), counts=counts)))
@@ -116,7 +118,7 @@ class OllamaReplies:
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if thinking:
                 message["thinking"] = thinking
-            if calls:
+            if calls and ollama_tool_calls(calls):
                 message["tool_calls"] = ollama_tool_calls(calls)
             body["message"] = message
         else:

@@ -176,8 +176,8 @@ class ResponseEvents:
 
     def _call(self, call: Any) -> list[Frame]:
         index = len(self._done)
-        started = FunctionCallOutput.of(call, "in_progress")
-        done = started.model_copy(update={"status": "completed"})
+        done = FunctionCallOutput.of(call)
+        started = done.model_copy(update={"status": "in_progress"})
         self._done.append(done)
         position = {"item_id": done.id, "output_index": index}
         return [

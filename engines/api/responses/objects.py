@@ -74,7 +74,9 @@ class FunctionCallOutput(BaseModel):
     status: ItemStatus = "completed"
 
     @classmethod
-    def of(cls, call: ToolCall, status: ItemStatus = "completed") -> FunctionCallOutput:
+    def of(cls, call: ToolCall) -> FunctionCallOutput:
+        """The call's item; "incomplete" when max_tokens cut it short."""
+        status: ItemStatus = "completed" if call.complete else "incomplete"
         return cls(
             id=new_id("fc"),
             call_id=call.id,
