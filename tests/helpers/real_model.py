@@ -60,11 +60,18 @@ def engine_request(tokenizer: Any, question: Question) -> GenerationRequest:
     return GenerationRequest(f"real-{question.answer}", tokens, question.max_tokens)
 
 
-def mlx_lm_greedy(model_dir: Path, questions: tuple[Question, ...]) -> list[Greedy]:
-    """mlx-lm's own stream_generate on `model_dir`, greedy, one question at a time."""
+def mlx_lm_greedy(
+    model_dir: Path, questions: tuple[Question, ...], packed: bool = False
+) -> list[Greedy]:
+    """mlx-lm's own stream_generate on `model_dir`, greedy, one question at a time; `packed`:
+    its quantized layers on tandem's CPU kernel, as the engines compute them."""
     from mlx_lm import load, stream_generate
 
+    from engines.model.packed_quantized import pack
+
     model, tokenizer = load(str(model_dir))
+    if packed:
+        (model,) = pack(model)
     answers = []
     for question in questions:
         tokens, text, finish = [], "", ""

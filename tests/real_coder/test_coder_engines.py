@@ -1,0 +1,123 @@
+"""Qwen2.5-Coder-0.5B-Instruct from its real GGUF: the import keeps its K-quants and Q5_0, the
+CPU kernel gives mlx's own greedy tokens, and every engine gives mlx-lm's: single (with the
+prefix cache and a quantized KV cache), a two-stage sealed pipeline speculating by prompt
+lookup, and two tensor-parallel ranks on a ring (14 heads over 2 KV heads split for real)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from discovery.cluster_key import generate_key
+from engines.core.engine import Engine
+from engines.core.runner import EngineRunner
+from engines.model.info import inspect_model
+from engines.single.engine import SingleEngine
+from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
+from planner import NodeResources, Parallelism, allocate_layers, plan_cluster
+from tests.helpers.engine import run_one
+from tests.helpers.pipeline import make_engine, start_workers, stop_workers
+from tests.helpers.real_model import Greedy, engine_request, mlx_lm_greedy
+from tests.helpers.tensor_parallel import start_rank, stop_processes
+from tests.real_coder.conftest import CODE, CODER_QUESTIONS
+
+pytestmark = pytest.mark.cluster
+
+GIB = 1024**3
+LOAD_TIMEOUT_S = 180.0
+STEP_TIMEOUT_S = 120.0
+DRAFTED = 4
+
+
+def answers_of(engine: Engine) -> list[Greedy]:
+    runner = EngineRunner(engine)
+    try:
+        runner.start(LOAD_TIMEOUT_S)
+        got = [run_one(runner, engine_request(engine.tokenizer, q)) for q in CODER_QUESTIONS]
+        return [Greedy(tuple(g.tokens), g.text, g.finish) for g in got]
+    finally:
+        runner.close()
+
+
+def test_the_import_keeps_every_quantization_of_the_gguf(qwen_dir: Path) -> None:
+    config = json.loads((qwen_dir / "config.json").read_text())
+    quantization = config["quantization"]  # the default (Q5_0's), then each other layer's
+    bits = {spec["bits"] for spec in quantization.values() if isinstance(spec, dict)}
+    # Q5_0 and Q4_K as they are; Q8_0 as 8 bits; Q6_K requantized to 8 (6 would double its error)
+    assert (quantization["bits"], bits) == (5, {4, 8})
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (14, 2)
+
+
+def test_the_cpu_kernel_gives_mlx_quantized_matmul_greedy_tokens(
+    qwen_dir: Path, coder_answers: list[Greedy]
+) -> None:
+    # mlx's own quantized matmul prefills slowly on the CPU: the code question alone
+    assert mlx_lm_greedy(qwen_dir, (CODE,)) == [coder_answers[1]]
+
+
+def test_mlx_lm_answers_right(coder_answers: list[Greedy]) -> None:
+    for question, answer in zip(CODER_QUESTIONS, coder_answers, strict=True):
+        assert question.answer in answer.text and answer.finish == "stop", answer
+
+
+def test_the_single_engine_gives_mlx_lm_tokens_with_its_prefix_cache_and_kv_bits(
+    qwen_dir: Path, coder_answers: list[Greedy]
+) -> None:
+    engine = SingleEngine(qwen_dir, prefix_cache_bytes=64 * 1024**2)
+    runner = EngineRunner(engine)
+    try:
+        runner.start(LOAD_TIMEOUT_S)
+        for _ in range(2):  # the second time each prompt is in the prefix cache
+            for question, expected in zip(CODER_QUESTIONS, coder_answers, strict=True):
+                got = run_one(runner, engine_request(engine.tokenizer, question))
+                assert (tuple(got.tokens), got.text) == (expected.tokens, expected.text)
+        assert engine.info().detail["prefix_cache"]["hits"] >= len(CODER_QUESTIONS)
+    finally:
+        runner.close()
+    # an 8-bit KV cache changes the numbers a little, never the answer on this text
+    quantized_kv = answers_of(SingleEngine(qwen_dir, kv_bits=8))
+    for question, answer in zip(CODER_QUESTIONS, quantized_kv, strict=True):
+        assert question.answer in answer.text, answer
+
+
+def test_a_two_stage_pipeline_speculating_gives_mlx_lm_tokens(
+    qwen_dir: Path, coder_answers: list[Greedy], tmp_path: Path
+) -> None:
+    ranges = allocate_layers(24, [8 * GIB, 8 * GIB])
+    key = generate_key()
+    listener, workers = start_workers(qwen_dir, ranges, key, tmp_path, STEP_TIMEOUT_S)
+    engine = make_engine(
+        qwen_dir, ranges, key, listener, workers, token_timeout_s=STEP_TIMEOUT_S,
+        most_drafted=DRAFTED,
+    )  # fmt: skip
+    try:
+        assert answers_of(engine) == coder_answers
+        speculation = engine.info().detail["speculation"]
+        assert speculation["accepted"] > 0, speculation  # the code copies its question
+    finally:
+        engine.close()
+        stop_workers(workers)
+
+
+def test_two_tensor_parallel_ranks_split_it_and_give_mlx_lm_tokens(
+    qwen_dir: Path, coder_answers: list[Greedy]
+) -> None:
+    shape = inspect_model(qwen_dir).to_shape()
+    nodes = [NodeResources(f"node{r}", f"10.0.0.{r + 1}", 8 * GIB, ("ring",)) for r in range(2)]
+    plan = plan_cluster(Parallelism.TP, shape, nodes, collective="ring")
+    assert (plan.decision.chosen, plan.refusal) == (Parallelism.TP, None)  # 2 KV heads split
+    specs = loopback_ring_specs(2, qwen_dir, stall_timeout_s=STEP_TIMEOUT_S)
+    ranks = [start_rank(spec) for spec in specs[1:]]
+    lost: list[str] = []
+    engine = TensorParallelEngine(
+        qwen_dir, specs[0], on_lost=lost.append, load_timeout_s=LOAD_TIMEOUT_S,
+        token_timeout_s=STEP_TIMEOUT_S,
+    )  # fmt: skip
+    try:
+        assert answers_of(engine) == coder_answers
+        assert not lost
+    finally:
+        engine.close()
+        stop_processes(ranks)
