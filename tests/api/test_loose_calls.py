@@ -94,7 +94,9 @@ def test_an_array_of_calls_is_every_call(tool_format: ToolFormat) -> None:
         PYTHON,
     ],
 )
-def test_what_is_not_wholly_a_call_stays_the_text_it_was(text: str, tool_format: ToolFormat) -> None:
+def test_what_is_not_wholly_a_call_stays_the_text_it_was(
+    text: str, tool_format: ToolFormat
+) -> None:
     reply = read(text, tool_format)
     assert reply.calls == []
     assert reply.content == text
