@@ -211,6 +211,16 @@ def open_request_log(config: ServeConfig, models: Any) -> Any:
 
 def serve(config: ServeConfig) -> int:
     """Plan, launch, and serve until interrupted; exit status 2 when nothing fits."""
+    from .public_address import bind_public_address
+
+    listener = bind_public_address(config.host, config.port)  # first: fail fast, never shared
+    try:
+        return _serve(config, listener)
+    finally:
+        listener.close()
+
+
+def _serve(config: ServeConfig, listener: socket.socket) -> int:
     from engines.core.core_process import PROCESS_CORE, discard_spare
     from engines.core.core_process import prewarm as prewarm_core
 
@@ -305,7 +315,7 @@ def serve(config: ServeConfig) -> int:
                 config.port,
             )
         log.info("dashboard: http://%s:%d/  metrics: /metrics", config.host, config.port)
-        run_http_server(app, config.host, config.port, stopping, config.http)
+        run_http_server(app, listener, stopping, config.http)
     finally:
         discard_spare()
         manager.close()

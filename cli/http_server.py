@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 import threading
 from types import FrameType
 from typing import Any
@@ -93,13 +94,12 @@ def raise_file_limit(wanted: int) -> None:
 
 
 def run_http_server(
-    app: Any, host: str, port: int, stopping: threading.Event, limits: HttpLimits
+    app: Any, listener: socket.socket, stopping: threading.Event, limits: HttpLimits
 ) -> None:
+    """Serve `app` on `listener`, bound at start-up (cli/public_address.py)."""
     raise_file_limit(limits.max_connections + SPARE_FILES)
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level="warning",
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         timeout_keep_alive=KEEP_ALIVE_S,
@@ -107,4 +107,4 @@ def run_http_server(
         # Past this many connections (or running requests) uvicorn answers 503 at once.
         limit_concurrency=limits.max_connections,
     )
-    StoppingServer(config, stopping).run()
+    StoppingServer(config, stopping).run(sockets=[listener])
