@@ -34,5 +34,5 @@ def qwen_dir(qwen_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def coder_answers(qwen_dir: Path) -> list[Greedy]:
     """mlx-lm's greedy answers with its quantized layers on tandem's kernel (that the kernel
-    gives mlx's own tokens is test_kernel_gives_mlx_lm_tokens)."""
+    gives mlx's own tokens: test_the_cpu_kernel_gives_mlx_quantized_matmul_greedy_tokens)."""
     return mlx_lm_greedy(qwen_dir, CODER_QUESTIONS, packed=True)

@@ -33,6 +33,8 @@ RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": DESC
                   "parameters": SCHEMA}  # fmt: skip
 PARIS = {"city": "Paris"}
 PARIS_PREFIX = '{"city":"Paris"}'  # a forced call's compact arguments, cut somewhere inside
+# Anthropic's client has no temperature argument here, and the API samples at 1.0 by default
+GREEDY = {"temperature": 0}
 ROOM = 80  # tokens: the call is ~20
 CUT = 12  # tokens: a forced call is cut inside its arguments
 
@@ -91,7 +93,7 @@ def test_messages_returns_tool_use(url: str, stream: bool) -> None:
     client = anthropic.Anthropic(base_url=url, api_key="none")
     request: dict[str, Any] = {
         "model": MODEL, "max_tokens": ROOM, "messages": [{"role": "user", "content": ASK}],
-        "tools": [MESSAGES_TOOL],
+        "tools": [MESSAGES_TOOL], "extra_body": GREEDY,
     }  # fmt: skip
     if stream:
         with client.messages.stream(**request) as events:
@@ -157,7 +159,7 @@ def test_a_forced_call_cut_short_is_each_dialects_truncated_shape(url: str) -> N
 
     messages = anthropic.Anthropic(base_url=url, api_key="none").messages.create(
         model=MODEL, max_tokens=CUT, messages=[{"role": "user", "content": ASK}],
-        tools=[MESSAGES_TOOL], tool_choice={"type": "any"},
+        tools=[MESSAGES_TOOL], tool_choice={"type": "any"}, extra_body=GREEDY,
     )  # fmt: skip
     assert messages.stop_reason == "max_tokens"
     assert [(b.type, b.name) for b in messages.content] == [("tool_use", "get_weather")]
