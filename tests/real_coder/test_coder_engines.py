@@ -21,7 +21,7 @@ from tests.helpers.engine import run_one
 from tests.helpers.pipeline import make_engine, start_workers, stop_workers
 from tests.helpers.real_model import Greedy, engine_request
 from tests.helpers.tensor_parallel import start_rank, stop_processes
-from tests.real_coder.conftest import CODER_QUESTIONS
+from tests.real_coder.conftest import CODER, CODER_QUESTIONS
 
 pytestmark = pytest.mark.cluster
 
@@ -46,8 +46,12 @@ def test_the_import_keeps_every_quantization_of_the_gguf(qwen_dir: Path) -> None
     quantization = config["quantization"]  # the default (Q5_0's), then each other layer's
     bits = {spec["bits"] for spec in quantization.values() if isinstance(spec, dict)}
     # Q5_0 and Q4_K as they are; Q8_0 as 8 bits; Q6_K requantized to 8 (6 would double its error)
-    assert (quantization["bits"], bits) == (5, {4, 8})
-    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (14, 2)
+    if CODER.model_id == "qwen2.5-coder-0.5b-instruct":
+        assert (quantization["bits"], bits) == (5, {4, 8})
+        assert (config["num_attention_heads"], config["num_key_value_heads"]) == (14, 2)
+    else:  # the 1.5B: Q4_K with Q6_K
+        assert (quantization["bits"], bits) == (4, {8})
+        assert (config["num_attention_heads"], config["num_key_value_heads"]) == (12, 2)
 
 
 def test_the_cpu_kernel_gives_mlx_quantized_matmul_greedy_tokens(qwen_dir: Path) -> None:
@@ -97,7 +101,8 @@ def test_the_single_engine_gives_mlx_lm_tokens_with_its_prefix_cache_and_kv_bits
 def test_a_two_stage_pipeline_speculating_gives_mlx_lm_tokens(
     qwen_dir: Path, coder_answers: list[Greedy], tmp_path: Path
 ) -> None:
-    ranges = allocate_layers(24, [8 * GIB, 8 * GIB])
+    layers = json.loads((qwen_dir / "config.json").read_text())["num_hidden_layers"]
+    ranges = allocate_layers(layers, [8 * GIB, 8 * GIB])
     key = generate_key()
     listener, workers = start_workers(qwen_dir, ranges, key, tmp_path, STEP_TIMEOUT_S)
     engine = make_engine(
@@ -142,13 +147,12 @@ def test_serve_takes_it_by_name_from_the_cache(qwen_dir: Path, qwen_cache: Path)
 
     from cli.model_source import resolve_model
     from cli.served_model import default_model_id
-    from engines.model.pypi_models import QWEN_CODER_0_5B
-    from tests.helpers.real_models import qwen_coder_gguf
+    from tests.helpers.real_models import real_gguf
 
-    cached = QWEN_CODER_0_5B.gguf_path(qwen_cache)
+    cached = CODER.gguf_path(qwen_cache)
     if not cached.exists():
         cached.parent.mkdir(parents=True, exist_ok=True)
-        os.link(qwen_coder_gguf(), cached)
-    facts = resolve_model(QWEN_CODER_0_5B.model_id, qwen_cache)
+        os.link(real_gguf(CODER), cached)
+    facts = resolve_model(CODER.model_id, qwen_cache)
     assert facts.path == qwen_dir  # imported once, keyed by the file's sha256
-    assert default_model_id(QWEN_CODER_0_5B.model_id, facts) == "qwen2.5-coder-0.5b-instruct"
+    assert default_model_id(CODER.model_id, facts) == CODER.model_id

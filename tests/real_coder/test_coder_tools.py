@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from engines.api import create_app
+from engines.api.loose_calls import fence_body
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
 from tests.helpers.api import make_service, serve_on_loopback
@@ -63,7 +64,8 @@ def test_the_model_writes_the_call_without_the_template_tags(url: str, qwen_dir:
     text = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=ROOM)
     raw = text.choices[0].text
     assert "<tool_call>" not in raw
-    assert json.loads(raw) == {"name": "get_weather", "arguments": PARIS}
+    # the 0.5B writes the bare object, the 1.5B the same object in a ```json fence
+    assert json.loads(fence_body(raw) or raw) == {"name": "get_weather", "arguments": PARIS}
 
 
 @pytest.mark.parametrize("stream", [False, True])
