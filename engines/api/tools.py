@@ -88,13 +88,13 @@ def split_tool_calls(
         end = rest.find(found.end, body_start) if found.end else -1
         body = rest[body_start:] if end < 0 else rest[body_start:end]
         call = parse_call(body, found, tools, len(calls))
-        if call is None and end < 0:
+        cut_short = end < 0 and bool(found.end)  # the text ended before the end marker
+        if call is None and cut_short:
             call = cut_short_call(body)  # never markup to the client
-        if call is None:  # a closed call that does not parse: keep it as text, not lose it
-            if end >= 0:
-                content.append(rest[start : end + len(found.end)])
-        else:
+        if call is not None:
             calls.append(call)
+        elif not cut_short:  # a call that does not parse: kept as text, not lost
+            content.append(rest[start:] if end < 0 else rest[start : end + len(found.end)])
         if end < 0:
             break
         rest = rest[end + len(found.end) :]
