@@ -5,7 +5,9 @@ stdin:  line 1 is a JSON spec (so keys never reach argv or the environment); the
         workers that take commands, one JSON object per line. stdin stays open while the
         parent lives, so a child can treat EOF as "my parent is gone".
 stdout: JSON objects only, one per line: {"event": "ready", ...} or {"event": "failed",
-        "reason": ...} once loaded, then whatever the worker answers.
+        "reason": ...} once loaded, then whatever the worker answers. Before that, a child may
+        say it is still on its way: {"event": "progress", ...} (a model arriving) or
+        {"event": "started"} (up, its spec read, now doing its work).
 stderr: the child's log; the parent echoes it and keeps a short tail for error messages.
 """
 
@@ -36,6 +38,7 @@ READER_JOIN_S = 2.0
 STOPPED_STATES = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 Message = dict[str, Any]
+ON_ITS_WAY = ("progress", "started")  # events before ready that only restart a wait
 
 
 class ChildNotReady(TandemError):
@@ -157,10 +160,10 @@ class JsonChild:
 
     def wait_ready(self, timeout_s: float) -> Message:
         """The child's ready message; ChildNotReady (with the reason) when it failed, exited
-        or said nothing in time (progress lines of a model arriving are skipped, each
-        restarting the wait). The caller decides whether to kill it."""
+        or said nothing in time (progress and started lines are skipped, each restarting the
+        wait). The caller decides whether to kill it."""
         message: Message | None = {"event": "progress"}
-        while message is not None and message.get("event") == "progress":  # a model arriving
+        while message is not None and message.get("event") in ON_ITS_WAY:
             try:
                 message = self.next_message(timeout_s)
             except TimeoutError:
@@ -352,6 +355,7 @@ def run_measuring_role(
     output = open_protocol_output()
     try:
         spec = json.loads(sys.stdin.buffer.readline() or b"null")
+        output.write({"event": "started"})  # its imports are done: the measuring begins
         result = measure(spec)
     except (TypeError, KeyError, ValueError, AttributeError, RuntimeError) as error:
         output.write({"event": "failed", "reason": f"{name} failed: {error}"})

@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 
 COLLECTIVE_ROLE = "collective_probe"
 COLLECTIVE_MODULE = "engines.model.collective_probe"
-ALL_SUM_TIMEOUT_S = 30.0  # both ranks start, join the ring, time their all_sums and tp steps
+ALL_SUM_TIMEOUT_S = 30.0  # both ranks join the ring, time their all_sums and tp steps
+# Starting Python and mlx for the rank here, apart: on a loaded machine it alone can take
+# seconds, and none of it is the peer's time.
+RANK_START_S = 30.0
 # Each rank ends itself this much later than the coordinator stops waiting, so the wait, not
 # the rank's own watchdog, names what went wrong.
 RANK_GRACE_S = 5.0
@@ -170,8 +173,10 @@ class GroupProbe:
 def _ready_here(
     child: JsonChild, membership: Any, assignment: str, timeout_s: float
 ) -> dict[str, Any]:
-    """The ready line of the rank here; ChildNotReady when `timeout_s` passes, or as soon as
-    the member's rank has failed (the rank here would only go on trying to join it)."""
+    """The ready line of the rank here; ChildNotReady when `timeout_s` passes after it started,
+    or as soon as the member's rank has failed (the rank here would only go on trying to
+    join it)."""
+    _wait_started(child, membership, assignment)
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
@@ -185,6 +190,29 @@ def _ready_here(
         if remaining <= MEMBER_CHECK_S:
             reason = f"no ready line within {timeout_s:g} s; last log: {child.last_log()}"
             raise ChildNotReady(reason, timed_out=True)
+
+
+def _wait_started(child: JsonChild, membership: Any, assignment: str) -> None:
+    """Until the rank here says it started (its imports done, its spec read); ChildNotReady
+    when it failed or exited first, did not start within RANK_START_S, or the member's rank
+    failed meanwhile."""
+    deadline = time.monotonic() + RANK_START_S
+    while True:
+        try:
+            message = child.next_message(MEMBER_CHECK_S)
+        except TimeoutError:
+            if membership.failure_of(assignment) is not None:
+                raise ChildNotReady("stopped waiting: the member's rank failed") from None
+            if time.monotonic() >= deadline:
+                reason = f"the rank here did not start within {RANK_START_S:g} s"
+                raise ChildNotReady(reason, timed_out=True) from None
+            continue
+        if message is None:
+            raise ChildNotReady(f"it {child.exit_description()}")
+        if message.get("event") == "started":
+            return
+        if message.get("event") != "progress":
+            raise ChildNotReady(str(message.get("reason", message)))
 
 
 def _rank_cpu(measured: dict[str, Any]) -> RankCpu | None:

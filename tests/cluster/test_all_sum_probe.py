@@ -147,8 +147,9 @@ def test_a_member_that_never_joins_fails_the_probe_in_time_naming_both_ends(
     assert " and b (127.0.0.1:" in message
     assert "no ready line within 3 s" in message and "joining the ring as rank 1" in message
     assert "the member: node b's worker was not ready" in message
-    # the wait here, the member's answer, a SIGTERM to the rank here
-    assert time.monotonic() - started < 3 + all_sum_survey.PEER_ANSWER_S + 3
+    # starting Python and mlx here (not counted in the 3 s: under load it alone took more),
+    # the wait, the member's answer, a SIGTERM to the rank here
+    assert time.monotonic() - started < 15 + 3 + all_sum_survey.PEER_ANSWER_S + 3
     assert agent.released == ["b"]
 
 
