@@ -19,6 +19,10 @@ mx::array affine_matmul(
     int group_size,
     int bits);
 
+// Whether a decode's product runs in integers (AVX-512 VBMI + VNNI: x rounded to int16 per
+// group) rather than in floats; fixed when the module is built.
+bool integer_dot();
+
 // Rows of x from which the product is handed to the BLAS on dequantized weight tiles.
 int gemm_rows();
 void set_gemm_rows(int rows);

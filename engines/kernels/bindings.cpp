@@ -15,6 +15,7 @@ NB_MODULE(_tandem_kernels, m) {
   m.def("set_threads", [](int threads) {
     tandem_kernels::ThreadPool::instance().resize(threads < 1 ? 1 : threads);
   });
+  m.def("integer_dot", &tandem_kernels::integer_dot);
   m.def("gemm_rows", &tandem_kernels::gemm_rows);
   m.def("set_gemm_rows", &tandem_kernels::set_gemm_rows);
 }
