@@ -61,6 +61,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flag(
         parser,
+        "--chat-template",
+        cast=Path,
+        metavar="FILE",
+        help="a Jinja chat template (vLLM's flag) to render the first --model's chats with, in "
+        "place of its own; a model with none (a base model) answers chat routes with 400 and "
+        "serves /v1/completions",
+    )
+    add_flag(
+        parser,
         "--parallelism",
         default="auto",
         choices=[p.value for p in Parallelism],
@@ -296,7 +305,22 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         send_weights=args.send_weights == "auto",
         max_body_bytes=args.max_body_bytes,
         http=HttpLimits(args.http_header_timeout, args.max_connections),
+        chat_template=read_chat_template(args.chat_template),
     )
+
+
+def read_chat_template(path: Path | None) -> str | None:
+    """--chat-template's text, read before anything loads."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise ConfigError(f"--chat-template {path}: cannot read it ({reason})") from None
+    if not text.strip():
+        raise ConfigError(f"--chat-template {path} is empty: give a Jinja chat template")
+    return text
 
 
 def model_aliases_from_env() -> list[str] | None:

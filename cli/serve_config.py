@@ -62,3 +62,4 @@ class ServeConfig:
     more_models: tuple[str, ...] = ()
     load_on_demand: bool = False  # no model loads at start: the first request naming it does
     keep_alive_s: float = 0.0  # unload a model idle this long (it reloads on demand); 0: never
+    chat_template: str | None = None  # --chat-template's text: the first model's chats use it

@@ -176,6 +176,7 @@ class ServedModel:
             draft_model_path=draft_model_path(config) if self.choice.first else None,
             engine_core=config.engine_core,
             core_lost_after_s=config.lost_after_s,
+            chat_template=config.chat_template if self.choice.first else None,
             prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
             prefix_cache_dir=prefix_cache_dir(config.cache_dir, service.model_id, self.choice),
             rdma_rows=rdma_rows(config.hostfile),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cluster import AgentPool
-from tests.helpers.demo_models import make_demo_model
+from tests.helpers.demo_models import make_base_model, make_demo_model
 from tests.helpers.serve import ServeProcess
 
 # Under xdist (`make test`): a loopback per worker, process-heavy modules first, solo tests alone.
@@ -31,6 +31,12 @@ ODD_HEADS = {"heads": 3, "kv_heads": 3}
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default demo model (llama, 4 layers, hidden 256, 8 heads, 4 kv heads)."""
     return make_demo_model(tmp_path_factory.mktemp("demo-default"))
+
+
+@pytest.fixture(scope="session")
+def base_model_dir(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default demo model as a base model's GGUF imported: a tokenizer with no template."""
+    return make_base_model(demo_model_dir, tmp_path_factory.mktemp("base-model"))
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,11 @@ from engines.api.conversation import ChatInput, Turn
 from engines.api.errors import APIError
 
 DEFAULT_MAX_PROMPT_TOKENS = 32768
+NO_CHAT_TEMPLATE = (
+    "this model has no chat template (a base model), so it cannot turn messages into a prompt: "
+    'send the prompt as text to /v1/completions (or Ollama\'s /api/generate with "raw": true), '
+    "or start `tandem serve` with --chat-template FILE (a Jinja chat template)"
+)
 
 # Templates written before OpenAI's "developer" role know it as "system".
 _TEMPLATE_ROLES = {"developer": "system"}
@@ -20,27 +25,30 @@ def chat_prompt_tokens(tokenizer: Any, chat: ChatInput, max_prompt_tokens: int) 
     """Render the conversation (and the tools on offer) with the model's chat template, ending
     in the assistant's turn."""
     param = chat.names.messages
+    check_chat_template(tokenizer, param)
     check_prompt_size(tokenizer, chat.text_length(), max_prompt_tokens, param)
     conversation = [_template_message(turn) for turn in chat.turns]
-    if getattr(tokenizer, "has_chat_template", False):
-        options = dict(chat.template_options)
-        tools = chat.template_tools()
-        if tools:
-            options["tools"] = tools
-        thinking = chat.resolved_thinking()
-        if thinking is not None:  # mlx-lm renames it for templates that say `thinking`
-            options["enable_thinking"] = thinking
-        try:
-            tokens = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, **options
-            )
-        except (TemplateError, ValueError, TypeError) as error:
-            raise APIError(
-                400, f"the model's chat template rejected the messages: {error}", param=param
-            ) from error
-    else:
-        tokens = tokenizer.encode(_plain_transcript(conversation))
+    options = dict(chat.template_options)
+    tools = chat.template_tools()
+    if tools:
+        options["tools"] = tools
+    thinking = chat.resolved_thinking()
+    if thinking is not None:  # mlx-lm renames it for templates that say `thinking`
+        options["enable_thinking"] = thinking
+    try:
+        tokens = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, **options)
+    except (TemplateError, ValueError, TypeError) as error:
+        raise APIError(
+            400, f"the model's chat template rejected the messages: {error}", param=param
+        ) from error
     return _checked(tokens, max_prompt_tokens, param)
+
+
+def check_chat_template(tokenizer: Any, param: str) -> None:
+    """Refuse chat to a model without a chat template (a base model), as vLLM does: any
+    transcript tandem made up would be one the model was never trained on."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise APIError(400, NO_CHAT_TEMPLATE, param=param, code="chat_template_missing")
 
 
 def completion_prompt_tokens(
@@ -111,12 +119,6 @@ def _template_message(turn: Turn) -> dict[str, Any]:
             for call in turn.tool_calls
         ]
     return message
-
-
-def _plain_transcript(conversation: list[dict[str, Any]]) -> str:
-    # Only for tokenizers without a chat template: a readable transcript the model continues.
-    lines = [f"{turn['role']}: {turn['content']}" for turn in conversation]
-    return "\n".join([*lines, "assistant:"])
 
 
 def _checked(tokens: Any, max_prompt_tokens: int, param: str) -> tuple[int, ...]:

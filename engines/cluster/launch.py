@@ -74,6 +74,7 @@ class LaunchSettings:
     # API's, engines/core/core_process.py) or THREAD_CORE (a thread of serve itself).
     engine_core: str = "process"
     core_lost_after_s: float = 5.0  # a core silent this long is frozen: killed, re-planned
+    chat_template: str | None = None  # --chat-template: the API renders chats with it
 
     @property
     def remote_model(self) -> str:

@@ -28,7 +28,7 @@ from engines.model.info import ModelFacts
 from engines.observability.process_memory import process_memory
 from engines.observability.served_speed import ServedSpeed, one_stream_segments_ms
 from planner import ClusterPlan, NodeResources, Parallelism
-from planner.errors import PlanError, TandemError
+from planner.errors import EngineError, PlanError, TandemError
 from planner.relay import is_relayed
 from planner.speed import ClusterSpeeds, Prediction, predict_speculating
 
@@ -167,6 +167,7 @@ class ClusterSupervisor:
                 self.plan_settings.max_batch,
             )
             runner.start(load_timeout_s=self.launch_settings.ready_timeout_s)
+            tokenizer = self._api_tokenizer(runner)
         except TandemError:
             if runner is not None:
                 runner.close()  # aborts a load still waiting on remote workers
@@ -174,13 +175,26 @@ class ClusterSupervisor:
             raise
         with self._lock:
             if not self._closed.is_set():
-                self.service.tokenizer = runner.core.tokenizer
+                self.service.tokenizer = tokenizer
                 self.served_speed.reset()
                 self.service.swap_runner(runner, "ok", decision.reason)
                 runner = None
         if runner is not None:  # closed while launching: nobody may serve from it
             runner.close()
             self._release_workers("coordinator shutting down")
+
+    def _api_tokenizer(self, runner: EngineRunner) -> Any:
+        """The tokenizer the API renders prompts with: the engine's, or with --chat-template
+        the model's loaded with that template in place of its own."""
+        from engines.model.tokenizer_loading import load_serving_tokenizer
+
+        template = self.launch_settings.chat_template
+        if template is None:
+            return runner.core.tokenizer
+        try:
+            return load_serving_tokenizer(self.launch_settings.model_path, template)
+        except (OSError, ValueError) as error:
+            raise EngineError(f"cannot load the tokenizer with --chat-template: {error}") from error
 
     def _core_for(self, made: Engine | EngineSpec) -> Engine | EngineCore:
         """The engine core for what the factory made: a spec runs in a process of its own

@@ -9,7 +9,14 @@ from typing import Any
 from mlx_lm.utils import load_config, load_tokenizer
 
 
-def load_serving_tokenizer(model_path: Path | str) -> Any:
-    """OSError or ValueError when the directory has no usable config or tokenizer."""
+def load_serving_tokenizer(model_path: Path | str, chat_template: str | None = None) -> Any:
+    """OSError or ValueError when the directory has no usable config or tokenizer.
+
+    `chat_template` (`serve --chat-template`): the Jinja template to render chats with, in
+    place of the model's own (or of none); mlx-lm reads its tool-call format from it as from
+    a template the model ships."""
     config = load_config(Path(model_path))
-    return load_tokenizer(Path(model_path), eos_token_ids=config.get("eos_token_id"))
+    extra = {"chat_template": chat_template} if chat_template is not None else None
+    return load_tokenizer(
+        Path(model_path), tokenizer_config_extra=extra, eos_token_ids=config.get("eos_token_id")
+    )

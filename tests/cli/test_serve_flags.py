@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cli.main import build_parser
@@ -79,3 +81,14 @@ def test_the_cpu_kernels_flag_reaches_the_kernels_switch_through_the_environment
         assert blas.cpu_kernels_choice() == expected
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *KEY, "--cpu-kernels", "avx9000"])
+
+
+def test_the_chat_template_file_is_read_with_the_flags(tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert serve_config("--chat-template", str(template)).chat_template == template.read_text()
+    assert serve_config().chat_template is None
+    (tmp_path / "empty.jinja").write_text(" \n")
+    for name, reason in (("empty.jinja", "is empty"), (".", "Is a directory")):
+        with pytest.raises(ConfigError, match=reason):
+            serve_config("--chat-template", str(tmp_path / name))

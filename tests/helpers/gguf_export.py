@@ -47,6 +47,7 @@ def export_gguf(
     architecture_name: str | None = None,
     pre_tokenizer: str = "gpt-2",
     mixture: dict[str, GGMLQuantizationType] | None = None,
+    chat_template: bool = True,
 ) -> dict:
     """Write `model_dir` (a float demo model) as a GGUF; return the values it holds by mlx-lm
     parameter name (float32, mlx-lm's row order and norm convention).
@@ -55,7 +56,8 @@ def export_gguf(
     `architecture_name`: the general.architecture written (a test of refusals names another);
     `pre_tokenizer`: tokenizer.ggml.pre (one tandem does not know fails the import last);
     `mixture`: other types for tensors whose mlx-lm name contains a key, as llama.cpp's
-    Q4_K_M gives embeddings, v and down projections Q6_K.
+    Q4_K_M gives embeddings, v and down projections Q6_K;
+    `chat_template`: False writes no tokenizer.chat_template (a base model's GGUF).
     """
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
@@ -75,6 +77,9 @@ def export_gguf(
     )
     _write_hyperparameters(writer, config)
     _write_vocabulary(writer, model_dir, config, pre_tokenizer)
+    if chat_template:
+        tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        writer.add_chat_template(tokenizer_config["chat_template"])
     held = {}
     for name in sorted(weights):
         values = weights[name]
@@ -202,5 +207,3 @@ def _write_vocabulary(
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_add_bos_token(False)
-    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    writer.add_chat_template(tokenizer_config["chat_template"])
