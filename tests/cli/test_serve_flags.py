@@ -79,3 +79,28 @@ def test_the_cpu_kernels_flag_reaches_the_kernels_switch_through_the_environment
         assert blas.cpu_kernels_choice() == expected
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *KEY, "--cpu-kernels", "avx9000"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        pytest.param((), None, (16, True), id="unset-shrinks-to-fit"),
+        pytest.param(("--max-batch", "16"), None, (16, False), id="given-as-the-default"),
+        pytest.param(("--max-batch", "3"), None, (3, False), id="given"),
+        pytest.param((), "4", (4, False), id="given-through-the-environment"),
+    ],
+)
+def test_only_an_unset_max_batch_lets_the_planner_shrink_the_batch(
+    flags: tuple[str, ...], env: str | None, expected: tuple[int, bool], monkeypatch
+) -> None:
+    if env is None:
+        monkeypatch.delenv("TANDEM_MAX_BATCH", raising=False)
+    else:
+        monkeypatch.setenv("TANDEM_MAX_BATCH", env)
+    config = serve_config(*flags)
+    assert (config.max_batch, config.shrink_batch) == expected
+
+
+def test_a_max_batch_under_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--max-batch must be at least 1, got 0"):
+        serve_config("--max-batch", "0")
