@@ -113,6 +113,7 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
     from engines.cluster.speed_survey import SpeedSurvey, wants_measuring
     from engines.weights.source import WeightSource
 
+    settings = plan_settings_of(args)
     key, _ = resolve_cluster_key(
         args.cluster_key, args.cluster_key_file, args.state_dir, create=False
     )
@@ -132,15 +133,14 @@ def plan_live_cluster(args: argparse.Namespace, facts: Any) -> tuple[ClusterPlan
             if wants_measuring(args.measure_speeds, nodes):
                 here = coordinator_address(args.interface, members)
                 survey = SpeedSurvey(membership, nodes[0].node_id, here)
-                speeds = survey.for_plan(facts, nodes, args.max_batch, tp_possible)
+                speeds = survey.for_plan(facts, nodes, settings.max_batch, tp_possible)
         finally:
             membership.close()
     if survey is None and wants_measuring(args.measure_speeds, nodes):  # alone, and asked
         survey = SpeedSurvey(None, nodes[0].node_id)
-        speeds = survey.for_plan(facts, nodes, args.max_batch, tp_possible)
+        speeds = survey.for_plan(facts, nodes, settings.max_batch, tp_possible)
     for line in survey.describe() if survey is not None else ():
         print(line)
-    settings = plan_settings_of(args)
     print_members(members)
     weights = None
     if key is not None and verified:  # never serves here: it only sizes (and maybe hashes)
@@ -173,19 +173,26 @@ def plan_settings_of(args: argparse.Namespace) -> Any:
     """The planning choices `tandem plan` reads as serve would act on them."""
     from engines.cluster.planning import PlanSettings
 
-    from .options import kv_bits_from, prefix_cache_bytes_from, quantized_kv_start_from
+    from .options import (
+        kv_bits_from,
+        max_batch_from,
+        prefix_cache_bytes_from,
+        quantized_kv_start_from,
+    )
 
+    max_batch, shrink_batch = max_batch_from(args.max_batch)
     return PlanSettings(
         Parallelism(args.parallelism),
         args.collective,
         args.context_tokens,
         1,
-        args.max_batch,
+        max_batch,
         cpu_float32=args.cpu_float32 == "auto",
         prefix_cache_bytes=prefix_cache_bytes_from(args.prefix_cache_bytes),
         measure=args.measure_speeds,
         kv_bits=kv_bits_from(args.kv_bits),
         quantized_kv_start=quantized_kv_start_from(args.quantized_kv_start),
+        shrink_batch=shrink_batch,
     )
 
 

@@ -3,13 +3,14 @@
 model is unloaded).
 
 A model loaded at run time never moves one already served: it is planned over what they
-leave, the coordinator's memory less their needs there and the members none of them uses.
-When it does not fit, a load a request asked for first unloads the least recently used idle
-model (no request running or queued) and tries again; a load through `POST /v1/models`
-never evicts, it is refused with the planner's numbers. Unloading closes the model's
-supervisor (its engine core exits, its agents are released), so its memory returns on every
-machine it used. A machine that joins (or comes back) places the set again
-(cli/set_rediscovery.py).
+leave, the coordinator's memory less their needs there and the members none of them uses,
+with a full batch there or alone on an agent before a smaller batch (--max-batch unset,
+planner/batch.py). When it does not fit even so, a load a request asked for first unloads
+the least recently used idle model (no request running or queued) and tries again; a load
+through `POST /v1/models` never evicts, it is refused with the planner's numbers. Unloading
+closes the model's supervisor (its engine core exits, its agents are released), so its
+memory returns on every machine it used. A machine that joins (or comes back) places the set
+again (cli/set_rediscovery.py).
 """
 
 from __future__ import annotations
@@ -145,11 +146,11 @@ class ModelManager:
 
     def _place(self, model: ServedModel) -> None:
         """Plan it over what the served models leave: the coordinator's share and the free
-        agents, or, when that does not fit, alone on one free agent (planner/relay.py);
+        agents, or, when that does not fit, alone on one free agent (planner/relay.py); both
+        at a full batch first, then (--max-batch unset) at the largest batch that fits;
         PlanError with the numbers if it fits neither way."""
         from engines.cluster.planning import plan_nodes
         from planner.placement import less_taken, need_on
-        from planner.relay import is_relayed
 
         coordinator = self.context.coordinator
         others = [
@@ -173,24 +174,45 @@ class ModelManager:
         ]
         members = membership.members() if membership is not None else []
         settings = model.supervisor.plan_settings
-        plan = plan_nodes(model.facts, settings, [share, *free], members, model.weights)
+        # a full batch either way before a smaller one either way (planner/batch.py)
+        fixed = replace(settings, shrink_batch=False)
         group, relayed = free, False
-        if plan.refusal is not None:  # alone on a free agent, the roomiest first, if it fits
-            for agent in sorted(free, key=lambda node: -node.memory_bytes):
-                alone = plan_nodes(
-                    model.facts, settings, [share, agent], members, model.weights, relayed=True
-                )
-                if alone.refusal is None and is_relayed(alone):
-                    group, relayed = [agent], True
-                    break
-            else:
-                raise PlanError(
-                    f"'{model.service.model_id}' does not fit beside the models served: "
-                    f"{plan.refusal}"
-                )
+        for attempt in (fixed, settings) if settings.shrink_batch else (settings,):
+            plan = plan_nodes(model.facts, attempt, [share, *free], members, model.weights)
+            if plan.refusal is None:
+                break
+            agent = self._relay_agent(model, attempt, share, free, members)
+            if agent is not None:
+                group, relayed = [agent], True
+                break
+        else:
+            raise PlanError(
+                f"'{model.service.model_id}' does not fit beside the models served: {plan.refusal}"
+            )
         model.supervisor.coordinator = lambda: share
         model.supervisor.member_group = frozenset(node.node_id for node in group)
         model.supervisor.relayed = relayed
+
+    def _relay_agent(
+        self,
+        model: ServedModel,
+        settings: Any,
+        share: NodeResources,
+        free: list[NodeResources],
+        members: list[Any],
+    ) -> NodeResources | None:
+        """The free agent the model fits alone on, relayed (planner/relay.py), the roomiest
+        first; None when it fits on none."""
+        from engines.cluster.planning import plan_nodes
+        from planner.relay import is_relayed
+
+        for agent in sorted(free, key=lambda node: -node.memory_bytes):
+            alone = plan_nodes(
+                model.facts, settings, [share, agent], members, model.weights, relayed=True
+            )
+            if alone.refusal is None and is_relayed(alone):
+                return agent
+        return None
 
     def _evict_one(self, but: str) -> bool:
         """Unload the least recently used idle model (not `but`) to make room; False when

@@ -101,6 +101,33 @@ def apply_blas_flags(args: argparse.Namespace) -> None:
         os.environ["TANDEM_BLAS_THREADS"] = str(args.blas_threads)
 
 
+def add_max_batch_flag(parser: argparse.ArgumentParser) -> None:
+    """--max-batch, shared by serve and plan: unset (None) lets the planner shrink the batch."""
+    from planner.memory import DEFAULT_MAX_BATCH
+
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=env_default("MAX_BATCH", None, int),
+        help="sequences decoded together (continuous batching). Unset: up to "
+        f"{DEFAULT_MAX_BATCH}, as many as the memory holds with --context-tokens of KV each "
+        "(more requests wait in the queue); given: that many, or refused when they do not "
+        f"fit [env TANDEM_MAX_BATCH; default {DEFAULT_MAX_BATCH} or as many as fit]",
+    )
+
+
+def max_batch_from(value: int | None) -> tuple[int, bool]:
+    """--max-batch: the batch to plan, and whether the planner may shrink it to fit (unset)."""
+    from planner.errors import ConfigError
+    from planner.memory import DEFAULT_MAX_BATCH
+
+    if value is None:
+        return DEFAULT_MAX_BATCH, True
+    if value < 1:
+        raise ConfigError(f"--max-batch must be at least 1, got {value}")
+    return value, False
+
+
 def add_planning_flags(parser: argparse.ArgumentParser) -> None:
     """Planning choices `serve` acts on and `tandem plan` must plan alike."""
     from planner.memory import DEFAULT_QUANTIZED_KV_START

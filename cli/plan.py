@@ -13,6 +13,7 @@ from .options import (
     add_flag,
     add_interface_flag,
     add_key_flags,
+    add_max_batch_flag,
     add_planning_flags,
     env_default,
     kv_bits_from,
@@ -65,7 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="accept this collective backend for tp",
     )
     add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
-    add_flag(parser, "--max-batch", default=16, cast=int, help="sequences decoded together")
+    add_max_batch_flag(parser)
     add_planning_flags(parser)
     add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
     add_flag(

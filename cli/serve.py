@@ -19,12 +19,14 @@ from .options import (
     add_flag,
     add_interface_flag,
     add_key_flags,
+    add_max_batch_flag,
     add_memory_budget_flag,
     add_planning_flags,
     apply_blas_flags,
     draft_tokens_from,
     env_default,
     kv_bits_from,
+    max_batch_from,
     prefix_cache_bytes_from,
     quantized_kv_start_from,
 )
@@ -94,13 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flag(parser, "--host", default="127.0.0.1", help="HTTP bind address")
     add_flag(parser, "--port", default=DEFAULT_PORT, cast=int, help="HTTP port")
-    add_flag(
-        parser,
-        "--max-batch",
-        default=16,
-        cast=int,
-        help="sequences decoded together (continuous batching)",
-    )
+    add_max_batch_flag(parser)
     add_planning_flags(parser)
     add_flag(
         parser,
@@ -241,8 +237,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
     if args.queue_size < 1:
         raise ConfigError(f"--queue-size must be at least 1, got {args.queue_size}")
-    if args.max_batch < 1:
-        raise ConfigError(f"--max-batch must be at least 1, got {args.max_batch}")
+    max_batch, shrink_batch = max_batch_from(args.max_batch)
     if not 1 <= args.max_tokens_cap <= MAX_TOKENS:
         raise ConfigError(
             f"--max-tokens-cap must be between 1 and {MAX_TOKENS}, got {args.max_tokens_cap}"
@@ -275,7 +270,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         host=args.host,
         port=args.port,
         queue_size=args.queue_size,
-        max_batch=args.max_batch,
+        max_batch=max_batch,
+        shrink_batch=shrink_batch,
         prefix_cache_bytes=prefix_cache_bytes,
         prefix_cache_disk_bytes=prefix_cache_disk_bytes,
         kv_bits=kv_bits_from(args.kv_bits),

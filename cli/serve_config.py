@@ -26,7 +26,7 @@ class ServeConfig:
     host: str
     port: int
     queue_size: int
-    max_batch: int
+    max_batch: int  # --max-batch, or the default when unset (then shrink_batch)
     prefix_cache_bytes: int | None  # None: derived by the planner from the memory left
     cpu_float32: bool
     max_tokens_cap: int
@@ -61,5 +61,7 @@ class ServeConfig:
     # every --model after the first: served beside it, placed over the cluster together
     more_models: tuple[str, ...] = ()
     load_on_demand: bool = False  # no model loads at start: the first request naming it does
+    # --max-batch unset: a full batch that does not fit is planned as the largest that does
+    shrink_batch: bool = False
     keep_alive_s: float = 0.0  # unload a model idle this long (it reloads on demand); 0: never
     chat_template: str | None = None  # --chat-template's text: the first model's chats use it

@@ -137,6 +137,7 @@ class ServedModel:
                 measure=config.measure_speeds,
                 kv_bits=config.kv_bits,
                 quantized_kv_start=config.quantized_kv_start,
+                shrink_batch=config.shrink_batch,
             ),
             launch_settings=None,  # set by attach(), once the members (and our address) are known
             coordinator=lambda: coordinator,
@@ -169,7 +170,6 @@ class ServedModel:
             weights=self.weights,
             cluster_key=key,
             coordinator_address=address,
-            max_batch=config.max_batch,
             kv_bits=config.kv_bits,
             quantized_kv_start=config.quantized_kv_start,
             most_drafted=config.most_drafted,

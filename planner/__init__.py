@@ -1,6 +1,7 @@
 """The pure planner: which parallelism to run, how layers split, and whether it fits."""
 
 from planner.allocation import allocate_layers
+from planner.batch import plan_batch
 from planner.cluster_plan import plan_cluster
 from planner.decision import (
     Decision,
@@ -43,6 +44,7 @@ __all__ = [
     "decide",
     "format_bytes",
     "format_pair",
+    "plan_batch",
     "plan_cluster",
     "single_need",
     "stage_need",

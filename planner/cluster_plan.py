@@ -241,6 +241,7 @@ def plan_cluster(
     auto leaves such a node out and plans the rest, an explicit choice is refused. A plan
     that does not fit comes back with `refusal` set; PlanError means invalid input. With
     `speeds` (every node measured), a pipeline's layers are split by speed within memory.
+    planner/batch.py plans a smaller batch when this one does not fit.
     """
     plan = _plan_memory(
         choice, shape, nodes, collective, context_tokens, headroom, max_batch, prefix_cache_bytes,
@@ -382,6 +383,7 @@ def _plan_memory(
     return replace(
         plan,
         batch_capacity=max_batch,
+        max_batch=max_batch,
         context_tokens=context_tokens,
         prefix_cache_bytes=cached_tokens * shape.prefix_kv_bytes_per_token,
         kv_bits=shape.kv_bits,

@@ -9,6 +9,7 @@ from planner.errors import PlanError
 
 DEFAULT_HEADROOM = 0.10
 DEFAULT_CONTEXT_TOKENS = 4096
+DEFAULT_MAX_BATCH = 16  # sequences decoded together (--max-batch)
 BYTE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
 # RAM is sold and reported in powers of two ("16 GB" = 16 * 2**30), so scale by 1024.
 UNIT_STEP = 1024

@@ -14,8 +14,9 @@ Rules (v1):
   (planner/relay.py: the coordinator keeps only its embedding), when its --parallelism is
   auto or single: every such model is tried both ways. The greedy never relays.
 - The best valid candidate: first, the fewest models served otherwise than their explicit
-  --parallelism asks (pp asked, one machine given: served single). Then, when every plan has
-  measured speeds, the highest predicted total
+  --parallelism asks (pp asked, one machine given: served single), then the fewest whose
+  batch was shrunk to fit (planner/batch.py: fewer sequences than --max-batch). Then, when
+  every plan has measured speeds, the highest predicted total
   (each plan's batch tok/s summed; optimistic, the coordinator's compute is shared too). From
   the tables alone: the most memory left, as a share of what it has, on the tightest machine
   used: the furthest from running out, and like one model's auto, which spreads over every
@@ -313,11 +314,14 @@ def _rank(
             choices[model_id] is not Parallelism.AUTO and plan.decision.chosen != choices[model_id]
             for model_id, plan in candidate.plans.items()
         )
+        # a full batch wherever one fits: fewer sequences at once is a last resort too
+        shrunk = sum(plan.batch_capacity < plan.max_batch for plan in candidate.plans.values())
         if measured:
-            return (closed, -(candidate.predicted_tps or 0.0), candidate.machines, index)
+            tps = -(candidate.predicted_tps or 0.0)
+            return (closed, shrunk, tps, candidate.machines, index)
         used = [memory for memory in memory_by_node(nodes, candidate.plans) if memory.needs]
         tightest = min(memory.left_bytes / memory.available_bytes for memory in used)
-        return (closed, -tightest, candidate.machines, index)
+        return (closed, shrunk, -tightest, candidate.machines, index)
 
     ranked: dict[tuple[tuple[str, str, tuple[str, ...]], ...], Candidate] = {}
     for _, candidate in sorted(enumerate(valid), key=key):

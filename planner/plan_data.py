@@ -61,6 +61,9 @@ class ClusterPlan:
     refusal: str | None = None
     backend: str | None = None  # the collective tp ranks join; None unless tp
     batch_capacity: int = 1  # sequences decoded together, each with a full context of KV
+    # The batch asked for (--max-batch); batch_capacity is smaller when that many did not fit
+    # and the operator left --max-batch unset (planner/batch.py).
+    max_batch: int = 1
     context_tokens: int = 0  # the KV budget of one sequence
     compute_dtype: str = "as stored"  # "float32" when half-precision weights are upcast
     prefix_cache_bytes: int = 0  # KV kept for reuse, whole model; each node holds its share
@@ -86,6 +89,7 @@ class ClusterPlan:
             ],
             "ranks": list(self.ranks),
             "batch_capacity": self.batch_capacity,
+            "max_batch": self.max_batch,
             "context_tokens": self.context_tokens,
             "compute_dtype": self.compute_dtype,
             "prefix_cache_bytes": self.prefix_cache_bytes,
@@ -117,6 +121,11 @@ class ClusterPlan:
             "predictions": [prediction.to_dict() for prediction in self.predictions],
         }
 
+    def describe_batch(self) -> str:
+        """'3 sequences x 49152 tokens': what the batch holds at once."""
+        plural = "" if self.batch_capacity == 1 else "s"
+        return f"{self.batch_capacity} sequence{plural} x {self.context_tokens} tokens"
+
     def describe(self) -> list[str]:
         """Human lines for `tandem plan`: rules, the choice and why, then who runs what."""
         lines = [f"{'PASS' if c.passed else 'FAIL'} {c.name}: {c.detail}" for c in self.checks]
@@ -125,8 +134,12 @@ class ClusterPlan:
         if self.backend is not None:
             lines.append(f"collective backend: {self.backend}")
         lines.append(
-            f"batch capacity: {self.batch_capacity} sequences x {self.context_tokens} tokens "
-            "of KV cache, counted in every node's need"
+            f"batch capacity: {self.describe_batch()} of KV cache, counted in every node's need"
+            + (
+                f" (a full batch of {self.max_batch} does not fit; more requests wait their turn)"
+                if self.batch_capacity < self.max_batch
+                else ""
+            )
         )
         lines.append(f"compute precision on every node: {self.compute_dtype}")
         if self.kv_bytes_per_token:

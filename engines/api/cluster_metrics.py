@@ -30,7 +30,7 @@ RUNNER_GAUGES = (  # (metric, help, EngineRunner attribute)
     ("tandem_queue_depth", "Requests waiting for a batch slot", "queued"),
     ("tandem_queue_capacity", "Waiting requests before 429 (--queue-size)", "queue_size"),
     ("tandem_active_sequences", "Sequences in the running batch", "active"),
-    ("tandem_batch_capacity", "Largest running batch (--max-batch)", "max_batch"),
+    ("tandem_batch_capacity", "Largest running batch (the plan's batch capacity)", "max_batch"),
 )
 
 Family = TypeVar("Family", GaugeMetricFamily, CounterMetricFamily, HistogramMetricFamily)

@@ -52,7 +52,6 @@ class LaunchSettings:
     transfer_stall_s: float = 60.0
     token_timeout_s: float = 10.0
     ring_port_base: int = DEFAULT_RING_PORT_BASE
-    max_batch: int = 16  # sequences decoded together
     kv_bits: int = 0  # every engine's KV cache quantized to this many bits; 0: not
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once it holds this many tokens
     most_drafted: int = 0  # speculative decoding: tokens drafted per step of a lone sequence
@@ -104,7 +103,7 @@ def build_engine(
             disk_root = tier_root(settings.prefix_cache_dir, settings.model_path, share)
         options = {
             "model_path": str(settings.model_path),
-            "max_batch": settings.max_batch,
+            "max_batch": plan.batch_capacity,  # what fits (planner/batch.py)
             "upcast": _upcast(plan),
             "prefix_cache_bytes": plan.prefix_cache_bytes,
             "prefix_cache_disk_bytes": settings.prefix_cache_disk_bytes if disk_root else 0,
@@ -133,7 +132,7 @@ def _build_tensor_parallel(
     rank_addresses = [addresses[node_id] for node_id in plan.ranks]
     ports = [_ring_port(address, rank, settings) for rank, address in enumerate(rank_addresses)]
     options = {
-        "max_batch": settings.max_batch,
+        "max_batch": plan.batch_capacity,
         "upcast_float32": _upcast(plan),
         "prefix_cache_bytes": plan.prefix_cache_bytes,
         "kv_bits": settings.kv_bits,

@@ -11,8 +11,14 @@ from typing import Any
 from engines.model.info import ModelFacts
 from engines.model.precision import on_cpu
 from planner import ClusterPlan, NodeResources, Parallelism, TransferSizes, plan_cluster
+from planner.batch import PlanAt, plan_batch
 from planner.measured import plan_measured, plan_relay
-from planner.memory import DEFAULT_HEADROOM, DEFAULT_QUANTIZED_KV_START, ModelShape
+from planner.memory import (
+    DEFAULT_HEADROOM,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_QUANTIZED_KV_START,
+    ModelShape,
+)
 from planner.relay import may_relay
 from planner.speed import ClusterSpeeds
 
@@ -27,7 +33,7 @@ class PlanSettings:
     collective: str | None
     context_tokens: int
     queue_size: int
-    max_batch: int = 16
+    max_batch: int = DEFAULT_MAX_BATCH
     rediscover_interval_s: float = 10.0  # 0 disables looking for agents that join later
     cpu_float32: bool = True  # upcast half-precision weights on the CPU when that fits
     prefix_cache_bytes: int | None = 0  # None: the planner derives it from the memory left
@@ -36,6 +42,9 @@ class PlanSettings:
     measure: str = "off"
     kv_bits: int = 0  # the KV cache's quantization (--kv-bits); 0: none
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... from this many tokens on
+    # --max-batch left unset: a full batch that does not fit is planned as the largest batch
+    # that does (planner/batch.py); given, it is planned as asked or refused.
+    shrink_batch: bool = False
 
 
 def plan_nodes(
@@ -55,7 +64,9 @@ def plan_nodes(
     With measured `speeds`, auto picks the fastest predicted plan (planner/measured.py).
     `relayed` (a placement's choice, for one agent beside the coordinator): the model runs
     single on that agent, the coordinator relaying (planner/relay.py); with any other nodes,
-    or a --parallelism other than auto or single, it is planned as usual.
+    or a --parallelism other than auto or single, it is planned as usual. A full batch is
+    planned in either precision before a smaller one (planner/batch.py), which only
+    `settings.shrink_batch` allows.
     """
     transfer = None
     if weights is not None and members:
@@ -66,20 +77,20 @@ def plan_nodes(
 
     relay = relayed and len(nodes) == 2 and may_relay(settings.choice)
 
-    def plan(float32: bool) -> ClusterPlan:
+    def plan(float32: bool, batch: int) -> ClusterPlan:
         shape = facts.to_shape(float32, settings.kv_bits, settings.quantized_kv_start)
         if relay:
-            alone = plan_alone(Parallelism.SINGLE, shape, nodes[1:])
+            alone = plan_alone(Parallelism.SINGLE, shape, nodes[1:], batch)
             return plan_relay(alone, nodes[0], shape, DEFAULT_HEADROOM, speeds)
-        return plan_alone(settings.choice, shape, nodes)
+        return plan_alone(settings.choice, shape, nodes, batch)
 
     def plan_alone(
-        choice: Parallelism, shape: ModelShape, nodes: list[NodeResources]
+        choice: Parallelism, shape: ModelShape, nodes: list[NodeResources], batch: int
     ) -> ClusterPlan:
         if speeds is not None:
             return plan_measured(
                 choice, shape, nodes, speeds, settings.collective,
-                settings.context_tokens, max_batch=settings.max_batch,
+                settings.context_tokens, max_batch=batch,
                 prefix_cache_bytes=settings.prefix_cache_bytes, transfer=transfer,
             )  # fmt: skip
         return plan_cluster(
@@ -88,14 +99,19 @@ def plan_nodes(
             nodes,
             collective=settings.collective,
             context_tokens=settings.context_tokens,
-            max_batch=settings.max_batch,
+            max_batch=batch,
             prefix_cache_bytes=settings.prefix_cache_bytes,
             transfer=transfer,
         )
 
-    if settings.cpu_float32 and facts.can_upcast and on_cpu():
-        upcast = plan(float32=True)
-        if upcast.refusal is None:
-            return replace(upcast, compute_dtype="float32")
+    def upcast(batch: int) -> ClusterPlan:
+        return replace(plan(True, batch), compute_dtype="float32")
+
+    ways: list[PlanAt] = [lambda batch: plan(False, batch)]
+    upcasting = settings.cpu_float32 and facts.can_upcast and on_cpu()
+    if upcasting:
+        ways.insert(0, upcast)
+    chosen = plan_batch(ways, settings.max_batch, settings.shrink_batch)
+    if upcasting and chosen.compute_dtype != "float32":
         log.info("float32 does not fit: computing in the model's own half precision")
-    return plan(float32=False)
+    return chosen

@@ -161,10 +161,11 @@ class ClusterSupervisor:
             log.info("  %s", line)
         runner: EngineRunner | None = None
         try:
+            # the batch the plan holds: --max-batch, or fewer when that many do not fit
             runner = EngineRunner(
-                self._core_for(self._engine_factory(plan)),
+                self._core_for(self._engine_factory(plan), plan.batch_capacity),
                 self.plan_settings.queue_size,
-                self.plan_settings.max_batch,
+                plan.batch_capacity,
             )
             runner.start(load_timeout_s=self.launch_settings.ready_timeout_s)
             tokenizer = self._api_tokenizer(runner)
@@ -196,16 +197,16 @@ class ClusterSupervisor:
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer with --chat-template: {error}") from error
 
-    def _core_for(self, made: Engine | EngineSpec) -> Engine | EngineCore:
-        """The engine core for what the factory made: a spec runs in a process of its own
-        (`--engine-core process`, the default) or on a thread here; an engine object (a
-        test's) runs on a thread here."""
+    def _core_for(self, made: Engine | EngineSpec, max_batch: int) -> Engine | EngineCore:
+        """The engine core for what the factory made, scheduling up to `max_batch` sequences:
+        a spec runs in a process of its own (`--engine-core process`, the default) or on a
+        thread here; an engine object (a test's) runs on a thread here."""
         if not isinstance(made, EngineSpec):
             return made
         settings = self.launch_settings
         if settings.engine_core == THREAD_CORE:
             return made.build()
-        return CoreProcess(made, self.plan_settings.max_batch, settings.core_lost_after_s)
+        return CoreProcess(made, max_batch, settings.core_lost_after_s)
 
     # -- failure handling --------------------------------------------------------------------
 

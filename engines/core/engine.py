@@ -10,7 +10,6 @@ from typing import Any
 
 from engines.core.request import GenerationRequest
 
-DEFAULT_MAX_BATCH = 16  # sequences decoded together
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per step: bounds how long a newcomer stalls others
 
 

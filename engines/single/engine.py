@@ -14,13 +14,7 @@ from mlx_lm import load as load_model_and_tokenizer
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.core.engine import (
-    DEFAULT_MAX_BATCH,
-    DEFAULT_PREFILL_CHUNK,
-    Engine,
-    EngineInfo,
-    StepOutput,
-)
+from engines.core.engine import DEFAULT_PREFILL_CHUNK, Engine, EngineInfo, StepOutput
 from engines.core.request import GenerationRequest
 from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.grammar import GrammarCompiler
@@ -38,7 +32,7 @@ from engines.speculation.draft_model import DraftModelDrafter, check_draft_model
 from engines.speculation.lane import DrafterFactory
 from engines.speculation.prompt_lookup import PromptLookup
 from planner.errors import EngineError
-from planner.memory import DEFAULT_QUANTIZED_KV_START
+from planner.memory import DEFAULT_MAX_BATCH, DEFAULT_QUANTIZED_KV_START
 
 log = logging.getLogger(__name__)
 

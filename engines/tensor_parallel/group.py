@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from discovery.framing import free_port
-from engines.core.engine import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
-from planner.memory import DEFAULT_QUANTIZED_KV_START, KV_BITS
+from engines.core.engine import DEFAULT_PREFILL_CHUNK
+from planner.memory import DEFAULT_MAX_BATCH, DEFAULT_QUANTIZED_KV_START, KV_BITS
 
 BACKENDS = ("ring", "jaccl")
 # The longest idle gap between the group's header broadcasts: the idle latency a new request

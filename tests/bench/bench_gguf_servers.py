@@ -153,7 +153,8 @@ def llama_command(llama_server: Path, model: Path, port: int) -> list[str]:
 
 
 def spread(values: list[float], digits: int) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    low, middle, high = min(values), statistics.median(values), max(values)
+    return f"{middle:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def render(
@@ -178,7 +179,7 @@ def render(
         for name in ("llama.cpp", "tandem")
     ]
     table = markdown_table(
-        ["medians of rounds (min-max)", "llama.cpp llama-server", "tandem serve", "tandem / llama.cpp"],
+        ["medians (min-max)", "llama.cpp llama-server", "tandem serve", "tandem / llama.cpp"],
         rows,
     )
     return (

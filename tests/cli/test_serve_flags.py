@@ -92,3 +92,28 @@ def test_the_chat_template_file_is_read_with_the_flags(tmp_path: Path) -> None:
     for name, reason in (("empty.jinja", "is empty"), (".", "Is a directory")):
         with pytest.raises(ConfigError, match=reason):
             serve_config("--chat-template", str(tmp_path / name))
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        pytest.param((), None, (16, True), id="unset-shrinks-to-fit"),
+        pytest.param(("--max-batch", "16"), None, (16, False), id="given-as-the-default"),
+        pytest.param(("--max-batch", "3"), None, (3, False), id="given"),
+        pytest.param((), "4", (4, False), id="given-through-the-environment"),
+    ],
+)
+def test_only_an_unset_max_batch_lets_the_planner_shrink_the_batch(
+    flags: tuple[str, ...], env: str | None, expected: tuple[int, bool], monkeypatch
+) -> None:
+    if env is None:
+        monkeypatch.delenv("TANDEM_MAX_BATCH", raising=False)
+    else:
+        monkeypatch.setenv("TANDEM_MAX_BATCH", env)
+    config = serve_config(*flags)
+    assert (config.max_batch, config.shrink_batch) == expected
+
+
+def test_a_max_batch_under_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--max-batch must be at least 1, got 0"):
+        serve_config("--max-batch", "0")

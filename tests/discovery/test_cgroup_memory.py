@@ -125,14 +125,16 @@ def test_a_process_in_a_limited_cgroup_reports_the_limit_as_its_memory(memory_cg
 def test_serve_in_a_cgroup_too_small_for_the_plan_refuses_with_the_limit(
     memory_cgroup, demo_model_dir
 ):
-    """Planned for the host's memory it would load and be OOM-killed; the limit refuses it."""
+    """Planned for the host's memory it would load and be OOM-killed; the limit refuses it
+    (one sequence of 131072 tokens: 512 MB of the demo's KV, so no smaller batch fits)."""
     argv = [
         sys.executable, "-m", "cli.main", "serve", "--model", str(demo_model_dir),
         "--parallelism", "single", "--port", str(free_port()), "--interface", "127.0.0.1",
-        "--discovery-timeout", "0.2", "--context-tokens", "32768",
+        "--discovery-timeout", "0.2", "--context-tokens", "131072",
     ]
     result = run_in_cgroup(memory_cgroup, 400 * MIB, argv)
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert "refusing to serve" in last and "(cgroup v1 limit)" in last, last
     assert "has 0." in last or "MB (cgroup" in last, last  # the limit's numbers, not the host's
+    assert last.endswith("even with one sequence of 131072 tokens"), last

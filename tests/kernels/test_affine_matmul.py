@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step

@@ -8,10 +8,11 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engines.cluster.planning import plan_nodes
+from engines.cluster.planning import PlanSettings, plan_nodes
 from engines.core.runner import EngineRunner
 from engines.model.info import inspect_model
 from engines.single.engine import SingleEngine
+from planner import Parallelism
 from tests.helpers.engine import make_request, run_one
 from tests.helpers.supervision import Members, ScriptedEngine, make_supervisor
 
@@ -60,6 +61,28 @@ def test_the_plan_counts_float32_weights_and_falls_back_when_they_do_not_fit(dem
     supervisor.membership = None
     plan = supervisor.make_plan()
     assert plan.refusal is None and plan.compute_dtype == "as stored"
+
+
+def test_a_full_batch_in_half_precision_comes_before_a_smaller_one_in_float32(demo_model_factory):
+    """--max-batch unset (planner/batch.py): a full batch as stored is kept over fewer
+    sequences upcast; when neither precision holds a full batch, float32 at the largest batch
+    that fits (the CPU's fast path), fewer sequences than half precision would hold."""
+    from planner import NodeResources, single_need
+
+    facts = inspect_model(Path(demo_model_factory(dtype="bfloat16")))
+    context = 8192
+    settings = PlanSettings(Parallelism.SINGLE, None, context, 4, 16, shrink_batch=True)
+    half, upcast = facts.to_shape(), facts.to_shape(float32=True)
+
+    def plan_on(memory: int, float32: bool = True):
+        node = NodeResources("c", "127.0.0.1", memory, ())
+        return plan_nodes(facts, replace(settings, cpu_float32=float32), [node], [])
+
+    full_as_stored = plan_on(single_need(half, 16 * context))
+    assert (full_as_stored.compute_dtype, full_as_stored.batch_capacity) == ("as stored", 16)
+    shrunk = plan_on(single_need(upcast, 3 * context))
+    assert (shrunk.compute_dtype, shrunk.batch_capacity, shrunk.max_batch) == ("float32", 3, 16)
+    assert plan_on(single_need(upcast, 3 * context), float32=False).batch_capacity > 3
 
 
 def test_float32_models_are_left_alone(demo_model_dir):
