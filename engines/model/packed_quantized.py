@@ -110,3 +110,9 @@ def pack(*modules: Any) -> list[Any]:
     if swapped:
         log.info("%d quantized layers computed by tandem's CPU kernel", swapped)
     return done
+
+
+def runs_on_kernel(model: Any) -> bool:
+    """Whether any of `model`'s layers computes through the kernel (pack swapped it)."""
+    swapped = tuple(PACKED.values())
+    return any(isinstance(layer, swapped) for layer in model.modules())

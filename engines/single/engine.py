@@ -21,7 +21,7 @@ from engines.decoding.grammar import GrammarCompiler
 from engines.decoding.sampling import UnseededSamplers, make_request_processors
 from engines.model.gemm_layout import lay_out
 from engines.model.load_progress import evaluate_by_layer
-from engines.model.packed_quantized import pack
+from engines.model.packed_quantized import pack, runs_on_kernel
 from engines.model.precision import upcast_on_cpu
 from engines.observability.process_memory import parameter_bytes
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
@@ -30,7 +30,7 @@ from engines.prefix_cache.shared_prefill import PrefillSharing
 from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
 from engines.speculation.draft_model import DraftModelDrafter, check_draft_model
 from engines.speculation.lane import DrafterFactory
-from engines.speculation.prompt_lookup import PromptLookup
+from engines.speculation.prompt_lookup import PromptLookup, TimedPromptLookup
 from planner.errors import EngineError
 from planner.memory import DEFAULT_MAX_BATCH, DEFAULT_QUANTIZED_KV_START
 
@@ -120,9 +120,10 @@ class SingleEngine(Engine):
         log.info("single engine loaded %s (batch of up to %d)", self.model_path, self.max_batch)
 
     def _load_drafter(self) -> DrafterFactory:
-        """Prompt lookup, or drafts from --draft-model once it is loaded and checked."""
+        """Prompt lookup (timed where the kernel makes a verifying pass costly), or drafts
+        from --draft-model once it is loaded and checked."""
         if self.draft_model_path is None or not self.most_drafted:
-            return PromptLookup
+            return TimedPromptLookup if runs_on_kernel(self.model) else PromptLookup
         try:
             self.draft_model, draft_tokenizer = load_model_and_tokenizer(str(self.draft_model_path))
         except (OSError, ValueError, RuntimeError) as error:

@@ -40,3 +40,12 @@ class PromptLookup:
             if start is not None:
                 return self.tokens[start : start + most]
         return []
+
+
+class TimedPromptLookup(PromptLookup):
+    """Prompt lookup whose verifying passes cost more than plain ones: through tandem's CPU
+    kernel a pass's work grows with its rows (9 rows cost ~5x one), so drafting is timed
+    against plain decoding as a draft model's is (Payoff). Only for an engine that decides
+    alone: tensor-parallel ranks must draft alike, by the tokens."""
+
+    costly = True

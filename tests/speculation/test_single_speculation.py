@@ -98,3 +98,19 @@ def test_penalties_and_logprobs_are_those_of_plain_decoding(demo_model_dir):
     assert counts.accepted > 0
     unpenalized = decode(demo_model_dir, PROMPT, 40, top_logprobs=2)[1]
     assert unpenalized != pytest.approx(plain_logprobs, abs=1e-3)  # the penalties did something
+
+
+def test_prompt_lookup_is_timed_where_the_kernel_makes_a_verifying_pass_costly(
+    demo_model_factory,
+) -> None:
+    from engines.single.engine import SingleEngine
+    from engines.speculation.prompt_lookup import TimedPromptLookup
+
+    drafters = {}
+    for bits in (None, 4):
+        engine = SingleEngine(demo_model_factory(quantize=bits), most_drafted=MOST_DRAFTED)
+        engine.load()
+        drafters[bits] = engine._batch.lane.drafter
+        engine.close()
+    assert drafters == {None: PromptLookup, 4: TimedPromptLookup}
+    assert TimedPromptLookup.costly and not PromptLookup.costly  # Payoff times the second
