@@ -281,8 +281,12 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         mx.clear_cache()
 
     def abort(self, reason: str) -> None:
-        """From any thread: close the hops so a blocked read returns at once with EngineError."""
-        self._abort_reason = reason
+        """From any thread: close the hops so a blocked read returns at once with EngineError.
+        The first reason stays until the chain reconnects: a re-plan aborts naming the lost
+        member, then closing the old runner aborts again, and the step the first abort
+        unblocks may only now be reading it."""
+        if self._abort_reason is None:
+            self._abort_reason = reason
         self._fail(f"aborted: {reason}")
         self._close_chain()
 
