@@ -16,6 +16,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -151,6 +152,22 @@ inline void dot_row(const Problem& p, const Unpacker<BITS>& unpack, const uint8_
   }
 }
 
+// `dot(rows, m)` over the rows of x: blocks of ROWS_PER_REGISTER_BLOCK, then the 1-3 left,
+// each block size a compile-time constant (rows is a std::integral_constant).
+template <typename Dot>
+inline void by_row_blocks(int M, Dot dot) {
+  int m = 0;
+  for (; m + ROWS_PER_REGISTER_BLOCK <= M; m += ROWS_PER_REGISTER_BLOCK) {
+    dot(std::integral_constant<int, ROWS_PER_REGISTER_BLOCK>{}, m);
+  }
+  switch (M - m) {
+    case 1: dot(std::integral_constant<int, 1>{}, m); break;
+    case 2: dot(std::integral_constant<int, 2>{}, m); break;
+    case 3: dot(std::integral_constant<int, 3>{}, m); break;
+    default: break;
+  }
+}
+
 // The codes of weight row n. The generic unpacker reads past a row's last code: the matrix's
 // last row comes from a padded copy in `padded`, so nothing reads past the buffer.
 template <int BITS>
@@ -249,16 +266,9 @@ void dot_rows_wide(const Problem& p, int n0, int n1) {
   static const WideUnpacker<BITS> unpack;
   for (int n = n0; n < n1; n++) {
     const uint8_t* codes = p.w + n * p.row_bytes;  // masked loads: the last row needs no copy
-    int m = 0;
-    for (; m + ROWS_PER_REGISTER_BLOCK <= p.M; m += ROWS_PER_REGISTER_BLOCK) {
-      dot_row_wide<BITS, ROWS_PER_REGISTER_BLOCK, S>(p, unpack, codes, n, m);
-    }
-    switch (p.M - m) {
-      case 1: dot_row_wide<BITS, 1, S>(p, unpack, codes, n, m); break;
-      case 2: dot_row_wide<BITS, 2, S>(p, unpack, codes, n, m); break;
-      case 3: dot_row_wide<BITS, 3, S>(p, unpack, codes, n, m); break;
-      default: break;
-    }
+    by_row_blocks(p.M, [&](auto rows, int m) {
+      dot_row_wide<BITS, decltype(rows)::value, S>(p, unpack, codes, n, m);
+    });
   }
 }
 
@@ -300,16 +310,9 @@ void dot_rows(const Problem& p, int n0, int n1) {
   std::vector<uint8_t> padded;
   for (int n = n0; n < n1; n++) {
     const uint8_t* codes = row_codes<BITS>(p, n, padded);
-    int m = 0;
-    for (; m + ROWS_PER_REGISTER_BLOCK <= p.M; m += ROWS_PER_REGISTER_BLOCK) {
-      dot_row<BITS, ROWS_PER_REGISTER_BLOCK, S>(p, unpack, codes, n, m);
-    }
-    switch (p.M - m) {
-      case 1: dot_row<BITS, 1, S>(p, unpack, codes, n, m); break;
-      case 2: dot_row<BITS, 2, S>(p, unpack, codes, n, m); break;
-      case 3: dot_row<BITS, 3, S>(p, unpack, codes, n, m); break;
-      default: break;
-    }
+    by_row_blocks(p.M, [&](auto rows, int m) {
+      dot_row<BITS, decltype(rows)::value, S>(p, unpack, codes, n, m);
+    });
   }
 }
 
