@@ -80,6 +80,7 @@ class ClusterSupervisor:
         self.plan: ClusterPlan | None = None
         self.replans = 0
         self.last_replan_reason = ""
+        self._templated_tokenizer: Any = None  # --chat-template's, loaded at the first launch
         self.replan_history = ReplanHistory()
         self._engine_factory = engine_factory or self._build_engine
         self._lock = threading.Lock()
@@ -192,10 +193,14 @@ class ClusterSupervisor:
         template = self.launch_settings.chat_template
         if template is None:
             return runner.core.tokenizer
-        try:
-            return load_serving_tokenizer(self.launch_settings.model_path, template)
-        except (OSError, ValueError) as error:
-            raise EngineError(f"cannot load the tokenizer with --chat-template: {error}") from error
+        if self._templated_tokenizer is None:  # once: every re-plan serves the same model
+            try:
+                path = self.launch_settings.model_path
+                self._templated_tokenizer = load_serving_tokenizer(path, template)
+            except (OSError, ValueError) as error:
+                reason = f"cannot load the tokenizer with --chat-template: {error}"
+                raise EngineError(reason) from error
+        return self._templated_tokenizer
 
     def _core_for(self, made: Engine | EngineSpec, max_batch: int) -> Engine | EngineCore:
         """The engine core for what the factory made, scheduling up to `max_batch` sequences:
