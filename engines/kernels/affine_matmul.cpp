@@ -44,6 +44,7 @@ struct Problem {
   const float* x_sums;  // (M, groups)
   const int16_t* x_codes;  // (M, K): x rounded to int16 per group, for the AVX-512 path
   const float* x_steps;  // (M, groups): the value of one of x_codes' steps in each group
+  const float* x_lost;  // (M, groups): what rounding x to x_codes lost of each group's sum
   float* y;  // (M, N)
   int M, N, K, group_size, groups;
   int64_t row_bytes;
@@ -219,61 +220,123 @@ struct WideUnpacker {
   }
 };
 
-template <int BITS, int ROWS, typename S>
-inline void dot_row_wide(const Problem& p, const WideUnpacker<BITS>& unpack, const uint8_t* codes, int n, int m0) {
-  const S* scales = static_cast<const S*>(p.scales) + static_cast<int64_t>(n) * p.groups;
-  const S* biases = static_cast<const S*>(p.biases) + static_cast<int64_t>(n) * p.groups;
-  const int chunks = p.group_size / WIDE;
-  // Codes centred on zero (s * q + b = s * (q - c) + (b + s * c)): x's rounding meets
-  // terms half as large.
-  constexpr int CENTRE = 1 << (BITS - 1);
-  const __m512i centre = _mm512_set1_epi16(CENTRE);
-  __m512 total[ROWS];
-  float bias_total[ROWS];
-  for (int r = 0; r < ROWS; r++) {
-    total[r] = _mm512_setzero_ps();
-    bias_total[r] = 0.0f;
-  }
-  for (int g = 0; g < p.groups; g++) {
-    __m512i group[ROWS];
-    for (int r = 0; r < ROWS; r++) {
-      group[r] = _mm512_setzero_si512();
-    }
-    const int k0 = g * p.group_size;
-    for (int c = 0; c < chunks; c++) {
-      const __m512i q = _mm512_sub_epi16(unpack.codes(codes + (static_cast<int64_t>(k0) + WIDE * c) * BITS / 8), centre);
-      for (int r = 0; r < ROWS; r++) {
-        const int16_t* x = p.x_codes + static_cast<int64_t>(m0 + r) * p.K + k0 + WIDE * c;
-        group[r] = _mm512_dpwssd_epi32(group[r], q, _mm512_loadu_si512(x));
-      }
-    }
-    const float scale = to_float<S>(scales[g]);
-    const float bias = to_float<S>(biases[g]) + scale * CENTRE;
-    for (int r = 0; r < ROWS; r++) {
-      const int64_t at = static_cast<int64_t>(m0 + r) * p.groups + g;
-      const __m512 step = _mm512_set1_ps(scale * p.x_steps[at]);
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group[r]), step, total[r]);
-      bias_total[r] += bias * p.x_sums[at];
-    }
-  }
-  for (int r = 0; r < ROWS; r++) {
-    p.y[static_cast<int64_t>(m0 + r) * p.N + n] = _mm512_reduce_add_ps(total[r]) + bias_total[r];
+// The scales or biases of groups [g, g + 16) of a row (fewer at its end), as floats.
+template <typename S>
+inline __m512 load_16(const S* values, int g, int groups) {
+  const int left = groups - g;
+  const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_maskz_loadu_ps(mask, values + g);
+  } else if constexpr (std::is_same_v<S, uint16_t>) {  // float16
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, values + g));
+  } else {  // bfloat16: its bits are a float's top half
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, reinterpret_cast<const uint16_t*>(values + g));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   }
 }
 
-template <int BITS, typename S>
-void dot_rows_wide(const Problem& p, int n0, int n1) {
+// Per weight row, the scalar work of each group is done once, 16 groups at a time, before
+// the codes are read: the float each group's integer sum is multiplied by (its scale times
+// x's step) and the bias term of the whole row. A code-reading loop is then only unpacking,
+// one vpdpwssd per 32 codes, and one conversion and FMA per group.
+// A row's steps are written 16 at a time: each row of them gets whole blocks of 16.
+inline int steps_stride(int groups) {
+  return (groups + 15) / 16 * 16;
+}
+
+template <int BITS, int ROWS, int CHUNKS, typename S>
+inline void dot_row_wide(const Problem& p, const WideUnpacker<BITS>& unpack, const uint8_t* codes, int n, int m0, float* steps) {
+  const S* scales = static_cast<const S*>(p.scales) + static_cast<int64_t>(n) * p.groups;
+  const S* biases = static_cast<const S*>(p.biases) + static_cast<int64_t>(n) * p.groups;
+  // As if the codes were centred on zero, so that x's rounding meets terms half as large:
+  // s * sum (q - c) x  =  s * step * sum q x_code  -  s * c * step * sum x_code, and with
+  // the sum of x itself, s * (q - c) + (b + s * c) = s * q + b, so a group's product is
+  //     s * step * sum q x_code  +  b * sum x  +  s * c * (sum x - step * sum x_code)
+  // where the last bracket (x_lost) is known per group of x. The codes stay unsigned.
+  constexpr int CENTRE = 1 << (BITS - 1);
+  constexpr int GROUP = CHUNKS * WIDE;
+  const int stride = steps_stride(p.groups);
+  __m512 bias_total[ROWS];
+  for (int r = 0; r < ROWS; r++) {
+    bias_total[r] = _mm512_setzero_ps();
+  }
+  for (int g = 0; g < p.groups; g += 16) {
+    const __m512 scale = load_16(scales, g, p.groups);
+    const __m512 bias = load_16(biases, g, p.groups);
+    const __m512 centred = _mm512_mul_ps(scale, _mm512_set1_ps(CENTRE));
+    for (int r = 0; r < ROWS; r++) {
+      const int64_t at = static_cast<int64_t>(m0 + r) * p.groups;
+      _mm512_storeu_ps(steps + r * stride + g, _mm512_mul_ps(scale, load_16(p.x_steps + at, g, p.groups)));
+      bias_total[r] = _mm512_fmadd_ps(bias, load_16(p.x_sums + at, g, p.groups), bias_total[r]);
+      bias_total[r] = _mm512_fmadd_ps(centred, load_16(p.x_lost + at, g, p.groups), bias_total[r]);
+    }
+  }
+  // Two accumulators a row, for even and odd groups: one FMA chain would wait on itself.
+  // (Indexed by constants only: an accumulator chosen at run time lives on the stack.)
+  __m512 even[ROWS], odd[ROWS];
+  for (int r = 0; r < ROWS; r++) {
+    even[r] = odd[r] = _mm512_setzero_ps();
+  }
+  const int16_t* x_codes = p.x_codes + static_cast<int64_t>(m0) * p.K;
+  const int K = p.K, groups = p.groups;
+  auto add_group = [&](int g, __m512* total) {
+    const uint8_t* group_codes = codes + static_cast<int64_t>(g) * GROUP * BITS / 8;
+    __m512i sums[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+      sums[r] = _mm512_setzero_si512();
+    }
+    for (int c = 0; c < CHUNKS; c++) {
+      const __m512i q = unpack.codes(group_codes + WIDE * c * BITS / 8);
+      for (int r = 0; r < ROWS; r++) {
+        const int16_t* x = x_codes + static_cast<int64_t>(r) * K + g * GROUP + WIDE * c;
+        sums[r] = _mm512_dpwssd_epi32(sums[r], q, _mm512_loadu_si512(x));
+      }
+    }
+    for (int r = 0; r < ROWS; r++) {
+      const __m512 step = _mm512_set1_ps(steps[r * stride + g]);
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), step, total[r]);
+    }
+  };
+  int g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    add_group(g, even);
+    add_group(g + 1, odd);
+  }
+  if (g < groups) {
+    add_group(g, even);
+  }
+  for (int r = 0; r < ROWS; r++) {
+    p.y[static_cast<int64_t>(m0 + r) * p.N + n] =
+        _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + _mm512_reduce_add_ps(bias_total[r]);
+  }
+}
+
+template <int BITS, int CHUNKS, typename S>
+void dot_rows_wide_grouped(const Problem& p, int n0, int n1) {
   static const WideUnpacker<BITS> unpack;
+  thread_local std::vector<float> steps;
+  steps.resize(static_cast<size_t>(ROWS_PER_REGISTER_BLOCK) * steps_stride(p.groups));
   for (int n = n0; n < n1; n++) {
     const uint8_t* codes = p.w + n * p.row_bytes;  // masked loads: the last row needs no copy
     by_row_blocks(p.M, [&](auto rows, int m) {
-      dot_row_wide<BITS, decltype(rows)::value, S>(p, unpack, codes, n, m);
+      dot_row_wide<BITS, decltype(rows)::value, CHUNKS, S>(p, unpack, codes, n, m, steps.data());
     });
   }
 }
 
-// x rounded to int16 in each group (`codes`), and the value of one step per group (`steps`).
-void round_x(const float* x, int M, int K, int group_size, int16_t* codes, float* steps) {
+// Each group size mlx quantizes with (32, 64, 128) is its own loop, unrolled.
+template <int BITS, typename S>
+void dot_rows_wide(const Problem& p, int n0, int n1) {
+  switch (p.group_size) {
+    case 32: return dot_rows_wide_grouped<BITS, 1, S>(p, n0, n1);
+    case 64: return dot_rows_wide_grouped<BITS, 2, S>(p, n0, n1);
+    default: return dot_rows_wide_grouped<BITS, 4, S>(p, n0, n1);  // 128 (integer_group)
+  }
+}
+
+// x rounded to int16 in each group (`codes`), the value of one step per group (`steps`), and
+// what the rounding lost of each group's sum (`lost`, from the group sums `sums`).
+void round_x(const float* x, int M, int K, int group_size, const float* sums, int16_t* codes, float* steps, float* lost) {
   const int groups = K / group_size;
   for (int m = 0; m < M; m++) {
     for (int g = 0; g < groups; g++) {
@@ -283,12 +346,16 @@ void round_x(const float* x, int M, int K, int group_size, int16_t* codes, float
         largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_loadu_ps(x + start + i)));
       }
       const float top = _mm512_reduce_max_ps(largest);
-      steps[static_cast<int64_t>(m) * groups + g] = top / 32767.0f;
+      const int64_t at = static_cast<int64_t>(m) * groups + g;
+      steps[at] = top / 32767.0f;
       const __m512 per_step = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+      __m512i kept = _mm512_setzero_si512();
       for (int i = 0; i < group_size; i += 16) {
         const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + start + i), per_step));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + start + i), _mm512_cvtsepi32_epi16(rounded));
+        kept = _mm512_add_epi32(kept, rounded);
       }
+      lost[at] = sums[at] - steps[at] * static_cast<float>(_mm512_reduce_add_epi32(kept));
     }
   }
 }
@@ -297,7 +364,7 @@ constexpr bool INTEGER_DOT = false;
 constexpr int WIDE = 32;
 template <int BITS, typename S>
 void dot_rows_wide(const Problem&, int, int) {}
-void round_x(const float*, int, int, int, int16_t*, float*) {}
+void round_x(const float*, int, int, int, const float*, int16_t*, float*, float*) {}
 #endif
 
 template <int BITS, typename S>
@@ -395,6 +462,11 @@ void sum_groups(const float* x, int M, int K, int group_size, float* sums) {
   }
 }
 
+// The group sizes the integer dot is unrolled for: mlx quantizes with these.
+bool integer_group(int group_size) {
+  return group_size == 32 || group_size == 64 || group_size == 128;
+}
+
 void check(bool condition, const std::string& message) {
   if (!condition) {
     throw std::invalid_argument("affine_matmul: " + message);
@@ -484,13 +556,15 @@ void AffineMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
     sum_groups(p.x, p.M, p.K, p.group_size, x_sums.data());
     p.x_sums = x_sums.data();
     std::vector<int16_t> x_codes;
-    std::vector<float> x_steps;
-    if (INTEGER_DOT && p.M < gemm_rows_ && p.group_size % WIDE == 0) {
+    std::vector<float> x_steps, x_lost;
+    if (INTEGER_DOT && p.M < gemm_rows_ && integer_group(p.group_size)) {
       x_codes.resize(static_cast<size_t>(p.M) * p.K);
       x_steps.resize(static_cast<size_t>(p.M) * p.groups);
-      round_x(p.x, p.M, p.K, p.group_size, x_codes.data(), x_steps.data());
+      x_lost.resize(static_cast<size_t>(p.M) * p.groups);
+      round_x(p.x, p.M, p.K, p.group_size, p.x_sums, x_codes.data(), x_steps.data(), x_lost.data());
       p.x_codes = x_codes.data();
       p.x_steps = x_steps.data();
+      p.x_lost = x_lost.data();
     }
     if (dtype == mx::float32) {
       run_bits<float>(p, bits);

@@ -36,12 +36,14 @@ def quantized(rows: int, columns: int, group_size: int, bits: int, dtype: mx.Dty
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("group_size", (32, 64, 128))
 @pytest.mark.parametrize("dtype", (mx.float32, mx.float16, mx.bfloat16))
-def test_the_product_is_mlx_s_up_to_float_rounding(kernel, bits, group_size, dtype) -> None:
+@pytest.mark.parametrize("columns", (256, 1152))
+def test_the_product_is_mlx_s_up_to_float_rounding(kernel, bits, group_size, dtype, columns) -> None:
     # 97 weight rows: the last row's codes end where the buffer ends (the unpacker reads 8
-    # bytes at a time, so that row goes through a padded copy).
-    codes, scales, biases = quantized(97, 256, group_size, bits, dtype)
+    # bytes at a time, so that row goes through a padded copy). 1152 columns: more groups a
+    # row than the 16 the integer dot's scales are read in, and a part block after them.
+    codes, scales, biases = quantized(97, columns, group_size, bits, dtype)
     for rows in ROWS:
-        x = mx.random.normal((rows, 256), key=mx.random.key(rows))
+        x = mx.random.normal((rows, columns), key=mx.random.key(rows))
         ours = kernel.affine_matmul(x, codes, scales, biases, group_size, bits)
         theirs = mx.quantized_matmul(
             x,
