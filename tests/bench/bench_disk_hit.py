@@ -103,7 +103,7 @@ def main() -> None:
         f"`MIN_DISK_HIT_TOKENS` is {MIN_DISK_HIT_TOKENS}.\n\n"
         f"{describe_machine()}\n\n{table}\n"
     )
-    write_section("Prefix cache: when a disk hit pays", body)
+    write_section("## Prefix cache: when a disk hit pays", body)
 
 
 if __name__ == "__main__":
