@@ -10,7 +10,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from engines.model.gguf.importer import Progress, import_gguf
+from engines.model.gguf.importer import Progress, import_gguf, kernel_reads_half_scales
 from engines.model.gguf.source import GGUF_MAGIC, SPLIT_PATTERN, check_magic, split_paths
 from engines.model.precision import on_cpu
 
@@ -19,10 +19,18 @@ log = logging.getLogger(__name__)
 CACHE_FOLDER = "gguf"
 DIGESTS_FILE = "digests.json"  # path -> (size, mtime, sha256): a file is hashed once
 # Bump when the files an import writes change, so older imports are not served.
-IMPORT_VERSION = 2
+IMPORT_VERSION = 3  # 3: float16 scales where tandem's CPU kernel reads them
 # Ollama stores each blob under its own digest: sha256-<64 hex>.
 OLLAMA_BLOB_PATTERN = re.compile(r"^sha256[-:](?P<digest>[0-9a-f]{64})$")
 HASH_CHUNK_BYTES = 16 * 1024**2
+
+
+def device_key() -> str:
+    """What an import depends on besides the file: the device, and on the CPU whether
+    tandem's kernel runs (its imports keep float16 scales: importer.kernel_reads_half_scales)."""
+    if not on_cpu():
+        return "gpu"
+    return "cpu-kernel" if kernel_reads_half_scales() else "cpu"
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -50,7 +58,7 @@ def ensure_imported(
     paths = split_paths(path)
     for part in paths:
         check_magic(part)  # before hashing what is not a GGUF at all
-    key = f"{content_digest(paths, cache_dir)[:16]}-{'cpu' if on_cpu() else 'gpu'}"
+    key = f"{content_digest(paths, cache_dir)[:16]}-{device_key()}"
     key += f"{'-float' if dequantize else ''}-v{IMPORT_VERSION}"
     folder = cache_dir / CACHE_FOLDER / key
     found = imported_directory(folder)

@@ -12,9 +12,11 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from gguf import GGMLQuantizationType
+
 from engines.model.gguf.architectures import CONFIG_TENSORS, find_architecture
 from engines.model.gguf.configs import build_config
-from engines.model.gguf.quantization import FLOAT_TYPES, Treatment
+from engines.model.gguf.quantization import FLOAT_TYPES, Treatment, scales_dtype
 from engines.model.gguf.source import GGUFSource, open_source
 from engines.model.gguf.tensors import TensorPlan, convert, plan_tensor
 from engines.model.gguf.writer import ShardWriter, write_json
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 # Room kept free beyond the model's own bytes, so an import never fills a disk to the brim.
 DISK_MARGIN_BYTES = 512 * 1024**2
 GGUF_SOURCE_FILE = "gguf_source.json"  # which file the directory was imported from
+EMBEDDING_TENSOR = "token_embd.weight"
 
 Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
 FLOAT = Treatment("float")
@@ -76,6 +79,21 @@ def plan_import(source: GGUFSource, dequantize: bool = False) -> tuple[list[Tens
     if dequantize:
         plans = [dataclasses.replace(plan, treatment=FLOAT) for plan in plans]
     config["torch_dtype"] = float_dtype(source, plans)
+    # Not the embedding's: a lookup's rows come out in its scales' dtype, and the whole
+    # residual stream would follow them into float16.
+    half_scales = kernel_reads_half_scales()
+    plans = [
+        dataclasses.replace(
+            plan,
+            scales_dtype=scales_dtype(
+                GGMLQuantizationType(plan.tensor.tensor_type),
+                plan.treatment,
+                config["torch_dtype"],
+                half_scales and plan.tensor.name != EMBEDDING_TENSOR,
+            ),
+        )
+        for plan in plans
+    ]
     quantization = quantization_entries(plans)
     if quantization:
         config["quantization"] = quantization
@@ -92,7 +110,7 @@ def float_dtype(source: GGUFSource, plans: list[TensorPlan]) -> str:
     """
     if on_cpu() and any(plan.tensor.tensor_type.name not in FLOAT_NAMES for plan in plans):
         return "float32"
-    embedding = source.tensors["token_embd.weight"].tensor_type.name
+    embedding = source.tensors[EMBEDDING_TENSOR].tensor_type.name
     return {"F32": "float32", "BF16": "bfloat16"}.get(embedding, "float16")
 
 
@@ -111,8 +129,19 @@ def quantization_entries(plans: list[TensorPlan]) -> dict:
     return entries
 
 
+def kernel_reads_half_scales() -> bool:
+    """On the CPU, whether tandem's kernel computes the quantized layers (mlx's own CPU
+    quantized matmul takes float16 scales ~40x slower than float32 ones)."""
+    from engines import kernels
+
+    return on_cpu() and kernels.load() is not None
+
+
 def estimate_bytes(plans: list[TensorPlan], dtype: str) -> int:
-    return sum(plan.treatment.output_bytes(plan.tensor.n_elements, dtype) for plan in plans)
+    return sum(
+        plan.treatment.output_bytes(plan.tensor.n_elements, dtype, plan.scales_dtype)
+        for plan in plans
+    )
 
 
 def check_disk_room(directory: Path, needed: int) -> None:

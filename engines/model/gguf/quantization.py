@@ -48,12 +48,13 @@ class Treatment:
             return None
         return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
 
-    def output_bytes(self, elements: int, float_dtype: str) -> int:
+    def output_bytes(self, elements: int, float_dtype: str, scales_dtype: str = "") -> int:
         """Bytes the tensor takes in the safetensors (codes plus scales and biases)."""
         if self.kind == "float":
             return elements * FLOAT_BYTES[float_dtype]
         groups = elements // self.group_size
-        extra = groups if self.mode == "mxfp4" else 2 * groups * FLOAT_BYTES[float_dtype]
+        scale_bytes = FLOAT_BYTES[scales_dtype or float_dtype]
+        extra = groups if self.mode == "mxfp4" else 2 * groups * scale_bytes
         return elements * self.bits // 8 + extra
 
 
@@ -74,3 +75,22 @@ def treatment(quantization: GGMLQuantizationType, columns: int, dimensions: int)
     if dimensions < 2 or columns % REQUANTIZED_GROUP_SIZE:
         return Treatment("float")  # mlx quantizes rows in whole groups only
     return Treatment("requantized", bits, REQUANTIZED_GROUP_SIZE)
+
+
+# Types whose block scales and offsets are float16 values in the GGUF itself (d, m, d * -16,
+# d * -128), which float16 holds exactly; a K-quant's are products (d * a 6-bit scale).
+HALF_EXACT_TYPES = NATIVE_TYPES | {T.Q5_0, T.Q5_1}
+
+
+def scales_dtype(
+    quantization: GGMLQuantizationType, how: Treatment, float_dtype: str, half_scales: bool
+) -> str:
+    """The dtype of a quantized layer's scales and biases ("" for a float tensor's own).
+
+    `half_scales` (tandem's CPU kernel, which reads float16 scales as fast as float32 ones):
+    float16 where it holds the GGUF's values exactly, and for what is re-quantized anyway, so
+    a decode reads 2 bytes less per 32 weights (a tenth of a Q5_0 layer); else `float_dtype`.
+    """
+    if how.kind == "float" or not half_scales or float_dtype != "float32":
+        return ""
+    return "float16" if how.kind == "requantized" or quantization in HALF_EXACT_TYPES else ""

@@ -27,6 +27,7 @@ class TensorPlan:
     treatment: Treatment
     rope_heads: int | None  # un-interleave q/k rows over this many heads
     norm_offset: float  # subtract from the values (Gemma's norms)
+    scales_dtype: str = ""  # of a quantized layer's scales and biases; "" = the float dtype
 
     @property
     def module(self) -> str:
@@ -56,21 +57,22 @@ def convert(plan: TensorPlan, float_dtype: str) -> dict[str, mx.array]:
     tensor = plan.tensor
     quantization = GGMLQuantizationType(tensor.tensor_type)
     dtype = MLX_DTYPES[float_dtype]
+    scales_dtype = MLX_DTYPES[plan.scales_dtype or float_dtype]
     if plan.treatment.kind == "native":
         packed = repack(np.asarray(tensor.data), quantization)
         # mxfp4 scales are exponents (uint8); affine fp16 scales widen exactly.
-        return _quantized(plan, packed.weight, packed.scales, packed.biases, dtype)
+        return _quantized(plan, packed.weight, packed.scales, packed.biases, scales_dtype)
     if plan.treatment.kind == "affine":
         affine = decode_affine(np.asarray(tensor.data), quantization)
-        return _quantized(plan, affine.weight, affine.scales, affine.biases, dtype)
+        return _quantized(plan, affine.weight, affine.scales, affine.biases, scales_dtype)
     values = _rope_rows(dequantize(tensor), plan.rope_heads)
     if plan.norm_offset:
         values = values - np.float32(plan.norm_offset)
     array = mx.array(values).astype(dtype)
     if plan.treatment.kind == "float":
         return {plan.name: array}
-    weight, scales, biases = mx.quantize(
-        array, group_size=plan.treatment.group_size, bits=plan.treatment.bits
+    weight, scales, biases = mx.quantize(  # scales in the dtype of what it quantizes
+        array.astype(scales_dtype), group_size=plan.treatment.group_size, bits=plan.treatment.bits
     )
     return {
         f"{plan.module}.weight": weight,
