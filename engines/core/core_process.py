@@ -391,7 +391,7 @@ class CoreProcess:
                 self.engine.stepped(message)
             self._listener.on_report(report_of(message))
         elif kind == "loading":  # the engine's layers, to serve's progress bar
-            from engines.model import load_progress
+            from engines.observability import load_progress
 
             load_progress.report(int(message["done"]), int(message["total"]))
         elif kind == "status":

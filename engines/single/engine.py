@@ -20,9 +20,9 @@ from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.grammar import GrammarCompiler
 from engines.decoding.sampling import UnseededSamplers, make_request_processors
 from engines.model.gemm_layout import lay_out
-from engines.model.load_progress import evaluate_by_layer
 from engines.model.packed_quantized import pack, runs_on_kernel
 from engines.model.precision import upcast_on_cpu
+from engines.observability.load_progress import evaluate_by_layer
 from engines.observability.process_memory import parameter_bytes
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.index import PrefixIndex
