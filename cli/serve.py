@@ -39,6 +39,32 @@ DEFAULT_PORT = 8000
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="plan the cluster and serve the OpenAI API")
+    # In the order --help lists them (docs/cli.md holds that output).
+    _add_model_flags(parser)
+    add_flag(parser, "--host", default="127.0.0.1", help="HTTP bind address")
+    add_flag(parser, "--port", default=DEFAULT_PORT, cast=int, help="HTTP port")
+    add_max_batch_flag(parser)
+    add_planning_flags(parser)
+    add_flag(
+        parser,
+        "--prefix-cache-disk-bytes",
+        default="0",
+        help="disk under --cache-dir for prefix-cache entries evicted from memory, read back "
+        "on a hit (e.g. 8G; 0 turns the disk tier off)",
+    )
+    _add_request_flags(parser)
+    _add_membership_flags(parser)
+    _add_memory_flags(parser)
+    _add_engine_flags(parser)
+    _add_liveness_flags(parser)
+    add_blas_flags(parser)
+    _add_storage_flags(parser)
+    add_observability_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """What is served, under which names, split how, and when it loads."""
     parser.add_argument(
         "--model",
         action="append",
@@ -94,17 +120,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="unload a model no request has used for this long (it loads again when one "
         "names it); 0 keeps every model loaded",
     )
-    add_flag(parser, "--host", default="127.0.0.1", help="HTTP bind address")
-    add_flag(parser, "--port", default=DEFAULT_PORT, cast=int, help="HTTP port")
-    add_max_batch_flag(parser)
-    add_planning_flags(parser)
-    add_flag(
-        parser,
-        "--prefix-cache-disk-bytes",
-        default="0",
-        help="disk under --cache-dir for prefix-cache entries evicted from memory, read back "
-        "on a hit (e.g. 8G; 0 turns the disk tier off)",
-    )
+
+
+def _add_request_flags(parser: argparse.ArgumentParser) -> None:
+    """What the API takes: requests queued, their limits, HTTP connections, the key."""
     add_flag(
         parser,
         "--queue-size",
@@ -141,6 +160,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--api-key",
         help="require the key on /v1 and /api (`Authorization: Bearer KEY` or `x-api-key: KEY`)",
     )
+
+
+def _add_membership_flags(parser: argparse.ArgumentParser) -> None:
+    """How this machine finds its peers and proves the cluster key to them."""
     add_interface_flag(parser)
     add_flag(
         parser, "--discovery-timeout", default=3.0, cast=float, help="seconds to browse for peers"
@@ -158,9 +181,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["ring", "jaccl"],
         help="accept this collective backend for tp (ring: TCP, for Linux and tests)",
     )
+
+
+def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
+    """The memory a request's KV and the model may take here."""
     add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
     add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
     add_memory_budget_flag(parser)
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Where this machine's part of the model runs, and how it drafts tokens."""
     add_flag(
         parser,
         "--engine-core",
@@ -188,6 +219,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="draft with this smaller model (named as --model names one; it must share the "
         "served model's tokenizer) instead of by prompt lookup; on one machine only",
     )
+
+
+def _add_liveness_flags(parser: argparse.ArgumentParser) -> None:
+    """How soon a silent peer is lost, and how often late joiners are looked for."""
     add_flag(
         parser,
         "--lost-after",
@@ -202,7 +237,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cast=float,
         help="seconds between looks for agents that joined later (while idle; 0 = never)",
     )
-    add_blas_flags(parser)
+
+
+def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
+    """What this machine keeps on disk, and whether it sends the model to agents."""
     add_flag(
         parser,
         "--cache-dir",
@@ -227,8 +265,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cast=Path,
         help="node id and cluster key",
     )
-    add_observability_flags(parser)
-    parser.set_defaults(run=run)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
