@@ -269,32 +269,16 @@ def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     from discovery.capabilities import parse_memory_size
-    from engines.core.request import MAX_TOKENS
 
     if args.queue_size < 1:
         raise ConfigError(f"--queue-size must be at least 1, got {args.queue_size}")
     max_batch, shrink_batch = max_batch_from(args.max_batch)
-    if not 1 <= args.max_tokens_cap <= MAX_TOKENS:
-        raise ConfigError(
-            f"--max-tokens-cap must be between 1 and {MAX_TOKENS}, got {args.max_tokens_cap}"
-        )
-    if args.max_body_bytes < 1:
-        raise ConfigError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
-    if args.http_header_timeout <= 0:
-        raise ConfigError(f"--http-header-timeout must be positive, got {args.http_header_timeout}")
-    if args.max_connections < 1:
-        raise ConfigError(f"--max-connections must be at least 1, got {args.max_connections}")
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port must be 1..65535, got {args.port}")
+    check_http_limits(args)
     models = args.model or [env_default("MODEL")]
     if args.keep_alive < 0:
         raise ConfigError(f"--keep-alive must be 0 or more seconds, got {args.keep_alive}")
     prefix_cache_bytes = prefix_cache_bytes_from(args.prefix_cache_bytes)
-    try:
-        disk = str(args.prefix_cache_disk_bytes).strip()
-        prefix_cache_disk_bytes = 0 if disk in ("0", "off") else parse_memory_size(disk)
-    except ConfigError as error:
-        raise ConfigError(f"--prefix-cache-disk-bytes: {error}, or 0") from None
+    prefix_cache_disk_bytes = disk_bytes_from(args.prefix_cache_disk_bytes)
     return ServeConfig(
         model=models[0],
         more_models=tuple(models[1:]),
@@ -339,6 +323,36 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         http=HttpLimits(args.http_header_timeout, args.max_connections),
         chat_template=read_chat_template(args.chat_template),
     )
+
+
+def check_http_limits(args: argparse.Namespace) -> None:
+    """ConfigError for the first of max_tokens, the body, the headers' time, the connections
+    and the port that is out of range."""
+    from engines.core.request import MAX_TOKENS
+
+    if not 1 <= args.max_tokens_cap <= MAX_TOKENS:
+        raise ConfigError(
+            f"--max-tokens-cap must be between 1 and {MAX_TOKENS}, got {args.max_tokens_cap}"
+        )
+    if args.max_body_bytes < 1:
+        raise ConfigError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
+    if args.http_header_timeout <= 0:
+        raise ConfigError(f"--http-header-timeout must be positive, got {args.http_header_timeout}")
+    if args.max_connections < 1:
+        raise ConfigError(f"--max-connections must be at least 1, got {args.max_connections}")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be 1..65535, got {args.port}")
+
+
+def disk_bytes_from(value: str) -> int:
+    """--prefix-cache-disk-bytes in bytes: a size such as 8G, or 0 / off."""
+    from discovery.capabilities import parse_memory_size
+
+    try:
+        disk = str(value).strip()
+        return 0 if disk in ("0", "off") else parse_memory_size(disk)
+    except ConfigError as error:
+        raise ConfigError(f"--prefix-cache-disk-bytes: {error}, or 0") from None
 
 
 def read_chat_template(path: Path | None) -> str | None:
