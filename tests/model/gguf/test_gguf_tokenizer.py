@@ -17,7 +17,7 @@ from engines.model.gguf.tokenizer import read_vocabulary, write_tokenizer
 from planner.errors import ModelError
 from tests.helpers.real_models import smollm2_gguf
 
-CORPUS_PATH = Path(__file__).parents[2] / "engines" / "model" / "data" / "corpus.txt"
+CORPUS_PATH = Path(__file__).parents[3] / "engines" / "model" / "data" / "corpus.txt"
 
 CORPUS = (
     "Hello, world! The capital of France is Paris.",
