@@ -8,12 +8,16 @@ import logging
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner import ClusterPlan, NodeResources, Parallelism
 from planner.errors import PlanError
 
 from .serve_config import ServeConfig
+
+if TYPE_CHECKING:
+    from .model_manager import ModelManager
+    from .served_model import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -236,73 +240,34 @@ def _serve(config: ServeConfig, listener: socket.socket) -> int:
     from engines.api.app import create_app
     from engines.core import blas
     from engines.core.served_models import ServedModels
-    from engines.core.service import ServiceLimits
 
     from .http_server import run_http_server
     from .model_manager import ModelManager, ServingContext
-    from .progress import loading
-    from .served_model import MemberEvents, ServedModel, check_ids, model_choices, place
+    from .served_model import MemberEvents, ServedModel, check_ids, model_choices
 
     log.info("BLAS: %s", blas.status().describe())
     choices = model_choices(config)
     # Single with several models still places them: a model may run alone on an agent.
     wants_cluster = config.parallelism != Parallelism.SINGLE or bool(config.more_models)
-    key, created = resolve_cluster_key(
-        config.cluster_key, config.cluster_key_file, config.state_dir, create=wants_cluster
-    )
-    if wants_cluster and key is not None:
-        if created:
-            log.info("created a cluster key in %s", config.state_dir / KEY_FILE)
-        log.info("on every other machine run:  %s", join_command(key, config.interface))
+    key = _cluster_key(config, wants_cluster)
     node_id = f"{socket.gethostname()}-coordinator"
     coordinator = coordinator_resources(node_id, config.memory_limit)
-    limits = ServiceLimits(
-        max_tokens_cap=config.max_tokens_cap,
-        default_max_tokens=min(256, config.max_tokens_cap),
-        request_timeout_s=config.request_timeout_s,
-        api_key=config.api_key,
-    )
+    limits = _service_limits(config)
     served = [ServedModel.open(config, choice, limits, coordinator) for choice in choices]
     check_ids(served, config)
     models = ServedModels(model.service for model in served)
     membership = None
     if wants_cluster and key is not None:
-        membership = open_membership(
-            key,
-            config.interface,
-            config.discovery_timeout_s,
-            config.hostfile,
-            config.lost_after_s,
-            # every model's supervisor, those loaded later too (`manager` is bound below,
-            # before anything can join or fail)
-            MemberEvents(lambda: manager.supervisors()),
-        )
+        # every model's supervisor, those loaded later too (`manager` is bound below, before
+        # anything can join or fail)
+        events = MemberEvents(lambda: manager.supervisors())
+        membership = _open_membership(config, key, events)
     address = coordinator_address(config.interface, membership.members() if membership else [])
     context = ServingContext(config, limits, coordinator, membership, key, address, node_id)
     manager = ModelManager(context, models, served)  # closes every model, those loaded later too
     request_log = open_request_log(config, models)
     try:
-        for model in served:
-            model.attach(config, membership, key, address, node_id)
-        if config.load_on_demand or config.keep_alive_s:
-            models.on_demand = manager  # a request naming an unloaded model loads it
-        if config.keep_alive_s:
-            models.keep_alive_s = config.keep_alive_s
-            manager.keep_alive(config.keep_alive_s)
-        if config.load_on_demand:
-            for model in served:
-                manager.start_known(model)
-        elif len(served) > 1:
-            place(served, coordinator, membership)
-        manager.watch_membership()  # from here on, who joins is placed in
-        for model in served if not config.load_on_demand else ():
-            try:
-                what = f"starting {model.service.model_id}" if len(served) > 1 else None
-                with loading(what or "starting the engine"):
-                    model.supervisor.start()
-            except PlanError as error:
-                which = f" {model.service.model_id}" if len(served) > 1 else ""
-                raise PlanError(f"refusing to serve{which}: {error}") from error
+        _start_models(manager, served)
         stopping = threading.Event()
         app = create_app(
             models,
@@ -313,15 +278,7 @@ def _serve(config: ServeConfig, listener: socket.socket) -> int:
             stopping=stopping,
             model_loader=manager,
         )
-        for model in served:
-            log.info(
-                "serving %s (%s) on http://%s:%d/v1",
-                model.service.model_id,
-                model.facts.display_name,
-                config.host,
-                config.port,
-            )
-        log.info("dashboard: http://%s:%d/  metrics: /metrics", config.host, config.port)
+        _log_addresses(config, served)
         run_http_server(app, listener, stopping, config.http)
     finally:
         discard_spare()
@@ -331,3 +288,84 @@ def _serve(config: ServeConfig, listener: socket.socket) -> int:
         if request_log is not None:  # last: the requests failed by the shutdown are logged too
             request_log.close()
     return 0
+
+
+def _cluster_key(config: ServeConfig, wants_cluster: bool) -> bytes | None:
+    """The cluster key (created in the state dir when a cluster is wanted and none is given),
+    and, for a cluster, the command that joins the other machines to it."""
+    key, created = resolve_cluster_key(
+        config.cluster_key, config.cluster_key_file, config.state_dir, create=wants_cluster
+    )
+    if wants_cluster and key is not None:
+        if created:
+            log.info("created a cluster key in %s", config.state_dir / KEY_FILE)
+        log.info("on every other machine run:  %s", join_command(key, config.interface))
+    return key
+
+
+def _service_limits(config: ServeConfig) -> Any:
+    """What the API holds every request of every model to (engines.core.service)."""
+    from engines.core.service import ServiceLimits  # loaded already: engines.api imports it
+
+    return ServiceLimits(
+        max_tokens_cap=config.max_tokens_cap,
+        default_max_tokens=min(256, config.max_tokens_cap),
+        request_timeout_s=config.request_timeout_s,
+        api_key=config.api_key,
+    )
+
+
+def _open_membership(config: ServeConfig, key: bytes, events: Any) -> Any:
+    """The cluster's membership as the flags find it: zeroconf or --hostfile."""
+    return open_membership(
+        key,
+        config.interface,
+        config.discovery_timeout_s,
+        config.hostfile,
+        config.lost_after_s,
+        events,
+    )
+
+
+def _start_models(manager: ModelManager, served: list[ServedModel]) -> None:
+    """Attach every model and start it (placed together first when there are several), or,
+    with --load-on-demand, list it as unloaded; from then on, machines that join are placed in.
+    """
+    from .progress import loading
+    from .served_model import place
+
+    context, models = manager.context, manager.models
+    config, membership = context.config, context.membership
+    for model in served:
+        model.attach(config, membership, context.key, context.address, context.node_id)
+    if config.load_on_demand or config.keep_alive_s:
+        models.on_demand = manager  # a request naming an unloaded model loads it
+    if config.keep_alive_s:
+        models.keep_alive_s = config.keep_alive_s
+        manager.keep_alive(config.keep_alive_s)
+    if config.load_on_demand:
+        for model in served:
+            manager.start_known(model)
+    elif len(served) > 1:
+        place(served, context.coordinator, membership)
+    manager.watch_membership()  # from here on, who joins is placed in
+    for model in served if not config.load_on_demand else ():
+        try:
+            what = f"starting {model.service.model_id}" if len(served) > 1 else None
+            with loading(what or "starting the engine"):
+                model.supervisor.start()
+        except PlanError as error:
+            which = f" {model.service.model_id}" if len(served) > 1 else ""
+            raise PlanError(f"refusing to serve{which}: {error}") from error
+
+
+def _log_addresses(config: ServeConfig, served: list[ServedModel]) -> None:
+    for model in served:
+        log.info(
+            "serving %s (%s) on http://%s:%d/v1",
+            model.service.model_id,
+            model.facts.display_name,
+            config.host,
+            config.port,
+        )
+    log.info("dashboard: http://%s:%d/  metrics: /metrics", config.host, config.port)

@@ -39,6 +39,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=[p.value for p in Parallelism],
         help="operator choice",
     )
+    _add_what_if_flags(parser)
+    _add_membership_flags(parser)
+    add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
+    add_max_batch_flag(parser)
+    add_planning_flags(parser)
+    add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
+    _add_directory_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def _add_what_if_flags(parser: argparse.ArgumentParser) -> None:
+    """Inputs to plan for in place of the live cluster's: its size, what the model and mlx offer."""
     parser.add_argument(
         "--world-size",
         type=int,
@@ -53,6 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="pretend no distributed group is available",
     )
+
+
+def _add_membership_flags(parser: argparse.ArgumentParser) -> None:
+    """How the live cluster is found and joined (as serve finds it)."""
     add_interface_flag(parser)
     add_key_flags(parser)
     add_flag(
@@ -65,10 +81,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["ring", "jaccl"],
         help="accept this collective backend for tp",
     )
-    add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
-    add_max_batch_flag(parser)
-    add_planning_flags(parser)
-    add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
+
+
+def _add_directory_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the models and this node's id and key are kept."""
     add_flag(
         parser,
         "--cache-dir",
@@ -83,7 +99,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cast=Path,
         help="node id and cluster key",
     )
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -65,14 +65,14 @@ def steps(description: str, total: int) -> Iterator[Callable[[str], None] | None
 @contextmanager
 def loading(description: str) -> Iterator[None]:
     """Elapsed time while an engine starts, and its layers loaded once it reports them
-    (engines/model/load_progress.py: the single engine does; tp ranks and pp stages load in their
-    own processes and show elapsed time only)."""
+    (engines/observability/load_progress.py: the single engine does; tp ranks and pp stages
+    load in their own processes and show elapsed time only)."""
     if not on_terminal():
         yield
         return
     from tqdm import tqdm
 
-    from engines.model.load_progress import listening
+    from engines.observability.load_progress import listening
 
     lock = threading.Lock()
     bar = tqdm(total=None, desc=description, bar_format="{desc}: {elapsed}", leave=False)

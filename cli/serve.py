@@ -39,6 +39,32 @@ DEFAULT_PORT = 8000
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="plan the cluster and serve the OpenAI API")
+    # In the order --help lists them (docs/cli.md holds that output).
+    _add_model_flags(parser)
+    add_flag(parser, "--host", default="127.0.0.1", help="HTTP bind address")
+    add_flag(parser, "--port", default=DEFAULT_PORT, cast=int, help="HTTP port")
+    add_max_batch_flag(parser)
+    add_planning_flags(parser)
+    add_flag(
+        parser,
+        "--prefix-cache-disk-bytes",
+        default="0",
+        help="disk under --cache-dir for prefix-cache entries evicted from memory, read back "
+        "on a hit (e.g. 8G; 0 turns the disk tier off)",
+    )
+    _add_request_flags(parser)
+    _add_membership_flags(parser)
+    _add_memory_flags(parser)
+    _add_engine_flags(parser)
+    _add_liveness_flags(parser)
+    add_blas_flags(parser)
+    _add_storage_flags(parser)
+    add_observability_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """What is served, under which names, split how, and when it loads."""
     parser.add_argument(
         "--model",
         action="append",
@@ -94,17 +120,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="unload a model no request has used for this long (it loads again when one "
         "names it); 0 keeps every model loaded",
     )
-    add_flag(parser, "--host", default="127.0.0.1", help="HTTP bind address")
-    add_flag(parser, "--port", default=DEFAULT_PORT, cast=int, help="HTTP port")
-    add_max_batch_flag(parser)
-    add_planning_flags(parser)
-    add_flag(
-        parser,
-        "--prefix-cache-disk-bytes",
-        default="0",
-        help="disk under --cache-dir for prefix-cache entries evicted from memory, read back "
-        "on a hit (e.g. 8G; 0 turns the disk tier off)",
-    )
+
+
+def _add_request_flags(parser: argparse.ArgumentParser) -> None:
+    """What the API takes: requests queued, their limits, HTTP connections, the key."""
     add_flag(
         parser,
         "--queue-size",
@@ -141,6 +160,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--api-key",
         help="require the key on /v1 and /api (`Authorization: Bearer KEY` or `x-api-key: KEY`)",
     )
+
+
+def _add_membership_flags(parser: argparse.ArgumentParser) -> None:
+    """How this machine finds its peers and proves the cluster key to them."""
     add_interface_flag(parser)
     add_flag(
         parser, "--discovery-timeout", default=3.0, cast=float, help="seconds to browse for peers"
@@ -158,9 +181,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["ring", "jaccl"],
         help="accept this collective backend for tp (ring: TCP, for Linux and tests)",
     )
+
+
+def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
+    """The memory a request's KV and the model may take here."""
     add_flag(parser, "--context-tokens", default=4096, cast=int, help="KV cache budget per request")
     add_flag(parser, "--memory-limit", help="memory this machine offers the model (e.g. 8G)")
     add_memory_budget_flag(parser)
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Where this machine's part of the model runs, and how it drafts tokens."""
     add_flag(
         parser,
         "--engine-core",
@@ -188,6 +219,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="draft with this smaller model (named as --model names one; it must share the "
         "served model's tokenizer) instead of by prompt lookup; on one machine only",
     )
+
+
+def _add_liveness_flags(parser: argparse.ArgumentParser) -> None:
+    """How soon a silent peer is lost, and how often late joiners are looked for."""
     add_flag(
         parser,
         "--lost-after",
@@ -202,7 +237,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cast=float,
         help="seconds between looks for agents that joined later (while idle; 0 = never)",
     )
-    add_blas_flags(parser)
+
+
+def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
+    """What this machine keeps on disk, and whether it sends the model to agents."""
     add_flag(
         parser,
         "--cache-dir",
@@ -227,38 +265,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cast=Path,
         help="node id and cluster key",
     )
-    add_observability_flags(parser)
-    parser.set_defaults(run=run)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     from discovery.capabilities import parse_memory_size
-    from engines.core.request import MAX_TOKENS
 
     if args.queue_size < 1:
         raise ConfigError(f"--queue-size must be at least 1, got {args.queue_size}")
     max_batch, shrink_batch = max_batch_from(args.max_batch)
-    if not 1 <= args.max_tokens_cap <= MAX_TOKENS:
-        raise ConfigError(
-            f"--max-tokens-cap must be between 1 and {MAX_TOKENS}, got {args.max_tokens_cap}"
-        )
-    if args.max_body_bytes < 1:
-        raise ConfigError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
-    if args.http_header_timeout <= 0:
-        raise ConfigError(f"--http-header-timeout must be positive, got {args.http_header_timeout}")
-    if args.max_connections < 1:
-        raise ConfigError(f"--max-connections must be at least 1, got {args.max_connections}")
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port must be 1..65535, got {args.port}")
+    check_http_limits(args)
     models = args.model or [env_default("MODEL")]
     if args.keep_alive < 0:
         raise ConfigError(f"--keep-alive must be 0 or more seconds, got {args.keep_alive}")
     prefix_cache_bytes = prefix_cache_bytes_from(args.prefix_cache_bytes)
-    try:
-        disk = str(args.prefix_cache_disk_bytes).strip()
-        prefix_cache_disk_bytes = 0 if disk in ("0", "off") else parse_memory_size(disk)
-    except ConfigError as error:
-        raise ConfigError(f"--prefix-cache-disk-bytes: {error}, or 0") from None
+    prefix_cache_disk_bytes = disk_bytes_from(args.prefix_cache_disk_bytes)
     return ServeConfig(
         model=models[0],
         more_models=tuple(models[1:]),
@@ -303,6 +323,36 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         http=HttpLimits(args.http_header_timeout, args.max_connections),
         chat_template=read_chat_template(args.chat_template),
     )
+
+
+def check_http_limits(args: argparse.Namespace) -> None:
+    """ConfigError for the first of max_tokens, the body, the headers' time, the connections
+    and the port that is out of range."""
+    from engines.core.request import MAX_TOKENS
+
+    if not 1 <= args.max_tokens_cap <= MAX_TOKENS:
+        raise ConfigError(
+            f"--max-tokens-cap must be between 1 and {MAX_TOKENS}, got {args.max_tokens_cap}"
+        )
+    if args.max_body_bytes < 1:
+        raise ConfigError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")
+    if args.http_header_timeout <= 0:
+        raise ConfigError(f"--http-header-timeout must be positive, got {args.http_header_timeout}")
+    if args.max_connections < 1:
+        raise ConfigError(f"--max-connections must be at least 1, got {args.max_connections}")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be 1..65535, got {args.port}")
+
+
+def disk_bytes_from(value: str) -> int:
+    """--prefix-cache-disk-bytes in bytes: a size such as 8G, or 0 / off."""
+    from discovery.capabilities import parse_memory_size
+
+    try:
+        disk = str(value).strip()
+        return 0 if disk in ("0", "off") else parse_memory_size(disk)
+    except ConfigError as error:
+        raise ConfigError(f"--prefix-cache-disk-bytes: {error}, or 0") from None
 
 
 def read_chat_template(path: Path | None) -> str | None:

@@ -16,7 +16,8 @@ DEFAULT_ROLE_MODULES: Mapping[str, str] = {
     "tp_rank": "engines.tensor_parallel.worker",
     "pp_stage": "engines.pipeline.stage_worker",
     "speed_probe": "engines.model.speed_probe",
-    "collective_probe": "engines.model.collective_probe",  # a 2-rank group: all_sum, tp layer
+    # a 2-rank group: all_sum, tp layer
+    "collective_probe": "engines.tensor_parallel.collective_probe",
     "weights": "engines.weights.fetch_worker",  # a stage's share, fetched ahead of the stage
 }
 

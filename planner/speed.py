@@ -24,8 +24,8 @@ others work gets its layers done at `cpu_share` of its sustained time, as long a
 fits its share of the trip (a token's trip is at least every stage's sustained time).
 
 A ring step over a link: where the link's 2-rank all_sum was measured (by rows of hidden
-states, engines/model/collective_probe.py), half of it at twice the step's rows, since a
-2-rank ring all_sum is 2 steps each carrying half of them; elsewhere the ping's one-way
+states, engines/tensor_parallel/collective_probe.py), half of it at twice the step's rows,
+since a 2-rank ring all_sum is 2 steps each carrying half of them; elsewhere the ping's one-way
 latency plus the step's bytes at the pinged rate. The measured rows are a batch's, not a
 prefill chunk's, so a measured step is never predicted faster than its bytes at the pinged rate
 (which is what a chunk's rows cost); its latency is the measurement's, not the ping's (a ping

@@ -1,7 +1,7 @@
 """The measured 2-rank all_sum between the coordinator and one member, for the planner's tp
 prediction: rank 0 runs on the member as its agent's `collective_probe` role
-(engines/model/collective_probe.py), rank 1 here in a child process, joined in a ring over the
-addresses tp would use. The member is rank 0 because mlx's rank 0 listens first and waits,
+(engines/tensor_parallel/collective_probe.py), rank 1 here in a child process, joined in a ring
+over the addresses tp would use. The member is rank 0 because mlx's rank 0 listens first and waits,
 while the last rank connects, retrying after 1, 2, 4 and 8 s: the member's rank can start
 early and wait, and this side connects at once when it comes. Given the model's config, the
 same two ranks then time a tp layer of it, all_sums included (engines/model/tp_step_probe.py).
@@ -28,7 +28,7 @@ from planner.speed import Curve, RankCpu
 log = logging.getLogger(__name__)
 
 COLLECTIVE_ROLE = "collective_probe"
-COLLECTIVE_MODULE = "engines.model.collective_probe"
+COLLECTIVE_MODULE = "engines.tensor_parallel.collective_probe"
 ALL_SUM_TIMEOUT_S = 30.0  # both ranks join the ring, time their all_sums and tp steps
 # Starting Python and mlx for the rank here, apart: on a loaded machine it alone can take
 # seconds, and none of it is the peer's time.

@@ -14,11 +14,11 @@ from typing import Any
 from engines.core.engine import Engine
 
 
-def single(model_path: str, prefix_cache_disk_root: str | None = None, **options: Any) -> Engine:
+def single(model_path: str, prefix_cache_tier_root: str | None = None, **options: Any) -> Engine:
     from engines.single.engine import SingleEngine
 
-    root = Path(prefix_cache_disk_root) if prefix_cache_disk_root else None
-    return SingleEngine(Path(model_path), prefix_cache_disk_root=root, **options)
+    root = Path(prefix_cache_tier_root) if prefix_cache_tier_root else None
+    return SingleEngine(Path(model_path), prefix_cache_tier_root=root, **options)
 
 
 def tensor_parallel(

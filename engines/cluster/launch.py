@@ -97,6 +97,8 @@ def build_engine(
     if chosen == Parallelism.SINGLE and not is_relayed(plan):
         from engines.prefix_cache.disk_tier import tier_root
 
+        # tp ranks and pp stages find their tier under prefix_cache_dir; the single engine is
+        # handed its own
         disk_root = None
         if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
             share = f"single-kv{settings.kv_bits}" if settings.kv_bits else "single"
@@ -107,7 +109,7 @@ def build_engine(
             "upcast": _upcast(plan),
             "prefix_cache_bytes": plan.prefix_cache_bytes,
             "prefix_cache_disk_bytes": settings.prefix_cache_disk_bytes if disk_root else 0,
-            "prefix_cache_disk_root": str(disk_root) if disk_root else None,
+            "prefix_cache_tier_root": str(disk_root) if disk_root else None,
             "kv_bits": settings.kv_bits,
             "quantized_kv_start": settings.quantized_kv_start,
             "most_drafted": settings.most_drafted,

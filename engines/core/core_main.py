@@ -22,7 +22,7 @@ from engines.core.engine import Engine
 from engines.core.engine_spec import EngineSpec
 from engines.core.request import GenerationRequest
 from engines.core.scheduler import BatchScheduler, StepReport
-from engines.model import load_progress
+from engines.observability import load_progress
 from planner.errors import RequestError
 
 log = logging.getLogger("engines.core.core_main")

@@ -26,7 +26,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import IO, Any
 
 import msgpack
@@ -79,35 +80,40 @@ def _plain(value: Any) -> Any:
 # -- step reports on the wire ---------------------------------------------------------------
 
 
+# A report crosses as its fields by name, and each output and release as a row: the tuple of
+# its dataclass's fields in their order, so a token costs its values, not their names. Both
+# ends follow the dataclasses: a field added to StepReport, StepOutput or Release crosses too.
+_REPORT_FIELDS = tuple(field.name for field in fields(StepReport))
+_ROW_TYPES: dict[str, type[Any]] = {"outputs": StepOutput, "ended": Release}
+# attrgetter rather than astuple, which deep-copies every value (step_times too) every step
+_ROW_OF = {
+    name: attrgetter(*(field.name for field in fields(kind))) for name, kind in _ROW_TYPES.items()
+}
+
+
 def report_document(report: StepReport) -> dict[str, Any]:
-    return {
-        "k": "step",
-        "a": report.admitted,
-        "o": [
-            (o.uid, o.token, o.logprob, o.top_logprobs, o.cached_tokens, o.drafted, o.accepted)
-            for o in report.outputs
-        ],
-        "e": [(r.uid, r.reason, r.error, r.step_times) for r in report.ended],
-        "s": report.steps,
-        "v": report.evicted_bytes,
-    }
+    document: dict[str, Any] = {"k": "step"}
+    for name in _REPORT_FIELDS:
+        value, row_of = getattr(report, name), _ROW_OF.get(name)
+        document[name] = [row_of(entry) for entry in value] if row_of else value
+    return document
 
 
 def report_of(message: dict[str, Any]) -> StepReport:
-    return StepReport(
-        admitted=[tuple(entry) for entry in message["a"]],
-        outputs=[
-            StepOutput(
-                uid, token, logprob=logprob, cached_tokens=cached,
-                top_logprobs=tuple((int(t), float(p)) for t, p in top),
-                drafted=drafted, accepted=accepted,
-            )
-            for uid, token, logprob, top, cached, drafted, accepted in message["o"]
-        ],  # fmt: skip
-        ended=[Release(uid, reason, error, times) for uid, reason, error, times in message["e"]],
-        steps=message["s"],
-        evicted_bytes=message["v"],
-    )
+    values: dict[str, Any] = {}
+    for name in _REPORT_FIELDS:
+        value, kind = message[name], _ROW_TYPES.get(name)
+        if kind is not None:
+            value = [kind(*map(_tupled, row)) for row in value]
+        elif isinstance(value, list):  # admitted: (uid, cached, when) each
+            value = [_tupled(entry) for entry in value]
+        values[name] = value
+    return StepReport(**values)
+
+
+def _tupled(value: Any) -> Any:
+    """A value as it was sent: msgpack reads every tuple back as a list (top_logprobs' pairs)."""
+    return tuple(map(_tupled, value)) if isinstance(value, list) else value
 
 
 def info_document(info: EngineInfo) -> dict[str, Any]:
@@ -391,7 +397,7 @@ class CoreProcess:
                 self.engine.stepped(message)
             self._listener.on_report(report_of(message))
         elif kind == "loading":  # the engine's layers, to serve's progress bar
-            from engines.model import load_progress
+            from engines.observability import load_progress
 
             load_progress.report(int(message["done"]), int(message["total"]))
         elif kind == "status":

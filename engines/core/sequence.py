@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from engines.core.engine import Failure, Finish, StepOutput, TokenEvent
 from engines.core.request import GenerationRequest
-from engines.decoding.stop_text import StopTextFilter
+from engines.core.stop_text import StopTextFilter
 
 
 class Submission(Protocol):

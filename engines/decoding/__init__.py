@@ -1,1 +1,1 @@
-"""Turning logits into tokens and text: sampling, grammars, stop strings."""
+"""Turning logits into tokens: sampling, grammars, the decode batch."""

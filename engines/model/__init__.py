@@ -1,1 +1,1 @@
-"""The model: its facts, where it is, its precision, load progress, the demo models."""
+"""The model: its facts, where it is, its precision, the demo models."""

@@ -135,7 +135,8 @@ def _lockstep_pairs(
     estimate_s = min(sum(pair()[0]) for _ in range(2))
     fitting = int(budget_s / max(estimate_s, 1e-9))
     pairs = from_rank_0(group, min(max(fitting, MIN_PAIRS), MAX_PAIRS))
-    pair()  # the step after that sync may stall a scheduler tick (collective_probe.py)
+    # the step after that sync may stall a scheduler tick (tensor_parallel/collective_probe.py)
+    pair()
     wall, cpu = zip(*(pair() for _ in range(pairs)), strict=True)
     return _medians(wall), _medians(cpu), pairs
 

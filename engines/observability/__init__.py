@@ -1,1 +1,1 @@
-"""What happened: step timing, per-request records and the request log."""
+"""What happened: step timing, per-request records, the request log, load progress."""

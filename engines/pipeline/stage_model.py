@@ -90,60 +90,19 @@ class StageModel:
         `model_path` is a directory, or repo@commit resolved through this machine's Hugging
         Face cache (what an agent is sent).
         """
-        try:
-            model_path = local_model_path(model_path)
-        except ModelError as error:
-            raise EngineError(str(error)) from error
-        try:
-            config = load_config(model_path)
-        except (OSError, ValueError) as error:
-            raise EngineError(f"cannot read the model config in {model_path}: {error}") from error
-        problem = pipeline_problem(config)
-        if problem:
-            raise EngineError(
-                f"model type {config.get('model_type')!r} ({model_path}) is not supported by "
-                f"the pipeline engine: {problem}"
-            )
+        model_path = _pipeline_model_path(model_path)
         mx.reset_peak_memory()
-        try:
-            # A stage's share fetched from the coordinator holds only its own tensors.
-            model, _ = load_model(model_path, lazy=True, strict=not is_partial_copy(model_path))
-            layout = describe(model)
-        except (OSError, ValueError, KeyError, ModelError) as error:
-            raise EngineError(f"cannot load model {model_path}: {error}") from error
+        model, layout = _lazy_model(model_path)
         inner = getattr(model, layout.inner)
         total = len(inner.layers)
-        # [0, 0) is a relay's stage 0: the embedding alone, every layer further down the chain
-        empty_first = layers == range(0, 0) and not is_last
-        if not (empty_first or 0 <= layers.start < layers.stop <= total) or layers.step != 1:
-            raise EngineError(
-                f"stage layer range [{layers.start}, {layers.stop}) is not inside the model's "
-                f"{total} layers ({model_path})"
-            )
-        if is_last != (layers.stop == total):
-            raise EngineError(
-                f"stage [{layers.start}, {layers.stop}) is_last={is_last} contradicts the "
-                f"model's {total} layers: the last stage ends at layer {total}"
-            )
-        is_first = layers.start == 0
-        blocks = [inner.layers[index] for index in layers]
-        embedding = getattr(inner, layout.embedding)
-        embed = embedding if (is_first or (is_last and layout.tied_head)) else None
-        norm = getattr(inner, layout.norm) if is_last else None
-        head = model.lm_head if (is_last and not layout.tied_head) else None
+        _check_layers(layers, is_last, total, model_path)
+        blocks, embed, norm, head = _modules_of(model, layout, layers, is_last)
         kv = kv_quantization(model, kv_bits, quantized_kv_start) if kv_bits else None
         if kv is not None:
             cache_template = kv.make_caches()[layers.start : layers.stop]
         else:
             cache_template = make_prompt_cache(model)[layers.start : layers.stop]
-        kept = [module for module in (*blocks, embed, norm, head) if module is not None]
-        # Evaluating only the kept modules reads only their tensors from the safetensors files.
-        mx.eval([module.parameters() for module in kept])
-        for module in kept:
-            upcast_on_cpu(module, upcast)
-        *blocks, head = pack(*lay_out(*blocks, head))  # every block's shapes timed once
-        if embed is not None:
-            (embed,) = pack(embed)  # a tied head's product
+        blocks, embed, head = _read_kept(blocks, embed, norm, head, upcast)
         hidden_size = int(model.args.hidden_size)
         vocab_size = int(getattr(model.args, "vocab_size", 0) or 0)
         del model, inner
@@ -221,3 +180,84 @@ class StageModel:
             return logits
         # As mlx-lm's GenerationBatch: samplers see log-probabilities, row by row.
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _pipeline_model_path(model_path: Path) -> Path:
+    """The model's local directory, once its config says the pipeline can split it; else
+    EngineError, saying why."""
+    try:
+        model_path = local_model_path(model_path)
+    except ModelError as error:
+        raise EngineError(str(error)) from error
+    try:
+        config = load_config(model_path)
+    except (OSError, ValueError) as error:
+        raise EngineError(f"cannot read the model config in {model_path}: {error}") from error
+    problem = pipeline_problem(config)
+    if problem:
+        raise EngineError(
+            f"model type {config.get('model_type')!r} ({model_path}) is not supported by "
+            f"the pipeline engine: {problem}"
+        )
+    return model_path
+
+
+def _lazy_model(model_path: Path) -> tuple[nn.Module, StageLayout]:
+    """mlx-lm's model, its weights not read yet, and its layout."""
+    try:
+        # A stage's share fetched from the coordinator holds only its own tensors.
+        model, _ = load_model(model_path, lazy=True, strict=not is_partial_copy(model_path))
+        return model, describe(model)
+    except (OSError, ValueError, KeyError, ModelError) as error:
+        raise EngineError(f"cannot load model {model_path}: {error}") from error
+
+
+def _check_layers(layers: range, is_last: bool, total: int, model_path: Path) -> None:
+    """EngineError unless `layers` is a stage of the model's `total`, the last one if
+    `is_last`."""
+    # [0, 0) is a relay's stage 0: the embedding alone, every layer further down the chain
+    empty_first = layers == range(0, 0) and not is_last
+    if not (empty_first or 0 <= layers.start < layers.stop <= total) or layers.step != 1:
+        raise EngineError(
+            f"stage layer range [{layers.start}, {layers.stop}) is not inside the model's "
+            f"{total} layers ({model_path})"
+        )
+    if is_last != (layers.stop == total):
+        raise EngineError(
+            f"stage [{layers.start}, {layers.stop}) is_last={is_last} contradicts the "
+            f"model's {total} layers: the last stage ends at layer {total}"
+        )
+
+
+def _modules_of(
+    model: nn.Module, layout: StageLayout, layers: range, is_last: bool
+) -> tuple[list[nn.Module], nn.Module | None, nn.Module | None, nn.Module | None]:
+    """The modules a stage of `layers` keeps: its blocks, the embedding (the first stage's, or
+    the last's when the head is tied to it), and the last stage's norm and head."""
+    inner = getattr(model, layout.inner)
+    blocks = [inner.layers[index] for index in layers]
+    embedding = getattr(inner, layout.embedding)
+    embed = embedding if (layers.start == 0 or (is_last and layout.tied_head)) else None
+    norm = getattr(inner, layout.norm) if is_last else None
+    head = model.lm_head if (is_last and not layout.tied_head) else None
+    return blocks, embed, norm, head
+
+
+def _read_kept(
+    blocks: list[nn.Module],
+    embed: nn.Module | None,
+    norm: nn.Module | None,
+    head: nn.Module | None,
+    upcast: bool,
+) -> tuple[list[nn.Module], nn.Module | None, nn.Module | None]:
+    """The stage's modules read from disk, upcast when asked, laid out and packed: (blocks,
+    embed, head); the norm is kept as read."""
+    kept = [module for module in (*blocks, embed, norm, head) if module is not None]
+    # Evaluating only the kept modules reads only their tensors from the safetensors files.
+    mx.eval([module.parameters() for module in kept])
+    for module in kept:
+        upcast_on_cpu(module, upcast)
+    *blocks, head = pack(*lay_out(*blocks, head))  # every block's shapes timed once
+    if embed is not None:
+        (embed,) = pack(embed)  # a tied head's product
+    return blocks, embed, head

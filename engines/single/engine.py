@@ -20,9 +20,9 @@ from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.grammar import GrammarCompiler
 from engines.decoding.sampling import UnseededSamplers, make_request_processors
 from engines.model.gemm_layout import lay_out
-from engines.model.load_progress import evaluate_by_layer
 from engines.model.packed_quantized import pack, runs_on_kernel
 from engines.model.precision import upcast_on_cpu
+from engines.observability.load_progress import evaluate_by_layer
 from engines.observability.process_memory import parameter_bytes
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.index import PrefixIndex
@@ -57,7 +57,8 @@ class SingleEngine(Engine):
         upcast: bool = False,
         prefix_cache_bytes: int = 0,
         prefix_cache_disk_bytes: int = 0,
-        prefix_cache_disk_root: Path | None = None,
+        # the disk tier's own directory, tier_root() under a machine's prefix_cache_dir
+        prefix_cache_tier_root: Path | None = None,
         kv_bits: int = 0,
         quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
         most_drafted: int = 0,
@@ -73,11 +74,11 @@ class SingleEngine(Engine):
         # the prefix cache: which token prefixes are kept (index) and their KV (store), in
         # memory and, with a disk budget and a directory, on disk
         disk = None
-        if prefix_cache_disk_root is not None:
+        if prefix_cache_tier_root is not None:
             # entries of another KV quantization are another cache's: never read as this one's
             quantized = f"|kv{kv_bits}from{quantized_kv_start}" if kv_bits else ""
-            identity = str(prefix_cache_disk_root) + quantized
-            disk = DiskTier(prefix_cache_disk_root, identity=identity)
+            identity = str(prefix_cache_tier_root) + quantized
+            disk = DiskTier(prefix_cache_tier_root, identity=identity)
         disk_bytes = prefix_cache_disk_bytes if disk is not None else 0
         self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
         self.prefix_store = PrefixStore(disk if self.prefix_index.disk_max_bytes else None)

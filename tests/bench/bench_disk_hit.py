@@ -37,7 +37,7 @@ class Timer:
             model,
             prefix_cache_bytes=1,
             prefix_cache_disk_bytes=8 << 30,
-            prefix_cache_disk_root=root,
+            prefix_cache_tier_root=root,
         )
         self.engine.load()
         self.uid = 0

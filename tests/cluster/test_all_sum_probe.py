@@ -20,16 +20,16 @@ from discovery.link_probe import LinkMeasurement
 from engines.cluster import all_sum_survey
 from engines.cluster.all_sum_survey import AllSumProbe, GroupProbe
 from engines.cluster.speed_survey import SpeedSurvey
-from engines.model.collective_probe import MIN_ROUNDS
 from engines.model.info import inspect_model
 from engines.model.tp_step_probe import MAX_PAIRS, MIN_PAIRS, has_tp_variant
+from engines.tensor_parallel.collective_probe import MIN_ROUNDS
 from planner import NodeResources
 from planner.errors import PeerError
 
 pytestmark = pytest.mark.cluster
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-PROBE = [sys.executable, "-m", "engines.model.collective_probe"]
+PROBE = [sys.executable, "-m", "engines.tensor_parallel.collective_probe"]
 CANNED_SPEED = {
     "layer": [[1, 0.001], [4, 0.002]],
     "head": [[1, 0.001], [4, 0.002]],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.decoding.stop_text import StopTextFilter
+from engines.core.stop_text import StopTextFilter
 
 
 @pytest.mark.parametrize(

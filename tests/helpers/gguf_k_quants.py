@@ -1,6 +1,6 @@
 """Q4_K and Q6_K encoders for tests: gguf-py decodes every K type but encodes none, and real
 GGUFs are mostly Q4_K with Q6_K heads. Written from the block layouts gguf-py's decoder reads;
-tests/gguf checks each pair."""
+tests/model/gguf checks each pair."""
 
 from __future__ import annotations
 

@@ -37,7 +37,9 @@ def quantized(rows: int, columns: int, group_size: int, bits: int, dtype: mx.Dty
 @pytest.mark.parametrize("group_size", (32, 64, 128))
 @pytest.mark.parametrize("dtype", (mx.float32, mx.float16, mx.bfloat16))
 @pytest.mark.parametrize("columns", (256, 1152))
-def test_the_product_is_mlx_s_up_to_float_rounding(kernel, bits, group_size, dtype, columns) -> None:
+def test_the_product_is_mlx_s_up_to_float_rounding(
+    kernel, bits, group_size, dtype, columns
+) -> None:
     # 97 weight rows: the last row's codes end where the buffer ends (the unpacker reads 8
     # bytes at a time, so that row goes through a padded copy). 1152 columns: more groups a
     # row than the 16 the integer dot's scales are read in, and a part block after them.

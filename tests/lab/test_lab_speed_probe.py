@@ -92,7 +92,7 @@ def collective(
     hosts = [[f"{machine.address}:52400"] for machine in machines]
     processes = [
         subprocess.Popen(
-            machine.command([sys.executable, "-m", "engines.model.collective_probe"]),
+            machine.command([sys.executable, "-m", "engines.tensor_parallel.collective_probe"]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

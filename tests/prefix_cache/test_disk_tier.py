@@ -185,7 +185,7 @@ def test_the_index_restores_oldest_first_within_the_disk_budget():
 def disk_engine(model: Path, root: Path) -> SingleEngine:
     return SingleEngine(
         model, prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28,
-        prefix_cache_disk_root=root,
+        prefix_cache_tier_root=root,
     )  # fmt: skip
 
 

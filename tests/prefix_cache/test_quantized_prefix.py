@@ -67,7 +67,7 @@ def test_a_hit_from_memory_and_from_disk_goes_on_as_mlx_lm_does_from_that_cache(
     cached = started(
         SingleEngine(
             demo_model_dir, prefill_chunk=CHUNK, prefix_cache_bytes=1 << 28,
-            prefix_cache_disk_bytes=1 << 28, prefix_cache_disk_root=root, kv_bits=BITS,
+            prefix_cache_disk_bytes=1 << 28, prefix_cache_tier_root=root, kv_bits=BITS,
             quantized_kv_start=start,
         )
     )  # fmt: skip
@@ -136,7 +136,7 @@ def test_entries_on_disk_of_another_kv_quantization_are_never_read(
     def engine(bits: int) -> SingleEngine:
         return SingleEngine(
             demo_model_dir, prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28,
-            prefix_cache_disk_root=root, kv_bits=bits,
+            prefix_cache_tier_root=root, kv_bits=bits,
         )  # fmt: skip
 
     plain = started(engine(0))

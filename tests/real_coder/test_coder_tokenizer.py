@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from engines.model.gguf.tokenizer import read_vocabulary, write_tokenizer
-from tests.gguf.test_gguf_tokenizer import CORPUS
 from tests.helpers.real_models import qwen_coder_gguf
+from tests.helpers.tokenizer_corpus import CORPUS
 
 CHAT = (
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"

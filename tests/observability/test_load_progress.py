@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cli import progress
-from engines.model.load_progress import listening, report
+from engines.observability.load_progress import listening, report
 from engines.single.engine import SingleEngine
 from tests.helpers.engine import make_request, run_one
 
