@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from engines.api.constraints import output_grammar
 from engines.api.conversation import ChatInput, FunctionTool, OutputFormat, ToolCall, Turn
 from engines.api.errors import ERROR_RESPONSES, STREAMED, APIError
 from engines.api.fields import chat_top_logprobs, check_chat_fields
-from engines.api.generation import (
-    Sampling,
-    build_request,
-    check_features,
-    check_max_tokens,
-    collect,
-    engine_features,
-    serving,
-    wait_budget_s,
-)
+from engines.api.generate import Job, Replies, Submitted, generate
+from engines.api.generation import Outcome, Sampling, check_max_tokens, serving
 from engines.api.logprobs import TokenScore, chat_logprobs
-from engines.api.metrics import mark_submitted, received_at
-from engines.api.prompts import chat_prompt_tokens
 from engines.api.reply import ReplyStream
 from engines.api.schemas import (
     AssistantMessage,
@@ -42,8 +30,8 @@ from engines.api.schemas import (
     ToolCallDelta,
     Usage,
 )
-from engines.api.streaming import OPENAI_SSE, Frame, stream_response
-from engines.api.tools import ends_in_calls, tool_format_for
+from engines.api.streaming import OPENAI_SSE, Frame
+from engines.api.tools import ends_in_calls
 from engines.core.engine import TokenEvent
 from engines.core.served_models import ServedModels
 from engines.core.service import Service
@@ -203,6 +191,45 @@ class ChatChunks:
         return (None, chunk)
 
 
+def chat_replies(body: ChatCompletionRequest, service: Service, completion_id: str) -> Replies:
+    """A chat completion's chunks, or its one ChatCompletion."""
+    created = int(time.time())
+    tokenizer = service.tokenizer
+
+    def chunks(run: Submitted) -> ChatChunks:
+        return ChatChunks(
+            completion_id,
+            created,
+            service.model_id,
+            tokenizer,
+            run.chat_reply(),
+            body.include_usage(),
+        )
+
+    def completion(run: Submitted, outcome: Outcome) -> dict[str, Any]:
+        whole = run.chat_reply().read_whole(outcome.text)
+        finish_reason = "tool_calls" if ends_in_calls(whole.calls) else outcome.finish_reason
+        # OpenAI's content is null beside calls when the model said nothing else
+        content = (whole.content or None) if whole.calls else whole.content
+        message = AssistantMessage(
+            content=content,
+            reasoning_content=whole.reasoning or None,
+            tool_calls=api_tool_calls(whole.calls) or None,
+        )
+        wants_logprobs = chat_top_logprobs(body) is not None
+        logprobs = chat_logprobs(tokenizer, outcome.scores) if wants_logprobs else None
+        choice = ChatChoice(message=message, finish_reason=finish_reason, logprobs=logprobs)
+        return ChatCompletion(
+            id=completion_id,
+            created=created,
+            model=service.model_id,
+            choices=[choice],
+            usage=Usage.of(outcome),
+        ).model_dump()
+
+    return Replies(OPENAI_SSE, chunks, completion)
+
+
 def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
 
@@ -216,49 +243,8 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
         check_chat_fields(body)
         chat = chat_input_of(body)
         sampling = sampling_of(body, service)
-        check_features(engine_features(service), sampling, chat.grammar_param())
-        tokenizer = service.tokenizer
-        tools = tool_format_for(chat, tokenizer)
-        grammar = output_grammar(chat, tokenizer, tools)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        # Templating and tokenizing a long prompt takes a while: never on the event loop.
-        prompt = await asyncio.to_thread(chat_prompt_tokens, tokenizer, chat, max_prompt_tokens)
-        generation = build_request(
-            service,
-            completion_id,
-            sampling,
-            prompt,
-            max_prompt_tokens,
-            grammar,
-            chat.grammar_param(),
-        )
-        submission = service.submit(generation, received_at=received_at(request.scope))
-        mark_submitted(request.scope)
-        reply = ReplyStream.of(tokenizer, chat, tools, prompt)
-        if body.stream:
-            writer = ChatChunks(
-                completion_id, created, service.model_id, tokenizer, reply, body.include_usage()
-            )
-            return stream_response(submission, wait_budget_s(service), writer, OPENAI_SSE)
-        outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
-        whole = reply.read_whole(outcome.text)
-        finish_reason = "tool_calls" if ends_in_calls(whole.calls) else outcome.finish_reason
-        # OpenAI's content is null beside calls when the model said nothing else
-        content = (whole.content or None) if whole.calls else whole.content
-        message = AssistantMessage(
-            content=content,
-            reasoning_content=whole.reasoning or None,
-            tool_calls=api_tool_calls(whole.calls) or None,
-        )
-        logprobs = (
-            chat_logprobs(tokenizer, outcome.scores) if sampling.logprobs is not None else None
-        )
-        choice = ChatChoice(message=message, finish_reason=finish_reason, logprobs=logprobs)
-        usage = Usage.of(outcome)
-        completion = ChatCompletion(
-            id=completion_id, created=created, model=service.model_id, choices=[choice], usage=usage
-        )
-        return JSONResponse(completion.model_dump())
+        job = Job(completion_id, sampling, max_prompt_tokens, body.stream, chat)
+        return await generate(request, service, job, chat_replies(body, service, completion_id))
 
     return router
