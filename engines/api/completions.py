@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engines.api.errors import ERROR_RESPONSES, STREAMED, APIError
 from engines.api.fields import check_completion_fields
-from engines.api.generation import (
-    Sampling,
-    build_request,
-    check_features,
-    check_max_tokens,
-    collect,
-    engine_features,
-    serving,
-    wait_budget_s,
-)
+from engines.api.generate import Job, Replies, Submitted, generate
+from engines.api.generation import Outcome, Sampling, check_max_tokens, serving
 from engines.api.logprobs import TokenScore, completion_logprobs
-from engines.api.metrics import mark_submitted, received_at
-from engines.api.prompts import completion_prompt_tokens
 from engines.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
-from engines.api.streaming import OPENAI_SSE, Frame, stream_response
+from engines.api.streaming import OPENAI_SSE, Frame
 from engines.core.engine import TokenEvent
 from engines.core.served_models import ServedModels
 from engines.core.service import Service
@@ -96,6 +85,39 @@ class CompletionChunks:
         return (None, completion)
 
 
+def completion_replies(body: CompletionRequest, service: Service, completion_id: str) -> Replies:
+    """A completion's chunks, or its one Completion (OpenAI's one shape for both)."""
+    created = int(time.time())
+    tokenizer = service.tokenizer
+
+    def chunks(run: Submitted) -> CompletionChunks:
+        return CompletionChunks(
+            completion_id,
+            created,
+            service.model_id,
+            tokenizer,
+            body.logprobs,
+            body.include_usage(),
+        )
+
+    def completion(run: Submitted, outcome: Outcome) -> dict[str, Any]:
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, outcome.scores, body.logprobs)
+        choice = CompletionChoice(
+            text=outcome.text, finish_reason=outcome.finish_reason, logprobs=logprobs
+        )
+        return Completion(
+            id=completion_id,
+            created=created,
+            model=service.model_id,
+            choices=[choice],
+            usage=Usage.of(outcome),
+        ).model_dump()
+
+    return Replies(OPENAI_SSE, chunks, completion)
+
+
 def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
 
@@ -108,42 +130,9 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
         service = await serving(models, body.model)
         check_completion_fields(body)
         sampling = sampling_of(body, service)
-        check_features(engine_features(service), sampling)
         completion_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        # Templating and tokenizing a long prompt takes a while: never on the event loop.
-        prompt = await asyncio.to_thread(
-            completion_prompt_tokens, service.tokenizer, body.prompt, max_prompt_tokens
-        )
-        submission = service.submit(
-            build_request(service, completion_id, sampling, prompt, max_prompt_tokens),
-            received_at=received_at(request.scope),
-        )
-        mark_submitted(request.scope)
-        if body.stream:
-            writer = CompletionChunks(
-                completion_id,
-                created,
-                service.model_id,
-                service.tokenizer,
-                body.logprobs,
-                body.include_usage(),
-            )
-            return stream_response(submission, wait_budget_s(service), writer, OPENAI_SSE)
-        outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = completion_logprobs(service.tokenizer, outcome.scores, body.logprobs)
-        choice = CompletionChoice(
-            text=outcome.text, finish_reason=outcome.finish_reason, logprobs=logprobs
-        )
-        completion = Completion(
-            id=completion_id,
-            created=created,
-            model=service.model_id,
-            choices=[choice],
-            usage=Usage.of(outcome),
-        )
-        return JSONResponse(completion.model_dump())
+        job = Job(completion_id, sampling, max_prompt_tokens, body.stream, raw_prompt=body.prompt)
+        replies = completion_replies(body, service, completion_id)
+        return await generate(request, service, job, replies)
 
     return router
