@@ -14,7 +14,7 @@ from engines.api.errors import ERROR_RESPONSES, STREAMED, APIError
 from engines.api.fields import chat_top_logprobs, check_chat_fields
 from engines.api.generate import Job, Replies, Submitted, generate
 from engines.api.generation import Outcome, Sampling, check_max_tokens, serving
-from engines.api.logprobs import TokenScore, chat_logprobs
+from engines.api.logprobs import chat_logprobs
 from engines.api.reply import ReplyStream
 from engines.api.schemas import (
     AssistantMessage,
@@ -31,6 +31,7 @@ from engines.api.schemas import (
     Usage,
 )
 from engines.api.streaming import OPENAI_SSE, Frame
+from engines.api.token_score import TokenScore
 from engines.api.tools import ends_in_calls
 from engines.core.engine import TokenEvent
 from engines.core.served_models import ServedModels

@@ -16,7 +16,7 @@ from starlette.types import Send
 
 from engines.api.errors import SERVER_ERROR, APIError, generation_timeout
 from engines.api.generation import GenerationTimeout, failure_of, watch_events
-from engines.api.logprobs import TokenScore
+from engines.api.token_score import TokenScore
 from engines.core.engine import TokenEvent
 from engines.core.runner import Submission
 
