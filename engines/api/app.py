@@ -12,9 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engines.api import (
     anthropic,
-    chat,
     chat_page,
-    completions,
     dashboard,
     model_admin,
     ollama,
@@ -32,9 +30,10 @@ from engines.api.errors import (
 )
 from engines.api.metrics import Metrics, MetricsMiddleware
 from engines.api.model_admin import ModelLoader, card_of
+from engines.api.openai import chat, completions
+from engines.api.openai.schemas import ModelCard, ModelList
 from engines.api.openapi import install_openapi
 from engines.api.prompts import DEFAULT_MAX_PROMPT_TOKENS
-from engines.api.schemas import ModelCard, ModelList
 from engines.api.shared_path import shared_path_route
 from engines.core.served_models import ServedModels
 from engines.core.service import Service

@@ -19,7 +19,7 @@ from engines.api.errors import (
     overloaded,
     queue_full,
 )
-from engines.api.fields import refusal_of
+from engines.api.openai.fields import refusal_of
 from planner.errors import EngineError, OverloadedError, QueueFullError
 
 log = logging.getLogger(__name__)

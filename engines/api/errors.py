@@ -10,7 +10,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from engines.api.schemas import ErrorResponse
+from engines.api.openai.schemas import ErrorResponse
 from planner.errors import OverloadedError, QueueFullError
 
 log = logging.getLogger(__name__)

@@ -12,12 +12,12 @@ import httpx
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engines.api.chat import chat_input_of, sampling_of
-from engines.api.completions import sampling_of as completion_sampling_of
 from engines.api.errors import APIError
-from engines.api.fields import check_chat_fields
 from engines.api.generation import check_features
-from engines.api.schemas import ChatCompletionRequest, CompletionRequest
+from engines.api.openai.chat import chat_input_of, sampling_of
+from engines.api.openai.completions import sampling_of as completion_sampling_of
+from engines.api.openai.fields import check_chat_fields
+from engines.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from engines.core.runner import EngineRunner
 from engines.core.service import Service
 from tests.helpers.api import (  # noqa: F401

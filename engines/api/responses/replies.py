@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.api.conversation import ToolCall
-from engines.api.logprobs import chat_logprobs
+from engines.api.openai.logprobs import chat_logprobs
 from engines.api.reply import Reply
 from engines.api.responses.objects import (
     FunctionCallOutput,

@@ -10,11 +10,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engines.api.errors import ERROR_RESPONSES, STREAMED, APIError
-from engines.api.fields import check_completion_fields
 from engines.api.generate import Job, Replies, Submitted, generate
 from engines.api.generation import Outcome, Sampling, check_max_tokens, serving
-from engines.api.logprobs import completion_logprobs
-from engines.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
+from engines.api.openai.fields import check_completion_fields
+from engines.api.openai.logprobs import completion_logprobs
+from engines.api.openai.schemas import Completion, CompletionChoice, CompletionRequest, Usage
 from engines.api.streaming import OPENAI_SSE, Frame
 from engines.api.token_score import TokenScore
 from engines.core.engine import TokenEvent

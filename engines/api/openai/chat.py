@@ -11,12 +11,11 @@ from fastapi.responses import Response
 
 from engines.api.conversation import ChatInput, FunctionTool, OutputFormat, ToolCall, Turn
 from engines.api.errors import ERROR_RESPONSES, STREAMED, APIError
-from engines.api.fields import chat_top_logprobs, check_chat_fields
 from engines.api.generate import Job, Replies, Submitted, generate
 from engines.api.generation import Outcome, Sampling, check_max_tokens, serving
-from engines.api.logprobs import chat_logprobs
-from engines.api.reply import ReplyStream
-from engines.api.schemas import (
+from engines.api.openai.fields import chat_top_logprobs, check_chat_fields
+from engines.api.openai.logprobs import chat_logprobs
+from engines.api.openai.schemas import (
     AssistantMessage,
     AssistantToolCall,
     CalledFunction,
@@ -30,6 +29,7 @@ from engines.api.schemas import (
     ToolCallDelta,
     Usage,
 )
+from engines.api.reply import ReplyStream
 from engines.api.streaming import OPENAI_SSE, Frame
 from engines.api.token_score import TokenScore
 from engines.api.tools import ends_in_calls

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engines.api.schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from engines.api.openai.schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from engines.api.token_score import TokenScore
 
 # JSON has no -Infinity; OpenAI reports a token that cannot be sampled as -9999.0.

@@ -1,0 +1,1 @@
+"""The OpenAI dialect: POST /v1/chat/completions and /v1/completions."""
