@@ -21,16 +21,12 @@ from engines.api import (
 from engines.api.auth import PROTECTED_PREFIXES, BearerKeyMiddleware
 from engines.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from engines.api.error_handlers import install_error_handlers
-from engines.api.errors import (
-    SERVER_FAILURE,
-    UNAUTHORIZED,
-    ErrorDialects,
-    documented,
-    model_not_found,
-)
+from engines.api.errors import ErrorDialects, model_not_found
 from engines.api.metrics import Metrics, MetricsMiddleware
 from engines.api.model_admin import ModelLoader, card_of
 from engines.api.openai import chat, completions
+from engines.api.openai.errors import SERVER_FAILURE, UNAUTHORIZED, documented
+from engines.api.openai.errors import render_error as openai_error
 from engines.api.openai.schemas import ModelCard, ModelList
 from engines.api.openapi import install_openapi
 from engines.api.prompts import DEFAULT_MAX_PROMPT_TOKENS
@@ -108,10 +104,11 @@ def create_app(
 def error_dialects() -> ErrorDialects:
     """The dialects whose routes render errors in their own shape (OpenAI's elsewhere)."""
     return ErrorDialects(
+        fallback=openai_error,
         routes=(
             (anthropic.ERROR_PREFIX, anthropic.render_error),
             (ollama.ERROR_PREFIX, ollama.render_error),
-        )
+        ),
     )
 
 

@@ -21,13 +21,14 @@ class BodyLimitMiddleware:
         self,
         app: ASGIApp,
         max_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        dialects: ErrorDialects | None = None,
+        *,
+        dialects: ErrorDialects,
     ) -> None:
         if max_bytes < 1:
             raise ValueError(f"the body limit must be at least 1 byte, got {max_bytes}")
         self.app = app
         self.max_bytes = max_bytes
-        self._dialects = dialects or ErrorDialects()
+        self._dialects = dialects
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -29,9 +29,8 @@ log = logging.getLogger(__name__)
 REFUSING_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 
-def install_error_handlers(app: FastAPI, dialects: ErrorDialects | None = None) -> None:
+def install_error_handlers(app: FastAPI, dialects: ErrorDialects) -> None:
     """Every error leaves the app as its dialect's JSON, never as a traceback."""
-    dialects = dialects or ErrorDialects()
 
     def render(request: Request, error: APIError) -> Response:
         return dialects.response(request.url.path, error)

@@ -23,6 +23,9 @@ from engines.core.runner import Submission
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 10.0
+# The body of a 200, for the OpenAPI document: one JSON document, or with "stream": true the
+# dialect's stream.
+STREAMED: dict[str, Any] = {"text/event-stream": {}}
 # (an SSE event name, or None for a bare `data:` line; the payload)
 Frame = tuple[str | None, BaseModel | dict[str, Any]]
 

@@ -22,10 +22,10 @@ from engines.api.anthropic.schemas import (
     Usage,
 )
 from engines.api.constraints import output_grammar
-from engines.api.errors import STREAMED
 from engines.api.generate import Job, Replies, Submitted, generate
 from engines.api.generation import Outcome, serving
 from engines.api.prompts import chat_prompt_tokens
+from engines.api.streaming import STREAMED
 from engines.api.tools import tool_format_for
 from engines.core.served_models import ServedModels
 

@@ -10,9 +10,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engines.api.conversation import ChatInput, FunctionTool, OutputFormat, ToolCall, Turn
-from engines.api.errors import ERROR_RESPONSES, STREAMED, APIError
+from engines.api.errors import APIError
 from engines.api.generate import Job, Replies, Submitted, generate
 from engines.api.generation import Outcome, Sampling, check_max_tokens, serving
+from engines.api.openai.errors import ERROR_RESPONSES, error_body
 from engines.api.openai.fields import chat_top_logprobs, check_chat_fields
 from engines.api.openai.logprobs import chat_logprobs
 from engines.api.openai.schemas import (
@@ -30,7 +31,7 @@ from engines.api.openai.schemas import (
     Usage,
 )
 from engines.api.reply import ReplyStream
-from engines.api.streaming import OPENAI_SSE, Frame
+from engines.api.streaming import OPENAI_SSE, STREAMED, Frame
 from engines.api.token_score import TokenScore
 from engines.api.tools import ends_in_calls
 from engines.core.engine import TokenEvent
@@ -173,7 +174,7 @@ class ChatChunks:
         return frames
 
     def failure(self, error: APIError) -> list[Frame]:
-        return [(None, error.body())]
+        return [(None, error_body(error))]
 
     @staticmethod
     def _delta(kind: str, text: str) -> ChatDelta:

@@ -9,13 +9,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engines.api.errors import ERROR_RESPONSES, STREAMED, APIError
+from engines.api.errors import APIError
 from engines.api.generate import Job, Replies, Submitted, generate
 from engines.api.generation import Outcome, Sampling, check_max_tokens, serving
+from engines.api.openai.errors import ERROR_RESPONSES, error_body
 from engines.api.openai.fields import check_completion_fields
 from engines.api.openai.logprobs import completion_logprobs
 from engines.api.openai.schemas import Completion, CompletionChoice, CompletionRequest, Usage
-from engines.api.streaming import OPENAI_SSE, Frame
+from engines.api.streaming import OPENAI_SSE, STREAMED, Frame
 from engines.api.token_score import TokenScore
 from engines.core.engine import TokenEvent
 from engines.core.served_models import ServedModels
@@ -77,7 +78,7 @@ class CompletionChunks:
         return frames
 
     def failure(self, error: APIError) -> list[Frame]:
-        return [(None, error.body())]
+        return [(None, error_body(error))]
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Frame:
         completion = Completion(

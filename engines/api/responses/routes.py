@@ -11,9 +11,10 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
 
 from engines.api.conversation import Turn
-from engines.api.errors import ERROR_RESPONSES, STREAMED, UNAUTHORIZED, APIError, documented
+from engines.api.errors import APIError
 from engines.api.generate import Job, Replies, Submitted, generate
 from engines.api.generation import Outcome, serving
+from engines.api.openai.errors import ERROR_RESPONSES, UNAUTHORIZED, documented
 from engines.api.responses.events import RESPONSES_SSE, ResponseEvents
 from engines.api.responses.mapping import (
     chat_input_of,
@@ -28,6 +29,7 @@ from engines.api.responses.replies import OutputOptions, output_of, token_logpro
 from engines.api.responses.schemas import ResponsesRequest
 from engines.api.responses.store import ResponseStore
 from engines.api.shared_path import shared_path_route
+from engines.api.streaming import STREAMED
 from engines.core.served_models import ServedModels
 from engines.core.service import Service
 
