@@ -16,17 +16,17 @@ from engines.api import (
     dashboard,
     model_admin,
     ollama,
+    openai,
     responses,
 )
 from engines.api.auth import PROTECTED_PREFIXES, BearerKeyMiddleware
 from engines.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from engines.api.dialect import Dialects
 from engines.api.error_handlers import install_error_handlers
-from engines.api.errors import ErrorDialects, model_not_found
+from engines.api.errors import model_not_found
 from engines.api.metrics import Metrics, MetricsMiddleware
 from engines.api.model_admin import ModelLoader, card_of
-from engines.api.openai import chat, completions
 from engines.api.openai.errors import SERVER_FAILURE, UNAUTHORIZED, documented
-from engines.api.openai.errors import render_error as openai_error
 from engines.api.openai.schemas import ModelCard, ModelList
 from engines.api.openapi import install_openapi
 from engines.api.prompts import DEFAULT_MAX_PROMPT_TOKENS
@@ -36,6 +36,12 @@ from engines.core.service import Service
 
 METRICS_PATH = "/metrics"
 DASHBOARD_PATHS = ("/", "/dashboard", chat_page.PAGE_PATH)  # the browser pages
+# Every dialect the API speaks, their routes in this order; OpenAI's error shape is the one
+# of every path no dialect claims (/health, the pages).
+DIALECTS = Dialects(
+    (openai.DIALECT, anthropic.DIALECT, responses.DIALECT, ollama.DIALECT),
+    default=openai.DIALECT,
+)
 
 
 def create_app(
@@ -67,8 +73,7 @@ def create_app(
         summary="One model served by a cluster, OpenAI-compatible.",
         strict_content_type=False,
     )
-    dialects = error_dialects()
-    install_error_handlers(app, dialects)
+    install_error_handlers(app, DIALECTS)
     app.add_middleware(FormBodyAsJsonMiddleware)
     if service.limits.api_key:
         app.add_middleware(
@@ -76,17 +81,16 @@ def create_app(
             api_key=service.limits.api_key,
             prefixes=PROTECTED_PREFIXES + (() if metrics_open else (METRICS_PATH,)),
             browser_paths=() if dashboard_open else DASHBOARD_PATHS,
-            dialects=dialects,
+            dialects=DIALECTS,
         )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, dialects=dialects)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, dialects=DIALECTS)
     metrics = Metrics(models)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 413s too
+    app.add_middleware(  # outermost: counts 413s too
+        MetricsMiddleware, metrics=metrics, generation_routes=DIALECTS.generation_paths()
+    )
     install_openapi(app, service, None if model_loader is not None else models.ids())
-    app.include_router(chat.create_router(models, max_prompt_tokens))
-    app.include_router(completions.create_router(models, max_prompt_tokens))
-    app.include_router(anthropic.create_router(models, max_prompt_tokens))
-    app.include_router(responses.create_router(models, max_prompt_tokens))
-    app.include_router(ollama.create_router(models, max_prompt_tokens))
+    for dialect in DIALECTS.served:
+        app.include_router(dialect.router(models, max_prompt_tokens))
     app.include_router(create_info_router(models, loads=model_loader is not None))
     if model_loader is not None:  # serve's; an app around fixed models has none
         app.include_router(model_admin.create_router(models, model_loader))
@@ -99,17 +103,6 @@ def create_app(
         return Response(body, media_type=content_type)
 
     return app
-
-
-def error_dialects() -> ErrorDialects:
-    """The dialects whose routes render errors in their own shape (OpenAI's elsewhere)."""
-    return ErrorDialects(
-        fallback=openai_error,
-        routes=(
-            (anthropic.ERROR_PREFIX, anthropic.render_error),
-            (ollama.ERROR_PREFIX, ollama.render_error),
-        ),
-    )
 
 
 def create_info_router(models: ServedModels, loads: bool = False) -> APIRouter:

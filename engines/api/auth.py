@@ -10,7 +10,8 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engines.api.errors import APIError, ErrorDialects
+from engines.api.dialect import Dialects
+from engines.api.errors import APIError
 
 PROTECTED_PREFIXES = ("/v1", "/api")
 
@@ -25,7 +26,7 @@ class BearerKeyMiddleware:
         prefixes: tuple[str, ...] = PROTECTED_PREFIXES,
         browser_paths: tuple[str, ...] = (),
         *,
-        dialects: ErrorDialects,
+        dialects: Dialects,
     ) -> None:
         """`prefixes` need the key; `browser_paths` (also protected, exact or as a prefix)
         accept it as the password of HTTP Basic auth too, so a browser can prompt for it."""

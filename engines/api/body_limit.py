@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engines.api.errors import APIError, ErrorDialects
+from engines.api.dialect import Dialects
+from engines.api.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -22,7 +23,7 @@ class BodyLimitMiddleware:
         app: ASGIApp,
         max_bytes: int = DEFAULT_MAX_BODY_BYTES,
         *,
-        dialects: ErrorDialects,
+        dialects: Dialects,
     ) -> None:
         if max_bytes < 1:
             raise ValueError(f"the body limit must be at least 1 byte, got {max_bytes}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -46,25 +45,6 @@ class APIError(Exception):
 
 
 ErrorRenderer = Callable[[APIError], Response]
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorDialects:
-    """Which dialect's shape an error takes, by the path it answers: each dialect's routes
-    render their own errors (401s and 413s from the middlewares included); OpenAI's shape
-    (`fallback`) everywhere else."""
-
-    fallback: ErrorRenderer
-    routes: tuple[tuple[str, ErrorRenderer], ...] = ()  # (path prefix, renderer)
-
-    def renderer(self, path: str) -> ErrorRenderer:
-        for prefix, render in self.routes:
-            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
-                return render
-        return self.fallback
-
-    def response(self, path: str, error: APIError) -> Response:
-        return self.renderer(path)(error)
 
 
 def queue_full(error: QueueFullError) -> APIError:

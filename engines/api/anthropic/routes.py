@@ -31,8 +31,6 @@ from engines.core.served_models import ServedModels
 
 log = logging.getLogger(__name__)
 
-ERROR_PREFIX = "/v1/messages"
-
 
 def documented(description: str) -> dict[str, Any]:
     return {"model": ErrorBody, "description": description}

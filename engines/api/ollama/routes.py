@@ -28,7 +28,6 @@ from engines.api.ollama.schemas import ChatRequest, GenerateRequest, GenerationF
 from engines.core.served_models import ServedModels
 from engines.core.service import Service
 
-ERROR_PREFIX = "/api"
 ROUTES = {
     "/api/chat": "POST",
     "/api/generate": "POST",
