@@ -1,7 +1,8 @@
 """The Ollama dialect: /api/chat, /api/generate and the model routes, NDJSON streams."""
 
 from engines.api.dialect import Dialect
-from engines.api.ollama.routes import create_router, render_error
+from engines.api.ollama.errors import render_error
+from engines.api.ollama.routes import create_router
 
 DIALECT = Dialect(
     name="ollama",

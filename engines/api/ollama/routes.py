@@ -42,15 +42,6 @@ EMBEDDING = ("/api/embed", "/api/embeddings")
 NOT_IMPLEMENTED = 501
 
 
-def render_error(error: APIError) -> Response:
-    """Ollama's error shape: `{"error": "message"}`, with the status; the message names the
-    field to fix, since the shape has no `param` of its own."""
-    message = error.message
-    if error.param and error.param not in message:
-        message = f"{error.param}: {message}"
-    return JSONResponse({"error": message}, status_code=error.status, headers=error.headers)
-
-
 def ollama_replies(body: GenerationFields) -> Replies:
     """A chat's or generate's NDJSON objects, or its one object."""
 
