@@ -58,38 +58,48 @@ def ollama_replies(body: GenerationFields) -> Replies:
 def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     # Not in the OpenAPI document: Ollama's own docs describe these shapes.
     router = APIRouter(include_in_schema=False)
+    add_generation_routes(router, models, max_prompt_tokens)
+    add_model_routes(router, models, max_prompt_tokens)
+    add_refusals(router)  # last: its catch-all answers every other /api path
+    return router
 
-    def job_of(
-        body: GenerationFields,
-        chat: ChatInput,
-        prompt_param: str,
-        service: Service,
-        raw_prompt: str | None = None,
-    ) -> Job:
-        """The Job of a chat or generate, its thinking and options checked; a prompt too long
-        for a num_ctx below --context-tokens will say that num_ctx is what it did not fit."""
-        if chat.thinking and not getattr(service.tokenizer, "has_thinking", False):
-            raise APIError(
-                400,
-                f"'{body.model}' does not think (its chat template has no thinking); leave "
-                "think out or send false",
-                param="think",
-                code="unsupported_parameter",
-            )
-        sampling = sampling_of(body.options, service.limits, prompt_param)
-        context = context_of(body.options, max_prompt_tokens)
-        note = None
-        if context != max_prompt_tokens:
-            note = f" (options.num_ctx={context}; --context-tokens is {max_prompt_tokens})"
-        request_id = f"ollama-{uuid.uuid4().hex}"
-        return Job(request_id, sampling, context, body.streamed(), chat, raw_prompt, note)
+
+def job_of(
+    body: GenerationFields,
+    chat: ChatInput,
+    prompt_param: str,
+    service: Service,
+    max_prompt_tokens: int,
+    raw_prompt: str | None = None,
+) -> Job:
+    """The Job of a chat or generate, its thinking and options checked; a prompt too long
+    for a num_ctx below --context-tokens will say that num_ctx is what it did not fit."""
+    if chat.thinking and not getattr(service.tokenizer, "has_thinking", False):
+        raise APIError(
+            400,
+            f"'{body.model}' does not think (its chat template has no thinking); leave "
+            "think out or send false",
+            param="think",
+            code="unsupported_parameter",
+        )
+    sampling = sampling_of(body.options, service.limits, prompt_param)
+    context = context_of(body.options, max_prompt_tokens)
+    note = None
+    if context != max_prompt_tokens:
+        note = f" (options.num_ctx={context}; --context-tokens is {max_prompt_tokens})"
+    request_id = f"ollama-{uuid.uuid4().hex}"
+    return Job(request_id, sampling, context, body.streamed(), chat, raw_prompt, note)
+
+
+def add_generation_routes(router: APIRouter, models: ServedModels, max_prompt_tokens: int) -> None:
+    """/api/chat and /api/generate; with nothing to generate each only says it is loaded."""
 
     @router.post("/api/chat")
     async def chat(body: ChatRequest, request: Request) -> Response:
         service = await ready_service(models, served_model(models, body.model))
         if not body.messages:
             return JSONResponse(loaded(body.model, chat=True))
-        job = job_of(body, chat_input_of(body), "messages", service)
+        job = job_of(body, chat_input_of(body), "messages", service, max_prompt_tokens)
         return await generate(request, service, job, ollama_replies(body))
 
     @router.post("/api/generate")
@@ -98,8 +108,13 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
         if not body.prompt:
             return JSONResponse(loaded(body.model, chat=False))
         raw_prompt = body.prompt if body.raw else None
-        job = job_of(body, generate_input_of(body), "prompt", service, raw_prompt)
+        conversation = generate_input_of(body)
+        job = job_of(body, conversation, "prompt", service, max_prompt_tokens, raw_prompt)
         return await generate(request, service, job, ollama_replies(body))
+
+
+def add_model_routes(router: APIRouter, models: ServedModels, max_prompt_tokens: int) -> None:
+    """/api/tags, /api/show, /api/ps and /api/version: the served models as Ollama lists them."""
 
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
@@ -114,25 +129,7 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     async def show(body: ShowRequest) -> dict[str, Any]:
         if not body.requested():
             raise APIError(400, "'model' is required", param="model", code="invalid_value")
-        service = served_model(models, body.requested())
-        card = model_card(service)
-        tokenizer = service.tokenizer
-        capabilities = ["completion"]
-        if getattr(tokenizer, "has_tool_calling", False):
-            capabilities.append("tools")
-        if getattr(tokenizer, "has_thinking", False):
-            capabilities.append("thinking")
-        return {
-            "modelfile": f"# served by tandem: its own chat template, not a Modelfile\n"
-            f"FROM {service.model_id}\n",
-            "parameters": "",
-            # a Jinja template (the model's own), where Ollama shows a Go one
-            "template": getattr(tokenizer, "chat_template", None) or "",
-            "details": card.details(),
-            "model_info": card.info,
-            "capabilities": capabilities,
-            "modified_at": card.modified_at,
-        }
+        return shown(served_model(models, body.requested()))
 
     @router.get("/api/ps")
     async def running() -> dict[str, Any]:
@@ -152,6 +149,32 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     async def version() -> dict[str, str]:
         return {"version": API_VERSION}
 
+
+def shown(service: Service) -> dict[str, Any]:
+    """/api/show's answer: the model's card, template and what it can do."""
+    card = model_card(service)
+    tokenizer = service.tokenizer
+    capabilities = ["completion"]
+    if getattr(tokenizer, "has_tool_calling", False):
+        capabilities.append("tools")
+    if getattr(tokenizer, "has_thinking", False):
+        capabilities.append("thinking")
+    return {
+        "modelfile": f"# served by tandem: its own chat template, not a Modelfile\n"
+        f"FROM {service.model_id}\n",
+        "parameters": "",
+        # a Jinja template (the model's own), where Ollama shows a Go one
+        "template": getattr(tokenizer, "chat_template", None) or "",
+        "details": card.details(),
+        "model_info": card.info,
+        "capabilities": capabilities,
+        "modified_at": card.modified_at,
+    }
+
+
+def add_refusals(router: APIRouter) -> None:
+    """Ollama's routes tandem does not serve (model management, embeddings), then any other
+    /api path: each an error that says why."""
     for path in MANAGING + EMBEDDING:
         router.add_api_route(
             path, refuse_unsupported, methods=["GET", "POST", "DELETE", "HEAD", "PUT"]
@@ -160,7 +183,6 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     router.add_api_route(
         "/api/{rest:path}", refuse_unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]
     )
-    return router
 
 
 async def refuse_unsupported(request: Request) -> Response:
