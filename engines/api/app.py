@@ -74,19 +74,14 @@ def create_app(
         strict_content_type=False,
     )
     install_error_handlers(app, DIALECTS)
-    app.add_middleware(FormBodyAsJsonMiddleware)
-    if service.limits.api_key:
-        app.add_middleware(
-            BearerKeyMiddleware,
-            api_key=service.limits.api_key,
-            prefixes=PROTECTED_PREFIXES + (() if metrics_open else (METRICS_PATH,)),
-            browser_paths=() if dashboard_open else DASHBOARD_PATHS,
-            dialects=DIALECTS,
-        )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, dialects=DIALECTS)
     metrics = Metrics(models)
-    app.add_middleware(  # outermost: counts 413s too
-        MetricsMiddleware, metrics=metrics, generation_routes=DIALECTS.generation_paths()
+    install_middlewares(
+        app,
+        metrics,
+        service.limits.api_key,
+        metrics_open=metrics_open,
+        dashboard_open=dashboard_open,
+        max_body_bytes=max_body_bytes,
     )
     install_openapi(app, service, None if model_loader is not None else models.ids())
     for dialect in DIALECTS.served:
@@ -96,13 +91,42 @@ def create_app(
         app.include_router(model_admin.create_router(models, model_loader))
     app.include_router(dashboard.create_router(models, dashboard_interval_s, stopping))
     app.include_router(chat_page.create_router(service))
+    add_metrics_route(app, metrics)
+    return app
 
+
+def install_middlewares(
+    app: FastAPI,
+    metrics: Metrics,
+    api_key: str | None,
+    *,
+    metrics_open: bool,
+    dashboard_open: bool,
+    max_body_bytes: int,
+) -> None:
+    """Each middleware added wraps those before it: the key check and the body limit answer
+    before the body is read, in the dialect of the path; the metrics, outermost, count
+    their refusals too."""
+    app.add_middleware(FormBodyAsJsonMiddleware)
+    if api_key:
+        app.add_middleware(
+            BearerKeyMiddleware,
+            api_key=api_key,
+            prefixes=PROTECTED_PREFIXES + (() if metrics_open else (METRICS_PATH,)),
+            browser_paths=() if dashboard_open else DASHBOARD_PATHS,
+            dialects=DIALECTS,
+        )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, dialects=DIALECTS)
+    app.add_middleware(
+        MetricsMiddleware, metrics=metrics, generation_routes=DIALECTS.generation_paths()
+    )
+
+
+def add_metrics_route(app: FastAPI, metrics: Metrics) -> None:
     @app.get(METRICS_PATH, include_in_schema=False)
     async def scrape() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
-
-    return app
 
 
 def create_info_router(models: ServedModels, loads: bool = False) -> APIRouter:
