@@ -1,41 +1,20 @@
-"""POST /v1/completions: a raw prompt (text or token ids) in, its continuation (or chunks) out."""
+"""A completion mapped out: its continuation whole, or as chunks (OpenAI's one shape for both)."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
-
 from engines.api.errors import APIError
-from engines.api.generate import Job, Replies, Submitted, generate
-from engines.api.generation import Outcome, Sampling, check_max_tokens, serving
-from engines.api.openai.errors import ERROR_RESPONSES, error_body
-from engines.api.openai.fields import check_completion_fields
+from engines.api.generate import Replies, Submitted
+from engines.api.generation import Outcome
+from engines.api.openai.errors import error_body
 from engines.api.openai.logprobs import completion_logprobs
 from engines.api.openai.schemas import Completion, CompletionChoice, CompletionRequest, Usage
-from engines.api.streaming import OPENAI_SSE, STREAMED, Frame
+from engines.api.streaming import OPENAI_SSE, Frame
 from engines.api.token_score import TokenScore
 from engines.core.engine import TokenEvent
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
-
-
-def sampling_of(body: CompletionRequest, service: Service) -> Sampling:
-    """max_completion_tokens wins over the legacy max_tokens (both are checked)."""
-    for name in ("max_tokens", "max_completion_tokens"):
-        check_max_tokens(getattr(body, name), name, service.limits)
-    param, value = "max_completion_tokens", body.max_completion_tokens
-    if value is None:
-        param, value = "max_tokens", body.max_tokens
-    return Sampling(
-        max_tokens=value,
-        **body.sampling_values(),
-        logprobs=body.logprobs,
-        names={"max_tokens": param, "prompt_tokens": "prompt"},
-    )
 
 
 class CompletionChunks:
@@ -118,23 +97,3 @@ def completion_replies(body: CompletionRequest, service: Service, completion_id:
         ).model_dump()
 
     return Replies(OPENAI_SSE, chunks, completion)
-
-
-def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
-    router = APIRouter()
-
-    @router.post(
-        "/v1/completions",
-        response_model=None,
-        responses={200: {"model": Completion, "content": STREAMED}, **ERROR_RESPONSES},
-    )
-    async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        service = await serving(models, body.model)
-        check_completion_fields(body)
-        sampling = sampling_of(body, service)
-        completion_id = f"cmpl-{uuid.uuid4().hex}"
-        job = Job(completion_id, sampling, max_prompt_tokens, body.stream, raw_prompt=body.prompt)
-        replies = completion_replies(body, service, completion_id)
-        return await generate(request, service, job, replies)
-
-    return router

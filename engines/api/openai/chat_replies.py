@@ -1,20 +1,17 @@
-"""POST /v1/chat/completions: messages in, one assistant message (or its chunks) out."""
+"""A chat completion mapped out: the assistant message whole, or as chunks; with tools on
+offer its calls, and the finish reason "tool_calls"."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
-
-from engines.api.conversation import ChatInput, FunctionTool, OutputFormat, ToolCall, Turn
+from engines.api.conversation import ToolCall
 from engines.api.errors import APIError
-from engines.api.generate import Job, Replies, Submitted, generate
-from engines.api.generation import Outcome, Sampling, check_max_tokens, serving
-from engines.api.openai.errors import ERROR_RESPONSES, error_body
-from engines.api.openai.fields import chat_top_logprobs, check_chat_fields
+from engines.api.generate import Replies, Submitted
+from engines.api.generation import Outcome
+from engines.api.openai.errors import error_body
+from engines.api.openai.fields import chat_top_logprobs
 from engines.api.openai.logprobs import chat_logprobs
 from engines.api.openai.schemas import (
     AssistantMessage,
@@ -31,75 +28,11 @@ from engines.api.openai.schemas import (
     Usage,
 )
 from engines.api.reply import ReplyStream
-from engines.api.streaming import OPENAI_SSE, STREAMED, Frame
+from engines.api.streaming import OPENAI_SSE, Frame
 from engines.api.token_score import TokenScore
 from engines.api.tools import ends_in_calls
 from engines.core.engine import TokenEvent
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
-
-
-def chat_input_of(body: ChatCompletionRequest) -> ChatInput:
-    """The conversation, tools and output format a chat completion asks for."""
-    choice = body.tool_choice
-    forced = None if isinstance(choice, str | None) else choice.function.name
-    mode = "required" if forced is not None else (choice or "auto")
-    output = None
-    requested = body.response_format
-    if requested is not None and requested.type == "json_object":
-        output = OutputFormat()
-    elif requested is not None and requested.type == "json_schema":
-        schema = requested.json_schema.json_schema
-        output = OutputFormat(None if schema is None else schema.model_dump())
-    return ChatInput(
-        turns=tuple(
-            Turn(
-                role=message.role,
-                content=message.text(),
-                tool_calls=tuple(
-                    ToolCall(call.id, call.function.name, call.function.arguments)
-                    for call in message.tool_calls or ()
-                ),
-                tool_call_id=message.tool_call_id,
-                name=message.name,
-                reasoning=message.reasoning_content,
-            )
-            for message in body.messages
-        ),
-        tools=tuple(
-            FunctionTool(
-                tool.function.name,
-                tool.function.description,
-                None if tool.function.parameters is None else tool.function.parameters.model_dump(),
-            )
-            for tool in body.tools or ()
-        ),
-        tool_mode=mode,
-        forced_tool=forced,
-        parallel_tool_calls=body.parallel_tool_calls is not False,
-        output_format=output,
-        thinking=False if body.reasoning_effort == "none" else None,
-        template_options=dict(body.chat_template_kwargs or {}),
-    )
-
-
-def sampling_of(body: ChatCompletionRequest, service: Service) -> Sampling:
-    """max_completion_tokens wins over the legacy max_tokens (both are checked)."""
-    for name in ("max_tokens", "max_completion_tokens"):
-        check_max_tokens(getattr(body, name), name, service.limits)
-    param, value = "max_completion_tokens", body.max_completion_tokens
-    if value is None:
-        param, value = "max_tokens", body.max_tokens
-    return Sampling(
-        max_tokens=value,
-        **body.sampling_values(),
-        logprobs=chat_top_logprobs(body),
-        names={
-            "max_tokens": param,
-            "prompt_tokens": "messages",
-            "logprobs": "logprobs" if body.top_logprobs is None else "top_logprobs",
-        },
-    )
 
 
 def api_tool_calls(calls: list[ToolCall]) -> list[AssistantToolCall]:
@@ -230,23 +163,3 @@ def chat_replies(body: ChatCompletionRequest, service: Service, completion_id: s
         ).model_dump()
 
     return Replies(OPENAI_SSE, chunks, completion)
-
-
-def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
-    router = APIRouter()
-
-    @router.post(
-        "/v1/chat/completions",
-        response_model=None,
-        responses={200: {"model": ChatCompletion, "content": STREAMED}, **ERROR_RESPONSES},
-    )
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        service = await serving(models, body.model)
-        check_chat_fields(body)
-        chat = chat_input_of(body)
-        sampling = sampling_of(body, service)
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        job = Job(completion_id, sampling, max_prompt_tokens, body.stream, chat)
-        return await generate(request, service, job, chat_replies(body, service, completion_id))
-
-    return router
