@@ -55,11 +55,12 @@ def response_replies(
     """A response's events, or its one Response object; `keep` stores the finished one."""
     tokenizer = service.tokenizer
     options = OutputOptions(body.max_tool_calls, SEALED_INCLUDE in (body.include or ()))
+    created_at = int(time.time())  # now, not when a whole response has been generated
 
     def started() -> Response:
         return Response(
             id=response_id,
-            created_at=int(time.time()),
+            created_at=created_at,
             status="in_progress",
             model=service.model_id,
             settings=settings_of(body),
