@@ -12,35 +12,36 @@ from fastapi.responses import JSONResponse, Response
 
 from engines.api import (
     anthropic,
-    chat,
     chat_page,
-    completions,
     dashboard,
     model_admin,
     ollama,
+    openai,
     responses,
 )
 from engines.api.auth import PROTECTED_PREFIXES, BearerKeyMiddleware
 from engines.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from engines.api.dialect import Dialects
 from engines.api.error_handlers import install_error_handlers
-from engines.api.errors import (
-    SERVER_FAILURE,
-    UNAUTHORIZED,
-    ErrorDialects,
-    documented,
-    model_not_found,
-)
+from engines.api.errors import model_not_found
 from engines.api.metrics import Metrics, MetricsMiddleware
 from engines.api.model_admin import ModelLoader, card_of
+from engines.api.openai.errors import SERVER_FAILURE, UNAUTHORIZED, documented
+from engines.api.openai.schemas import ModelCard, ModelList
 from engines.api.openapi import install_openapi
 from engines.api.prompts import DEFAULT_MAX_PROMPT_TOKENS
-from engines.api.schemas import ModelCard, ModelList
 from engines.api.shared_path import shared_path_route
 from engines.core.served_models import ServedModels
 from engines.core.service import Service
 
 METRICS_PATH = "/metrics"
 DASHBOARD_PATHS = ("/", "/dashboard", chat_page.PAGE_PATH)  # the browser pages
+# Every dialect the API speaks, their routes in this order; OpenAI's error shape is the one
+# of every path no dialect claims (/health, the pages).
+DIALECTS = Dialects(
+    (openai.DIALECT, anthropic.DIALECT, responses.DIALECT, ollama.DIALECT),
+    default=openai.DIALECT,
+)
 
 
 def create_app(
@@ -72,48 +73,60 @@ def create_app(
         summary="One model served by a cluster, OpenAI-compatible.",
         strict_content_type=False,
     )
-    dialects = error_dialects()
-    install_error_handlers(app, dialects)
-    app.add_middleware(FormBodyAsJsonMiddleware)
-    if service.limits.api_key:
-        app.add_middleware(
-            BearerKeyMiddleware,
-            api_key=service.limits.api_key,
-            prefixes=PROTECTED_PREFIXES + (() if metrics_open else (METRICS_PATH,)),
-            browser_paths=() if dashboard_open else DASHBOARD_PATHS,
-            dialects=dialects,
-        )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, dialects=dialects)
+    install_error_handlers(app, DIALECTS)
     metrics = Metrics(models)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 413s too
+    install_middlewares(
+        app,
+        metrics,
+        service.limits.api_key,
+        metrics_open=metrics_open,
+        dashboard_open=dashboard_open,
+        max_body_bytes=max_body_bytes,
+    )
     install_openapi(app, service, None if model_loader is not None else models.ids())
-    app.include_router(chat.create_router(models, max_prompt_tokens))
-    app.include_router(completions.create_router(models, max_prompt_tokens))
-    app.include_router(anthropic.create_router(models, max_prompt_tokens))
-    app.include_router(responses.create_router(models, max_prompt_tokens))
-    app.include_router(ollama.create_router(models, max_prompt_tokens))
+    for dialect in DIALECTS.served:
+        app.include_router(dialect.router(models, max_prompt_tokens))
     app.include_router(create_info_router(models, loads=model_loader is not None))
     if model_loader is not None:  # serve's; an app around fixed models has none
         app.include_router(model_admin.create_router(models, model_loader))
     app.include_router(dashboard.create_router(models, dashboard_interval_s, stopping))
     app.include_router(chat_page.create_router(service))
+    add_metrics_route(app, metrics)
+    return app
 
+
+def install_middlewares(
+    app: FastAPI,
+    metrics: Metrics,
+    api_key: str | None,
+    *,
+    metrics_open: bool,
+    dashboard_open: bool,
+    max_body_bytes: int,
+) -> None:
+    """Each middleware added wraps those before it: the key check and the body limit answer
+    before the body is read, in the dialect of the path; the metrics, outermost, count
+    their refusals too."""
+    app.add_middleware(FormBodyAsJsonMiddleware)
+    if api_key:
+        app.add_middleware(
+            BearerKeyMiddleware,
+            api_key=api_key,
+            prefixes=PROTECTED_PREFIXES + (() if metrics_open else (METRICS_PATH,)),
+            browser_paths=() if dashboard_open else DASHBOARD_PATHS,
+            dialects=DIALECTS,
+        )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, dialects=DIALECTS)
+    app.add_middleware(
+        MetricsMiddleware, metrics=metrics, generation_routes=DIALECTS.generation_paths()
+    )
+
+
+def add_metrics_route(app: FastAPI, metrics: Metrics) -> None:
     @app.get(METRICS_PATH, include_in_schema=False)
     async def scrape() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
-
-    return app
-
-
-def error_dialects() -> ErrorDialects:
-    """The dialects whose routes render errors in their own shape (OpenAI's elsewhere)."""
-    return ErrorDialects(
-        routes=(
-            (anthropic.ERROR_PREFIX, anthropic.render_error),
-            (ollama.ERROR_PREFIX, ollama.render_error),
-        )
-    )
 
 
 def create_info_router(models: ServedModels, loads: bool = False) -> APIRouter:

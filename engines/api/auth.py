@@ -10,7 +10,8 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engines.api.errors import APIError, ErrorDialects
+from engines.api.dialect import Dialects
+from engines.api.errors import APIError
 
 PROTECTED_PREFIXES = ("/v1", "/api")
 
@@ -24,7 +25,8 @@ class BearerKeyMiddleware:
         api_key: str,
         prefixes: tuple[str, ...] = PROTECTED_PREFIXES,
         browser_paths: tuple[str, ...] = (),
-        dialects: ErrorDialects | None = None,
+        *,
+        dialects: Dialects,
     ) -> None:
         """`prefixes` need the key; `browser_paths` (also protected, exact or as a prefix)
         accept it as the password of HTTP Basic auth too, so a browser can prompt for it."""
@@ -33,7 +35,7 @@ class BearerKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
         self._prefixes = prefixes
         self._browser_paths = browser_paths
-        self._dialects = dialects or ErrorDialects()
+        self._dialects = dialects
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engines.api.errors import APIError, ErrorDialects
+from engines.api.dialect import Dialects
+from engines.api.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -21,13 +22,14 @@ class BodyLimitMiddleware:
         self,
         app: ASGIApp,
         max_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        dialects: ErrorDialects | None = None,
+        *,
+        dialects: Dialects,
     ) -> None:
         if max_bytes < 1:
             raise ValueError(f"the body limit must be at least 1 byte, got {max_bytes}")
         self.app = app
         self.max_bytes = max_bytes
-        self._dialects = dialects or ErrorDialects()
+        self._dialects = dialects
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

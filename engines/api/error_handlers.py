@@ -1,5 +1,5 @@
 """The app's exception handlers: every error leaves the API as JSON in the shape of the
-dialect whose route it answers (OpenAI's unless a dialect says otherwise)."""
+dialect whose path it answers (the default dialect's where none claims the path)."""
 
 from __future__ import annotations
 
@@ -10,28 +10,22 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from engines.api.dialect import Dialects
 from engines.api.errors import (
     SERVER_ERROR,
     APIError,
-    ErrorDialects,
     describe_validation,
     engine_unavailable,
     overloaded,
     queue_full,
 )
-from engines.api.fields import refusal_of
 from planner.errors import EngineError, OverloadedError, QueueFullError
 
 log = logging.getLogger(__name__)
 
 
-# The routes whose schema declares OpenAI fields it only accepts at their default (fields.py).
-REFUSING_ROUTES = ("/v1/chat/completions", "/v1/completions")
-
-
-def install_error_handlers(app: FastAPI, dialects: ErrorDialects | None = None) -> None:
+def install_error_handlers(app: FastAPI, dialects: Dialects) -> None:
     """Every error leaves the app as its dialect's JSON, never as a traceback."""
-    dialects = dialects or ErrorDialects()
 
     def render(request: Request, error: APIError) -> Response:
         return dialects.response(request.url.path, error)
@@ -41,7 +35,7 @@ def install_error_handlers(app: FastAPI, dialects: ErrorDialects | None = None) 
 
     async def handle_validation_error(request: Request, error: RequestValidationError) -> Response:
         message, param = describe_validation(error.errors())
-        refusal = refusal_of(param) if request.url.path in REFUSING_ROUTES else None
+        refusal = dialects.refusal_of(request.url.path, param)
         if refusal is not None:  # a field the schema only allows at its default
             refused = APIError(400, refusal, param=param, code="unsupported_parameter")
             return render(request, refused)

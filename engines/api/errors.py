@@ -1,44 +1,20 @@
-"""OpenAI-shaped errors: the APIError exception, its JSON body, and the app's exception handlers."""
+"""APIError, the one exception every route raises to answer with an error status, and the
+errors the dialects share; each dialect writes them in its own shape."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from engines.api.schemas import ErrorResponse
 from planner.errors import OverloadedError, QueueFullError
 
 log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
-
-
-def documented(description: str) -> dict[str, Any]:
-    return {"model": ErrorResponse, "description": description}
-
-
-# The statuses each kind of route can answer, for the OpenAPI document (never 422: request
-# validation failures are 400s, as OpenAI's).
-UNAUTHORIZED = {401: documented("missing or wrong API key (only when the server has --api-key)")}
-SERVER_FAILURE = {500: documented("internal server error")}
-# The body of a 200: one JSON document, or with "stream": true server-sent events.
-STREAMED: dict[str, Any] = {"text/event-stream": {}}
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: documented("invalid or unsupported request field; `param` names it"),
-    **UNAUTHORIZED,
-    404: documented("the model is not the one this server serves"),
-    413: documented("the request body is larger than --max-body-bytes"),
-    429: documented("the request queue is full; retry later"),
-    **SERVER_FAILURE,
-    503: documented("no engine is serving (starting, re-planning, or shutting down)"),
-    504: documented("the generation did not finish within --request-timeout"),
-}
 
 
 # pydantic names union members in error locations ("str", "list[TextPart]"); a user never
@@ -67,42 +43,8 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
 
 ErrorRenderer = Callable[[APIError], Response]
-
-
-def openai_error(error: APIError) -> Response:
-    return error.response()
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorDialects:
-    """Which dialect's shape an error takes, by the path it answers: each dialect's routes
-    render their own errors (401s and 413s from the middlewares included); OpenAI's shape
-    everywhere else."""
-
-    routes: tuple[tuple[str, ErrorRenderer], ...] = ()  # (path prefix, renderer)
-
-    def renderer(self, path: str) -> ErrorRenderer:
-        for prefix, render in self.routes:
-            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
-                return render
-        return openai_error
-
-    def response(self, path: str, error: APIError) -> Response:
-        return self.renderer(path)(error)
-
-
-def error_body(
-    message: str, *, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def queue_full(error: QueueFullError) -> APIError:

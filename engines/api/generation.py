@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.api.errors import APIError, engine_unavailable, generation_timeout, model_not_found
-from engines.api.logprobs import TokenScore
+from engines.api.token_score import TokenScore
 from engines.core.engine import Failure, TokenEvent
 from engines.core.request import GenerationRequest
 from engines.core.runner import Submission

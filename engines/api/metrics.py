@@ -19,18 +19,9 @@ from engines.observability.request_timing import REJECTED, SEGMENTS, RequestReco
 RECEIVED_AT = "tandem.received_at"  # key in the ASGI scope state: monotonic arrival time
 SUBMITTED = "tandem.submitted"  # set in the scope state once the request reached the queue
 OTHER_ROUTE = "other"  # unmatched paths share one label, so scanners cannot grow the series
-GENERATION_ROUTES = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/messages",
-        "/v1/responses",
-        "/api/chat",
-        "/api/generate",
-    }
-)
-# Paths answered before routing (a 401 from the key check) keep their name when they are these.
-KNOWN_PATHS = GENERATION_ROUTES | {"/v1/models", "/v1/cluster", "/metrics", "/", "/dashboard"}
+# Paths answered before routing (a 401 from the key check) keep their name when they are
+# these, or the dialects' generation routes.
+KNOWN_PATHS = frozenset({"/v1/models", "/v1/cluster", "/metrics", "/", "/dashboard"})
 ERROR_BODY_LIMIT = 4096  # bytes of an error response kept to find its message
 
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -144,12 +135,15 @@ class MetricsMiddleware:
 
     Plain ASGI, outermost, so streaming responses pass through untouched; the route label
     is the matched route's template (/v1/models/{model_id:path}), never the raw path, which
-    needs every middleware inside this one to pass the scope on, not a copy.
+    needs every middleware inside this one to pass the scope on, not a copy. A refusal on one
+    of `generation_routes` (the dialects') that never reached the queue is a rejected request.
     """
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, generation_routes: frozenset[str]) -> None:
         self.app = app
         self.metrics = metrics
+        self._generation_routes = generation_routes
+        self._known_paths = KNOWN_PATHS | generation_routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -171,16 +165,16 @@ class MetricsMiddleware:
 
         await self.app(scope, receive, counting_send)
         status = answer.get("status", 0)
-        if answer.get("route") in GENERATION_ROUTES and status >= 400 and not state.get(SUBMITTED):
+        refused = status >= 400 and not state.get(SUBMITTED)
+        if refused and answer.get("route") in self._generation_routes:
             self._publish_rejection(arrived, status, answer["body"])
 
-    @staticmethod
-    def _route_of(scope: Scope) -> str:
+    def _route_of(self, scope: Scope) -> str:
         """The matched route's template (the router put it in the scope), or a known path."""
         route = getattr(scope.get("route"), "path", None)
         if route is None:
             path = scope.get("path", "")
-            route = path if path in KNOWN_PATHS else OTHER_ROUTE
+            route = path if path in self._known_paths else OTHER_ROUTE
         return route
 
     def _publish_rejection(self, arrived: float, status: int, body: bytes) -> None:

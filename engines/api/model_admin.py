@@ -17,8 +17,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.api.errors import SERVER_FAILURE, UNAUTHORIZED, APIError, documented
-from engines.api.schemas import ModelCard
+from engines.api.errors import APIError
+from engines.api.openai.errors import SERVER_FAILURE, UNAUTHORIZED, documented
+from engines.api.openai.schemas import ModelCard
 from engines.core.served_models import ServedModels
 from engines.core.service import Service
 from planner.errors import ConfigError, ModelError, PlanError

@@ -16,13 +16,16 @@ from starlette.types import Send
 
 from engines.api.errors import SERVER_ERROR, APIError, generation_timeout
 from engines.api.generation import GenerationTimeout, failure_of, watch_events
-from engines.api.logprobs import TokenScore
+from engines.api.token_score import TokenScore
 from engines.core.engine import TokenEvent
 from engines.core.runner import Submission
 
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 10.0
+# The body of a 200, for the OpenAPI document: one JSON document, or with "stream": true the
+# dialect's stream.
+STREAMED: dict[str, Any] = {"text/event-stream": {}}
 # (an SSE event name, or None for a bare `data:` line; the payload)
 Frame = tuple[str | None, BaseModel | dict[str, Any]]
 

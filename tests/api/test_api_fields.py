@@ -12,12 +12,11 @@ import httpx
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engines.api.chat import chat_input_of, sampling_of
-from engines.api.completions import sampling_of as completion_sampling_of
 from engines.api.errors import APIError
-from engines.api.fields import check_chat_fields
 from engines.api.generation import check_features
-from engines.api.schemas import ChatCompletionRequest, CompletionRequest
+from engines.api.openai.fields import check_chat_fields
+from engines.api.openai.mapping import chat_input_of, chat_sampling_of, completion_sampling_of
+from engines.api.openai.schemas import ChatCompletionRequest, CompletionRequest
 from engines.core.runner import EngineRunner
 from engines.core.service import Service
 from tests.helpers.api import (  # noqa: F401
@@ -312,7 +311,7 @@ async def test_default_values_of_refused_fields_pass(
     assert response.status_code == 200, response.text
 
 
-SERVICE = Service(model_id="m", tokenizer=None)  # its limits are all sampling_of reads
+SERVICE = Service(model_id="m", tokenizer=None)  # its limits are all the sampling mapping reads
 
 
 @pytest.mark.parametrize(
@@ -328,7 +327,7 @@ def test_an_engine_without_a_feature_refuses_the_field(fields: dict, param: str)
     # An engine that declares none of the features (every engine declares all three today).
     body = ChatCompletionRequest.model_validate(chat_body(**fields))
     check_chat_fields(body)
-    sampling, constrained = sampling_of(body, SERVICE), chat_input_of(body).grammar_param()
+    sampling, constrained = chat_sampling_of(body, SERVICE), chat_input_of(body).grammar_param()
     with pytest.raises(APIError) as refused:
         check_features(frozenset(), sampling, constrained)
     assert refused.value.status == 400 and refused.value.param == param

@@ -12,8 +12,8 @@ import httpx
 import psutil
 import pytest
 
+from engines.api.common_schemas import MAX_MESSAGES
 from engines.api.prompts import longest_token_chars
-from engines.api.schemas import MAX_MESSAGES
 from engines.core.runner import EngineRunner
 from tests.helpers.api import (  # noqa: F401
     MB,

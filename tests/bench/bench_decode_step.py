@@ -17,7 +17,7 @@ import asyncio
 import statistics
 import time
 
-from engines.api.completions import CompletionChunks
+from engines.api.openai.completion_replies import CompletionChunks
 from engines.api.streaming import encode_event
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner

@@ -1,6 +1,15 @@
 """The Anthropic Messages dialect: POST /v1/messages and /v1/messages/count_tokens."""
 
 from engines.api.anthropic.errors import render_error
-from engines.api.anthropic.routes import ERROR_PREFIX, create_router
+from engines.api.anthropic.routes import create_router
+from engines.api.dialect import Dialect
 
-__all__ = ["ERROR_PREFIX", "create_router", "render_error"]
+DIALECT = Dialect(
+    name="anthropic",
+    router=create_router,
+    generation_paths=("/v1/messages",),
+    error_prefix="/v1/messages",
+    render_error=render_error,
+)
+
+__all__ = ["DIALECT"]

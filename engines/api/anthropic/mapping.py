@@ -51,7 +51,7 @@ BLOCK_REFUSALS = {
 }
 # Separates the system prompt's text blocks (each is a paragraph of its own).
 SYSTEM_SEPARATOR = "\n\n"
-ERROR_PREFIX = "Error: "  # an is_error tool result, as a chat template sees it
+TOOL_ERROR_PREFIX = "Error: "  # an is_error tool result, as a chat template sees it
 
 
 def chat_input_of(body: CountTokensRequest) -> ChatInput:
@@ -185,7 +185,7 @@ def tool_result_turn(block: ToolResultBlock, param: str, called: set[str]) -> Tu
             for index, part in enumerate(content)
         )
     if block.is_error:
-        text = ERROR_PREFIX + text
+        text = TOOL_ERROR_PREFIX + text
     return Turn("tool", text, tool_call_id=block.tool_use_id)
 
 

@@ -18,9 +18,9 @@ from engines.api.anthropic.schemas import (
 )
 from engines.api.conversation import ToolCall
 from engines.api.errors import APIError
-from engines.api.logprobs import TokenScore
 from engines.api.reply import Piece, Reply, ReplyStream
 from engines.api.streaming import Frame
+from engines.api.token_score import TokenScore
 from engines.api.tools import ends_in_calls
 from engines.core.engine import TokenEvent
 

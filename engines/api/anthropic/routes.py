@@ -8,7 +8,6 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from engines.api.anthropic.errors import ANTHROPIC_SSE
@@ -23,25 +22,14 @@ from engines.api.anthropic.schemas import (
     Usage,
 )
 from engines.api.constraints import output_grammar
-from engines.api.errors import STREAMED
-from engines.api.generation import (
-    build_request,
-    check_features,
-    collect,
-    engine_features,
-    serving,
-    wait_budget_s,
-)
-from engines.api.metrics import mark_submitted, received_at
+from engines.api.generate import Job, Replies, Submitted, generate
+from engines.api.generation import Outcome, serving
 from engines.api.prompts import chat_prompt_tokens
-from engines.api.reply import ReplyStream
-from engines.api.streaming import stream_response
+from engines.api.streaming import STREAMED
 from engines.api.tools import tool_format_for
 from engines.core.served_models import ServedModels
 
 log = logging.getLogger(__name__)
-
-ERROR_PREFIX = "/v1/messages"
 
 
 def documented(description: str) -> dict[str, Any]:
@@ -72,6 +60,29 @@ class UnknownFields:
             log.debug("ignoring the Messages field '%s' (unknown here; logged once)", name)
 
 
+def message_replies(body: MessagesRequest, message_id: str) -> Replies:
+    """A message's named events, or its one MessageBody."""
+
+    def events(run: Submitted) -> MessageEvents:
+        return MessageEvents(message_id, body.model, len(run.prompt), run.chat_reply())
+
+    def message(run: Submitted, outcome: Outcome) -> dict[str, Any]:
+        whole = run.chat_reply().read_whole(outcome.text)
+        reason, sequence = stop_reason_of(outcome.finish_reason, outcome.stop_sequence, whole.calls)
+        return MessageBody(
+            id=message_id,
+            model=body.model,
+            content=content_of(whole),
+            stop_reason=reason,
+            stop_sequence=sequence,
+            usage=Usage.counted(
+                outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens
+            ),
+        ).model_dump()
+
+    return Replies(ANTHROPIC_SSE, events, message)
+
+
 def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
     unknown = UnknownFields()
@@ -86,42 +97,9 @@ def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
         service = await serving(models, body.model)
         chat = chat_input_of(body)
         sampling = sampling_of(body, service.limits)
-        check_features(engine_features(service), sampling, chat.grammar_param())
-        tokenizer = service.tokenizer
-        tools = tool_format_for(chat, tokenizer)
-        grammar = output_grammar(chat, tokenizer, tools)
         message_id = f"msg_{uuid.uuid4().hex}"
-        # Templating and tokenizing a long prompt takes a while: never on the event loop.
-        prompt = await asyncio.to_thread(chat_prompt_tokens, tokenizer, chat, max_prompt_tokens)
-        generation = build_request(
-            service,
-            message_id,
-            sampling,
-            prompt,
-            max_prompt_tokens,
-            grammar,
-            chat.grammar_param(),
-        )
-        submission = service.submit(generation, received_at=received_at(request.scope))
-        mark_submitted(request.scope)
-        reply = ReplyStream.of(tokenizer, chat, tools, prompt)
-        if body.stream:
-            writer = MessageEvents(message_id, body.model, len(prompt), reply)
-            return stream_response(submission, wait_budget_s(service), writer, ANTHROPIC_SSE)
-        outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
-        whole = reply.read_whole(outcome.text)
-        reason, sequence = stop_reason_of(outcome.finish_reason, outcome.stop_sequence, whole.calls)
-        message = MessageBody(
-            id=message_id,
-            model=body.model,
-            content=content_of(whole),
-            stop_reason=reason,
-            stop_sequence=sequence,
-            usage=Usage.counted(
-                outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens
-            ),
-        )
-        return JSONResponse(message.model_dump())
+        job = Job(message_id, sampling, max_prompt_tokens, body.stream, chat)
+        return await generate(request, service, job, message_replies(body, message_id))
 
     @router.post(
         "/v1/messages/count_tokens",

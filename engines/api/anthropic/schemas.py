@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from engines.api.schemas import MAX_MESSAGES, MAX_TOOLS, Integer
+from engines.api.common_schemas import MAX_MESSAGES, MAX_TOOLS, Integer
 from engines.core.request import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TOP_K
 
 # Anthropic's own bound on temperature (OpenAI's goes to 2).

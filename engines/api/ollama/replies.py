@@ -10,9 +10,9 @@ from typing import Any
 from engines.api.conversation import ToolCall
 from engines.api.errors import APIError
 from engines.api.generation import Outcome
-from engines.api.logprobs import TokenScore
 from engines.api.reply import Piece, ReplyStream
 from engines.api.streaming import Frame, Framing
+from engines.api.token_score import TokenScore
 from engines.core.engine import TokenEvent
 from engines.core.runner import Submission
 

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.api.schemas import FUNCTION_NAME, MAX_MESSAGES, MAX_TOOLS, Integer, OpenObject
+from engines.api.common_schemas import FUNCTION_NAME, MAX_MESSAGES, MAX_TOOLS, Integer, OpenObject
 
 # Ollama's own levels for models that think at several efforts (gpt-oss); tandem has one.
 ThinkLevel = Literal["low", "medium", "high"]

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 from engines.api.errors import APIError
-from engines.api.logprobs import TokenScore
 from engines.api.reply import Piece, ReplyStream
 from engines.api.responses.objects import FunctionCallOutput, OutputItem, Response, new_id
 from engines.api.responses.replies import (
@@ -19,6 +18,7 @@ from engines.api.responses.replies import (
     usage_of,
 )
 from engines.api.streaming import SSE_COMMENT, Frame, Framing
+from engines.api.token_score import TokenScore
 from engines.core.engine import TokenEvent
 
 # Named events (`event: response.output_text.delta`), no closing line: OpenAI sends no [DONE].

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.api.conversation import ToolCall
-from engines.api.logprobs import TokenScore, chat_logprobs
+from engines.api.openai.logprobs import chat_logprobs
 from engines.api.reply import Reply
 from engines.api.responses.objects import (
     FunctionCallOutput,
@@ -20,6 +20,7 @@ from engines.api.responses.objects import (
     new_id,
     sealed,
 )
+from engines.api.token_score import TokenScore
 from engines.core.engine import TokenEvent
 
 

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
 
-from engines.api.constraints import output_grammar
 from engines.api.conversation import Turn
-from engines.api.errors import ERROR_RESPONSES, STREAMED, UNAUTHORIZED, APIError, documented
-from engines.api.generation import (
-    build_request,
-    check_features,
-    collect,
-    engine_features,
-    serving,
-    wait_budget_s,
-)
-from engines.api.metrics import mark_submitted, received_at
-from engines.api.prompts import chat_prompt_tokens
-from engines.api.reply import ReplyStream
+from engines.api.errors import APIError
+from engines.api.generate import Job, Replies, Submitted, generate
+from engines.api.generation import Outcome, serving
+from engines.api.openai.errors import ERROR_RESPONSES, UNAUTHORIZED, documented
 from engines.api.responses.events import RESPONSES_SSE, ResponseEvents
 from engines.api.responses.mapping import (
     chat_input_of,
@@ -37,9 +29,9 @@ from engines.api.responses.replies import OutputOptions, output_of, token_logpro
 from engines.api.responses.schemas import ResponsesRequest
 from engines.api.responses.store import ResponseStore
 from engines.api.shared_path import shared_path_route
-from engines.api.streaming import stream_response
-from engines.api.tools import tool_format_for
+from engines.api.streaming import STREAMED
 from engines.core.served_models import ServedModels
+from engines.core.service import Service
 
 STORED = {**UNAUTHORIZED, 404: documented("no stored response has this id")}
 SEALED_INCLUDE = "reasoning.encrypted_content"
@@ -55,6 +47,38 @@ def not_stored(response_id: str, param: str | None = None) -> APIError:
     if param is not None:  # a request that continues one: the request is at fault
         return APIError(400, message, param=param, code="previous_response_not_found")
     return APIError(404, message, param="response_id", code="not_found")
+
+
+def response_replies(
+    body: ResponsesRequest, service: Service, response_id: str, keep: Callable[[Response], None]
+) -> Replies:
+    """A response's events, or its one Response object; `keep` stores the finished one."""
+    tokenizer = service.tokenizer
+    options = OutputOptions(body.max_tool_calls, SEALED_INCLUDE in (body.include or ()))
+    created_at = int(time.time())  # now, not when a whole response has been generated
+
+    def started() -> Response:
+        return Response(
+            id=response_id,
+            created_at=created_at,
+            status="in_progress",
+            model=service.model_id,
+            settings=settings_of(body),
+        )
+
+    def events(run: Submitted) -> ResponseEvents:
+        return ResponseEvents(started(), tokenizer, run.chat_reply(), options, keep)
+
+    def response(run: Submitted, outcome: Outcome) -> dict[str, Any]:
+        whole = run.chat_reply().read_whole(outcome.text)
+        logprobs = token_logprobs(tokenizer, outcome.scores)
+        output = output_of(whole, logprobs, outcome.finish_reason, options)
+        usage = usage_of(tokenizer, outcome, whole.reasoning)
+        finished = started().finished(output, usage, outcome.finish_reason)
+        keep(finished)
+        return finished.body()
+
+    return Replies(RESPONSES_SSE, events, response)
 
 
 def create_router(
@@ -83,50 +107,15 @@ def create_router(
         conversation = conversation_of(body, earlier_turns(body))
         chat = chat_input_of(body, conversation)
         sampling = sampling_of(body, service.limits)
-        check_features(engine_features(service), sampling, chat.grammar_param())
-        tokenizer = service.tokenizer
-        tools = tool_format_for(chat, tokenizer)
-        grammar = output_grammar(chat, tokenizer, tools)
         response_id = new_id("resp")
-        # Templating and tokenizing a long prompt takes a while: never on the event loop.
-        prompt = await asyncio.to_thread(chat_prompt_tokens, tokenizer, chat, max_prompt_tokens)
-        generation = build_request(
-            service,
-            response_id,
-            sampling,
-            prompt,
-            max_prompt_tokens,
-            grammar,
-            chat.grammar_param(),
-        )
-        submission = service.submit(generation, received_at=received_at(request.scope))
-        mark_submitted(request.scope)
-        reply = ReplyStream.of(tokenizer, chat, tools, prompt)
-        started = Response(
-            id=response_id,
-            created_at=int(time.time()),
-            status="in_progress",
-            model=service.model_id,
-            settings=settings_of(body),
-        )
-
-        options = OutputOptions(body.max_tool_calls, SEALED_INCLUDE in (body.include or ()))
+        job = Job(response_id, sampling, max_prompt_tokens, body.stream, chat)
 
         def keep(response: Response) -> None:
             if body.store is not False:
                 store.put(response, conversation)
 
-        if body.stream:
-            writer = ResponseEvents(started, tokenizer, reply, options, keep)
-            return stream_response(submission, wait_budget_s(service), writer, RESPONSES_SSE)
-        outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
-        whole = reply.read_whole(outcome.text)
-        logprobs = token_logprobs(tokenizer, outcome.scores)
-        output = output_of(whole, logprobs, outcome.finish_reason, options)
-        usage = usage_of(tokenizer, outcome, whole.reasoning)
-        response = started.finished(output, usage, outcome.finish_reason)
-        keep(response)
-        return JSONResponse(response.body())
+        replies = response_replies(body, service, response_id, keep)
+        return await generate(request, service, job, replies)
 
     stored_router = APIRouter(route_class=shared_path_route(STORED_METHODS))
 

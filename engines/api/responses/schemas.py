@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from engines.api.schemas import FUNCTION_NAME, MAX_MESSAGES, MAX_TOOLS, Integer, OpenObject
+from engines.api.common_schemas import FUNCTION_NAME, MAX_MESSAGES, MAX_TOOLS, Integer, OpenObject
 from engines.core.request import MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 
 # Union members are tagged by their class names, which errors.describe_validation leaves out of

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.api.errors import APIError
-from engines.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from engines.api.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 UNSUPPORTED = "unsupported_parameter"
 

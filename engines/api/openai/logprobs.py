@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
-from engines.api.schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
-from engines.core.engine import TokenEvent, TopLogprobs
+from engines.api.openai.schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from engines.api.token_score import TokenScore
 
 # JSON has no -Infinity; OpenAI reports a token that cannot be sampled as -9999.0.
 FLOOR = -9999.0
-
-
-@dataclass(frozen=True, slots=True)
-class TokenScore:
-    """One generated token with its logprob and the most likely alternatives."""
-
-    token: int
-    logprob: float
-    top: TopLogprobs
-
-    @classmethod
-    def of(cls, event: TokenEvent) -> TokenScore | None:
-        if event.token is None or event.logprob is None:
-            return None
-        return cls(event.token, event.logprob, event.top_logprobs)
 
 
 def chat_logprobs(tokenizer: Any, scores: list[TokenScore]) -> ChoiceLogprobs:

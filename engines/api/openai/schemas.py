@@ -13,6 +13,14 @@ from pydantic import (
     model_serializer,
 )
 
+from engines.api.common_schemas import (
+    FUNCTION_NAME,
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    Integer,
+    OpenObject,
+    integral,
+)
 from engines.core.request import (
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -25,21 +33,10 @@ from engines.core.request import (
     MIN_REPETITION_PENALTY,
 )
 
-MAX_MESSAGES = 1024
-MAX_TOOLS = 128
 MAX_COMPLETION_LOGPROBS = 5  # completions: OpenAI's bound, below the request's MAX_TOP_LOGPROBS
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls"]
-FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
-
-
-def _integral(value: Any) -> Any:
-    # JSON Schema counts 3.0 as an integer; strict mode would refuse it. true stays refused.
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-Integer = Annotated[int, BeforeValidator(_integral)]
 
 
 class RequestModel(BaseModel):
@@ -47,12 +44,6 @@ class RequestModel(BaseModel):
     as OpenAI does ("Unrecognized request argument"), never silently ignored."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class OpenObject(BaseModel):
-    """A JSON object the caller defines (a JSON schema, tool parameters): taken as it is."""
-
-    model_config = ConfigDict(extra="allow")
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -164,7 +155,7 @@ class SamplingFields(RequestModel):
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # vLLM's and mlx_lm.server's extensions; 0 turns each off
-    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K), BeforeValidator(_integral)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=MAX_TOP_K), BeforeValidator(integral)] | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     stop: (
         Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -174,10 +165,10 @@ class SamplingFields(RequestModel):
         ]
         | None
     ) = None
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED), BeforeValidator(_integral)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED), BeforeValidator(integral)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)] | None = (
+    n: Annotated[int, Field(ge=1, le=1), BeforeValidator(integral)] | None = (
         None  # one choice per request
     )
     user: str | None = None  # an end-user id: logged with the request, never used otherwise
@@ -237,7 +228,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool | None = None
     top_logprobs: (
-        Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral)] | None
+        Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(integral)] | None
     ) = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -267,15 +258,15 @@ class CompletionRequest(SamplingFields):
         Annotated[str, Field(min_length=1)]
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
         | Annotated[
-            list[Annotated[int, Field(ge=0), BeforeValidator(_integral)]], Field(min_length=1)
+            list[Annotated[int, Field(ge=0), BeforeValidator(integral)]], Field(min_length=1)
         ]
     )
     logprobs: (
-        Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), BeforeValidator(_integral)] | None
+        Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), BeforeValidator(integral)] | None
     ) = None
     # refused unless absent or the default (fields.py says why)
     echo: Literal[False] | None = None
-    best_of: Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=1), BeforeValidator(integral)] | None = None
     suffix: Literal[""] | None = None
 
     @field_validator("prompt", mode="before")
@@ -288,7 +279,7 @@ class CompletionRequest(SamplingFields):
                 if len(value) == 1:
                     return value
                 raise ValueError(f"only one prompt per request is supported, got {len(value)}")
-            value = [_integral(item) for item in value]
+            value = [integral(item) for item in value]
             if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
                 return value
         raise ValueError("prompt must be a string, a list of one string, or a list of token ids")
