@@ -18,7 +18,7 @@ import statistics
 import time
 
 from engines.api.openai.completion_replies import CompletionChunks
-from engines.api.streaming import encode_event
+from engines.api.streaming import OPENAI_SSE
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.demo import ensure_demo_model
@@ -134,7 +134,8 @@ def chunk_cost_us() -> float:
     writer = CompletionChunks("cmpl-profile", 1, "demo", None)
     started = time.perf_counter()
     for _ in range(20000):
-        encode_event(writer.content("token", []))
+        for frame in writer.content("token", []):
+            OPENAI_SSE.encode(frame)
     return 1e6 * (time.perf_counter() - started) / 20000
 
 
