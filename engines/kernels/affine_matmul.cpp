@@ -42,7 +42,7 @@ struct Problem {
   const void* scales;  // (N, groups)
   const void* biases;
   const float* x_sums;  // (M, groups)
-  const int16_t* x_codes;  // (M, K): x rounded to int16 per group, for the AVX-512 path
+  const int16_t* x_codes;  // (M, K): x rounded to int16 per group, for the AVX-512 path (round_x)
   const float* x_steps;  // (M, groups): the value of one of x_codes' steps in each group
   const float* x_lost;  // (M, groups): what rounding x to x_codes lost of each group's sum
   float* y;  // (M, N)
@@ -211,8 +211,17 @@ struct WideUnpacker {
     mask = _mm256_set1_epi8(static_cast<char>((1 << BITS) - 1));
     load_mask = BITS == 8 ? 0xFFFFFFFFu : (1u << (4 * BITS)) - 1;  // never past the codes
   }
-  // The 32 codes packed at p, as int16.
+  // The 32 codes packed at p, as int16; 4-bit ones in EVEN_FIRST order (x is rounded into
+  // the same order, and a dot product does not mind).
   inline __m512i codes(const uint8_t* p) const {
+    if constexpr (BITS == 8) {  // a code a byte: only the widening
+      return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    } else if constexpr (BITS == 4) {  // two a byte: low nibbles are the even codes
+      const __m256i pairs = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256i even = _mm256_and_si256(pairs, _mm256_set1_epi16(0x0F));
+      const __m256i odd = _mm256_srli_epi16(pairs, 4);
+      return _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+    }
     const __m256i bytes = _mm256_maskz_loadu_epi8(load_mask, p);
     const __m256i spread = _mm256_permutexvar_epi8(permute, bytes);
     const __m256i fields = _mm256_multishift_epi64_epi8(shifts, spread);
@@ -335,8 +344,9 @@ void dot_rows_wide(const Problem& p, int n0, int n1) {
 }
 
 // x rounded to int16 in each group (`codes`), the value of one step per group (`steps`), and
-// what the rounding lost of each group's sum (`lost`, from the group sums `sums`).
-void round_x(const float* x, int M, int K, int group_size, const float* sums, int16_t* codes, float* steps, float* lost) {
+// what the rounding lost of each group's sum (`lost`, from the group sums `sums`). With
+// `even_first` (4-bit codes), each 32 of x are stored as their 16 even then their 16 odd.
+void round_x(const float* x, int M, int K, int group_size, const float* sums, bool even_first, int16_t* codes, float* steps, float* lost) {
   const int groups = K / group_size;
   for (int m = 0; m < M; m++) {
     for (int g = 0; g < groups; g++) {
@@ -356,6 +366,14 @@ void round_x(const float* x, int M, int K, int group_size, const float* sums, in
         kept = _mm512_add_epi32(kept, rounded);
       }
       lost[at] = sums[at] - steps[at] * static_cast<float>(_mm512_reduce_add_epi32(kept));
+      for (int c = 0; even_first && c < group_size; c += WIDE) {
+        int16_t natural[WIDE];
+        std::memcpy(natural, codes + start + c, sizeof(natural));
+        for (int j = 0; j < WIDE / 2; j++) {
+          codes[start + c + j] = natural[2 * j];
+          codes[start + c + WIDE / 2 + j] = natural[2 * j + 1];
+        }
+      }
     }
   }
 }
@@ -364,7 +382,7 @@ constexpr bool INTEGER_DOT = false;
 constexpr int WIDE = 32;
 template <int BITS, typename S>
 void dot_rows_wide(const Problem&, int, int) {}
-void round_x(const float*, int, int, int, const float*, int16_t*, float*, float*) {}
+void round_x(const float*, int, int, int, const float*, bool, int16_t*, float*, float*) {}
 #endif
 
 template <int BITS, typename S>
@@ -561,7 +579,7 @@ void AffineMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
       x_codes.resize(static_cast<size_t>(p.M) * p.K);
       x_steps.resize(static_cast<size_t>(p.M) * p.groups);
       x_lost.resize(static_cast<size_t>(p.M) * p.groups);
-      round_x(p.x, p.M, p.K, p.group_size, p.x_sums, x_codes.data(), x_steps.data(), x_lost.data());
+      round_x(p.x, p.M, p.K, p.group_size, p.x_sums, bits == 4, x_codes.data(), x_steps.data(), x_lost.data());
       p.x_codes = x_codes.data();
       p.x_steps = x_steps.data();
       p.x_lost = x_lost.data();

