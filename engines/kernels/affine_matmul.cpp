@@ -211,8 +211,9 @@ struct WideUnpacker {
     mask = _mm256_set1_epi8(static_cast<char>((1 << BITS) - 1));
     load_mask = BITS == 8 ? 0xFFFFFFFFu : (1u << (4 * BITS)) - 1;  // never past the codes
   }
-  // The 32 codes packed at p, as int16; 4-bit ones in EVEN_FIRST order (x is rounded into
-  // the same order, and a dot product does not mind).
+  // The 32 codes packed at p, as int16; 4-bit ones even codes first (round_x's even_first
+  // puts x in the same order, and a dot product does not mind). The permute and shift
+  // tables serve the widths that straddle bytes (2, 3, 5, 6).
   inline __m512i codes(const uint8_t* p) const {
     if constexpr (BITS == 8) {  // a code a byte: only the widening
       return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -244,14 +245,15 @@ inline __m512 load_16(const S* values, int g, int groups) {
   }
 }
 
-// Per weight row, the scalar work of each group is done once, 16 groups at a time, before
-// the codes are read: the float each group's integer sum is multiplied by (its scale times
-// x's step) and the bias term of the whole row. A code-reading loop is then only unpacking,
-// one vpdpwssd per 32 codes, and one conversion and FMA per group.
 // A row's steps are written 16 at a time: each row of them gets whole blocks of 16.
 inline int steps_stride(int groups) {
   return (groups + 15) / 16 * 16;
 }
+
+// Per weight row, the scalar work of each group is done once, 16 groups at a time, before
+// the codes are read: the float each group's integer sum is multiplied by (its scale times
+// x's step) and the bias term of the whole row. A code-reading loop is then only unpacking,
+// one vpdpwssd per 32 codes, and one conversion and FMA per group.
 
 template <int BITS, int ROWS, int CHUNKS, typename S>
 inline void dot_row_wide(const Problem& p, const WideUnpacker<BITS>& unpack, const uint8_t* codes, int n, int m0, float* steps) {

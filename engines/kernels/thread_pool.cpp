@@ -110,10 +110,11 @@ void ThreadPool::work() {
     while (!is_new_loop(ticket_.load(std::memory_order_acquire)) &&
            !stopping_.load(std::memory_order_relaxed)) {
       TANDEM_PAUSE();
-      if (++polls % 64 == 0) {
-        std::this_thread::yield();  // a thread with work on this core goes first
+      if (++polls % 64 != 0) {
+        continue;
       }
-      if (polls % 64 == 0 && std::chrono::steady_clock::now() > deadline) {
+      std::this_thread::yield();  // a thread with work on this core goes first
+      if (std::chrono::steady_clock::now() > deadline) {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] {
           return stopping_.load() || is_new_loop(ticket_.load());

