@@ -64,13 +64,18 @@ def _tool_call_grammar(chat: ChatInput, tokenizer: Any, tools: ToolFormat) -> st
 
 def _literal(tokenizer: Any, marker: str) -> str:
     """A marker in lark: its special token by id when it is one, else the text."""
+    return special_token_literal(tokenizer, marker) or json.dumps(marker)
+
+
+def special_token_literal(tokenizer: Any, marker: str) -> str | None:
+    """`<[id]>`, the lark for a marker that is one special token; None when it is text."""
     ids = tokenizer.encode(marker, add_special_tokens=False)
     special = set(getattr(tokenizer, "all_special_ids", ()))
     if len(ids) == 1 and (
         ids[0] in special or marker in getattr(tokenizer, "added_tokens_encoder", {})
     ):
         return f"<[{ids[0]}]>"
-    return json.dumps(marker)
+    return None
 
 
 def _checked(grammar: str, param: str) -> str:

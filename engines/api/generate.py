@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from engines.api.call_guard import call_guard
 from engines.api.constraints import output_grammar
 from engines.api.conversation import ChatInput
 from engines.api.errors import APIError
@@ -29,6 +30,7 @@ from engines.api.prompts import chat_prompt_tokens, completion_prompt_tokens
 from engines.api.reply import ReplyStream
 from engines.api.streaming import Framing, StreamWriter, stream_response
 from engines.api.tools import tool_format_for
+from engines.core.request import GenerationRequest
 from engines.core.runner import Submission
 from engines.core.service import Service
 
@@ -84,21 +86,26 @@ class Replies:
 async def generate(request: Request, service: Service, job: Job, replies: Replies) -> Response:
     """Run `job` on `service` and answer in the dialect's `replies`; every 400 comes before
     the request queues, so a refused request never reaches the engine."""
-    check_features(engine_features(service), job.sampling, job.grammar_param())
+    features = engine_features(service)
+    check_features(features, job.sampling, job.grammar_param())
     tokenizer = service.tokenizer
     chat = job.chat
     tools = tool_format_for(chat, tokenizer) if chat is not None else None
     grammar = output_grammar(chat, tokenizer, tools) if chat is not None else None
     prompt = await prompt_tokens(tokenizer, job)
-    generation = build_request(
-        service,
-        job.request_id,
-        job.sampling,
-        prompt,
-        job.context_tokens,
-        grammar,
-        job.grammar_param(),
-    )
+    generation = None
+    if grammar is None and chat is not None and "grammar" in features:
+        generation = guarded_request(service, job, prompt, call_guard(chat, tokenizer, tools))
+    if generation is None:
+        generation = build_request(
+            service,
+            job.request_id,
+            job.sampling,
+            prompt,
+            job.context_tokens,
+            grammar,
+            job.grammar_param(),
+        )
     submission = service.submit(generation, received_at=received_at(request.scope))
     mark_submitted(request.scope)
     reply = ReplyStream.of(tokenizer, chat, tools, prompt) if chat is not None else None
@@ -108,6 +115,22 @@ async def generate(request: Request, service: Service, job: Job, replies: Replie
         return stream_response(submission, wait_budget_s(service), writer, replies.framing)
     outcome = await collect(submission, wait_budget_s(service), request.is_disconnected)
     return JSONResponse(replies.whole(submitted, outcome))
+
+
+def guarded_request(
+    service: Service, job: Job, prompt: tuple[int, ...], guard: str | None
+) -> GenerationRequest | None:
+    """The request with its tool calls guarded (engines/api/call_guard.py), or None: no
+    guard, or one the engine would not take (a pipeline frame too small for it, say), which
+    costs the guard and never the request."""
+    if guard is None:
+        return None
+    try:
+        return build_request(
+            service, job.request_id, job.sampling, prompt, job.context_tokens, guard
+        )
+    except APIError:
+        return None
 
 
 async def prompt_tokens(tokenizer: Any, job: Job) -> tuple[int, ...]:

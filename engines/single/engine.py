@@ -113,6 +113,8 @@ class SingleEngine(Engine):
             self._restore_from_disk(self.prefix_store.disk)
         vocab_size = getattr(getattr(self.model, "args", None), "vocab_size", 0)
         self._grammars = GrammarCompiler(self.tokenizer, max(vocab_size, len(self.tokenizer)))
+        if getattr(self.tokenizer, "has_tool_calling", False):
+            self._grammars.prepare()  # every request with tools has a grammar (call_guard.py)
         keep = self._keep_prefix if self.prefix_index.enabled else None
         self._batch = DecodeBatch(
             self.model, self.max_batch, self.prefill_chunk, keep, self.kv_bits,
