@@ -126,9 +126,8 @@ class ChainUpkeep:
         self._schedule.clear()
         self._sampling.clear()
         self.speculation.clear()
-        self._hits.clear()  # the sequences are gone, and with the stages every entry
-        self._sharing.clear()
-        self._forget_prefix_cache()
+        self.books.clear_waiters()
+        self._forget_prefix_cache()  # the sequences are gone, and with the stages every entry
         self._awaiting.clear()
         if aborted:
             return EngineError(f"pipeline aborted {context} ({lost} sequences): {aborted}")

@@ -21,28 +21,28 @@ ADOPT_PER_ROLL_CALL = 500  # [id, key] pairs per STATUS document: far below MAX_
 
 class DiskRelisting:
     """Part of EncryptedPipelineEngine (engine.py), which owns the `_disk` tier of stage 0,
-    the `prefix_index`, stage 0's `_local` batches and the `_chain`; prefix_keeping.py gives
-    ids and sends ENDs, chain_upkeep.py numbers and sends the roll calls."""
+    the prefix cache's `books`, stage 0's `_local` batches and the `_chain`; prefix_keeping.py
+    carries out and sends the books' orders, chain_upkeep.py numbers and sends the roll calls."""
 
     def _relist_disk_entries(self) -> None:
         """A new session: the entries a previous one left on disk, as far as every stage
         holds them and the disk budget keeps them (oldest first, so the newest stay)."""
         shelf = SessionDisk(self._disk)
         named = []
+        index = self.books.index
         for stored in shelf.found():
-            entry = self._take_entry_id()
+            entry = self.books.take_private_id()
             nbytes = self._entry_bytes(len(stored.tokens), stored.nbytes)
-            self.prefix_index.restore(entry, stored.tokens, nbytes)  # past the budget: not kept
+            # past the budget: not listed, so adopting the listed ones below removes its files
+            index.restore(entry, stored.tokens, nbytes)
             named.append((entry, stored.key))
-        listed = [(entry, key) for entry, key in named if entry in self.prefix_index]
+        listed = [(entry, key) for entry, key in named if entry in index]
         session = secrets.token_hex(8)  # names the files this session writes, on every stage
         shelf.adopt(DiskRollCall(session, tuple(listed)))  # here: the other files go
         missing = self._adopt_on_every_stage(session, listed)
-        for entry in missing:
-            self.prefix_index.discard(entry)  # counted as a disk failure
+        self.books.discard(missing)  # each counted as a disk failure
         if missing:
-            self._local.drop(missing)
-            self._send_end([], [], missing)
+            self._send_end(self._orders_on_stage_zero())
         if listed:
             log.info(
                 "prefix cache: %d of %d entries on disk listed again (%d missing on a stage)",

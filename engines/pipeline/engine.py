@@ -35,15 +35,15 @@ from engines.pipeline.chain_disk import ChainDiskTier, chain_disk_tier
 from engines.pipeline.chain_upkeep import ChainUpkeep
 from engines.pipeline.disk_relisting import DiskRelisting
 from engines.pipeline.frame_clock import FrameClock
-from engines.pipeline.prefix_keeping import PRIVATE_ENTRY_IDS, PrefixKeeping
+from engines.pipeline.prefix_keeping import TOP_PRIVATE_ENTRY_ID, PrefixKeeping
 from engines.pipeline.schedule import MicroBatchSchedule, Planned
 from engines.pipeline.shared_prompts import SharedPrompts
 from engines.pipeline.speculation import PipelineSpeculation
 from engines.pipeline.stage_address import StageAddress
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.wire import Kind, Row
-from engines.prefix_cache.index import PrefixHit, PrefixIndex
-from engines.prefix_cache.shared_prefill import PrefillSharing
+from engines.prefix_cache.books import PrefixBooks
+from engines.prefix_cache.index import PrefixIndex
 from engines.prefix_cache.store import NOT_REUSABLE
 from engines.speculation.lane import DrafterFactory
 from engines.speculation.prompt_lookup import PromptLookup
@@ -166,21 +166,20 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         self._io_lock = threading.Lock()
         # A relay has no layers to spill and its disk list would be empty: no disk tier.
         disk_bytes = prefix_cache_disk_bytes if prefix_cache_dir is not None and layers else 0
-        self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
+        index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
+        # hits (pinned until their sequence begins), waiters, late counts and END orders
+        self.books = PrefixBooks(index, TOP_PRIVATE_ENTRY_ID)
         self._disk_dir = Path(prefix_cache_dir) if disk_bytes else None
         self._disk: ChainDiskTier | None = None  # stage 0's share of the disk tier
         self._verifying: list[int] = []  # uids whose disk entry no stage was asked for yet
         self._loads: dict[int, tuple[list[int], list[int]]] = {}  # roll call -> uids, failed
-        self._recounted: dict[int, int] = {}  # uid -> its cached tokens after all (a miss)
-        self._hits: dict[int, PrefixHit] = {}  # inserted, not begun yet: the entry to start from
-        # entries the index dropped while a sequence not begun yet still names them: the
-        # stages drop them once it has begun
-        self._held: set[int] = set()
-        self._sharing = PrefillSharing()  # requests waiting for a prompt being prefilled
-        self._last_entry_id = PRIVATE_ENTRY_IDS  # entries no runner uid names take ids above
         self.step_timing = StepTimes()  # per answered frame: stages, sealing, hops
         self._clock: FrameClock | None = None  # the current session's (frame_clock.py)
         self.speculation = PipelineSpeculation(most_drafted, drafter)
+
+    @property
+    def prefix_index(self) -> PrefixIndex:
+        return self.books.index
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -273,7 +272,7 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         if self._local is not None:
             self._local.prefix.close()  # the disk tier's files stay for the next run
         self._local = None
-        self._sharing.clear()
+        self.books.clear_waiters()
         self._forget_prefix_cache()
         if self._disk is not None:
             self._disk.close()
@@ -313,10 +312,7 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
             "quantized_kv_start": self.quantized_kv_start,
             "micro_batches": self._schedule.groups,
             "healthy": self._healthy,
-            "prefix_cache": {
-                **self.prefix_index.snapshot(),
-                "shared_prefills": self._sharing.shared,
-            },
+            "prefix_cache": self.books.snapshot(),
             # prompt tokens stage 0 (as every stage) ran in prefill chunks, this session
             "prefilled_tokens": self._local.prefilled_tokens if self._local is not None else 0,
             "step_timing": self.step_timing.snapshot(),
@@ -343,7 +339,7 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         self._check_grammar(request)
         with self._io_lock:  # the index is shared with evict_prefix_cache()
             self._sampling[uid] = sampling
-            if self._sharing.hold(uid, request, self.prefix_index):
+            if self.books.hold(uid, request):
                 return 0  # its first output will say how many tokens it reused
             return self._admit(uid, request.prompt_tokens)
 
@@ -372,26 +368,24 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
             connected = local is not None and self._chain is not None and self._healthy
             keep = self._caches_to_keep(uids) if connected else []
             known = self._schedule.remove(uids)
-            self._sharing.forget(uids)
+            self.books.forget(uids)  # entries held for them are ordered dropped
             self.speculation.forget(uids)
             for uid in uids:
                 self._sampling.pop(uid, None)
-                self._recounted.pop(uid, None)
-            evict = self._unpin(uids)
             if local is None:
                 return
-            if not connected:
+            if not connected:  # the session is gone, and the stages' caches with it
                 local.end(known)
-                return  # the session is gone, and the stages' caches with it
-            evict += self._keep_on_stage_zero(keep)
+                self.books.take_orders()  # no stage is left to carry them out
+                return
+            self._keep_on_stage_zero(keep)
             local.end(known)
-            local.drop(evict)
-            spill = self._spill_on_stage_zero()
-            if not known and not evict and not spill:
+            orders = self._orders_on_stage_zero()
+            if not known and not orders:
                 return
             try:
                 kept = [(uid, len(tokens)) for uid, tokens in keep]
-                self._send_end(known, kept, evict, spill)
+                self._send_end(orders, known, kept)
             except ChannelError as error:
                 raise self._lost(f"ending sequences {known}", error) from error
 
@@ -402,18 +396,16 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         """Drop least recently used prefix-cache entries on every stage until at most
         `keep_fraction` of the cached bytes remain; returns the bytes freed (estimated)."""
         with self._io_lock:
-            before = self.prefix_index.nbytes
-            evict = self._release(self.prefix_index.evict(keep_fraction))
-            spill = []
-            if self._local is not None:
-                self._local.drop(evict)
-                spill = self._spill_on_stage_zero()
-            if (evict or spill) and self._chain is not None and self._healthy:
+            freed = self.books.evict(keep_fraction)
+            if self._local is None:
+                return freed  # no session yet: opening one forgets the orders
+            orders = self._orders_on_stage_zero()
+            if orders and self._chain is not None and self._healthy:
                 try:
-                    self._send_end([], [], evict, spill)
+                    self._send_end(orders)
                 except ChannelError as error:
                     raise self._lost("evicting prefix-cache entries", error) from error
-            return before - self.prefix_index.nbytes
+            return freed
 
     def step(self) -> list[StepOutput]:
         if self.stage is None:
@@ -422,7 +414,7 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
             self._ensure_connected()
             expected = None
             try:
-                self._let_in(self._sharing.released())  # owners gone, or waited long enough
+                self._let_in(self.books.released())  # owners gone, or waited long enough
                 self._send_loads()  # sequences starting from disk entries: read them back
                 drafts = self._draft if self.speculation.possible else None
                 for planned in self._schedule.plan(drafts):
@@ -431,7 +423,7 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
                     return []
                 expected = self._awaiting[0]
                 produced, scores, verdict = self._receive_answer()
-                recount = {uid: self._recounted.pop(uid, None) for uid in dict(produced)}
+                recount = {uid: self.books.late_cached(uid) for uid in dict(produced)}
                 self._share_prompts(produced)  # owners' prompts done: their waiters go in
             except ChannelError as error:
                 waiting = f"for {expected.describe()}" if expected else "sending"
@@ -455,7 +447,7 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
     def _run_stage_zero(self, planned: Planned) -> None:
         """BEGIN the newcomers, embed and run stage 0 over the frame's tokens, send it down."""
         for uid in planned.begins:
-            hit = self._hits.get(uid)
+            hit = self.books.pinned(uid)
             start, entry = (hit.tokens, hit.entry_id) if hit is not None else (0, None)
             self._local.begin(uid, start, entry)
             begin = self._sampling[uid].document()
@@ -463,10 +455,10 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
                 begin["prefix_entry"] = entry
             number = self._take_number()
             self._send(wire.document_frame(Kind.BEGIN, number, begin, [Row(uid, start)]))
-        released = self._unpin(planned.begins)
-        if released:  # entries dropped while these sequences waited to begin from them
-            self._local.drop(released)
-            self._send_end([], [], released)
+        self.books.begun(planned.begins)
+        orders = self._orders_on_stage_zero()
+        if orders:  # entries dropped while these sequences waited to begin from them
+            self._send_end(orders)
         started = time.perf_counter()
         tokens = mx.array(planned.tokens, dtype=mx.uint32)
         group, step, rows = planned.group, planned.step, planned.rows

@@ -1,7 +1,7 @@
-"""The coordinator's side of the pipeline's prefix cache: which ending sequences are kept,
-keeping them on stage 0 and in the index, and the END frames that tell every stage to keep,
-drop or spill to disk its share. An entry the index drops while a sequence not begun yet will
-start from it is held until that sequence has begun, so no stage drops what a BEGIN is about
+"""The coordinator's side of the pipeline's prefix cache: keeping ending sequences on stage 0
+and in the books (engines/prefix_cache/books.py, which decide), and the END frames that carry
+the books' orders to every stage: keep, drop or spill to disk its share. A new sequence's hit
+is pinned in the books until its BEGIN has gone down, so no stage drops what a BEGIN is about
 to name. A sequence whose entry is on disk waits until every stage has read its share back
 (a STATUS roll call with `load`): if one cannot (torn, corrupt, missing), the entry is
 forgotten everywhere and the sequence prefills its whole prompt, a miss.
@@ -14,20 +14,19 @@ from typing import Any
 
 from engines.pipeline import sequence_documents, wire
 from engines.pipeline.wire import Kind
+from engines.prefix_cache.books import PrefixOrders
 from engines.prefix_cache.index import PrefixHit
 
 # Entries not named by a runner uid (shared prompts, entries listed again from disk) take
-# ids from here up: runner uids count from 0 and never get there.
-PRIVATE_ENTRY_IDS = 2**63
+# ids from the largest a frame carries down: runner uids count from 0 and never get there.
+TOP_PRIVATE_ENTRY_ID = sequence_documents.MAX_UID
 
 
 class PrefixKeeping:
     """Part of EncryptedPipelineEngine (engine.py), which owns the state these methods use:
-    `prefix_index`, stage 0's `_local` batches, the `_schedule`, the `_hits` of sequences not
-    begun yet and the entries `_held` for them, the uids `_verifying` (waiting for a read-back
-    roll call), the roll calls out (`_loads`), the `_recounted` cached tokens of sequences
-    whose disk entry failed (or who waited for a shared prompt) and the last private entry id
-    given (`_last_entry_id`); frames go out through its `_send`."""
+    the prefix cache's `books`, stage 0's `_local` batches, the `_schedule`, the uids
+    `_verifying` (waiting for a read-back roll call) and the roll calls out (`_loads`); frames
+    go out through its `_send`."""
 
     def _schedule_hit(self, uid: int, prompt: Sequence[int], hit: PrefixHit | None) -> int:
         """Schedule a new sequence from its hit (or none); one whose entry is on disk waits
@@ -35,7 +34,7 @@ class PrefixKeeping:
         if hit is None:
             self._schedule.add(uid, prompt)
             return 0
-        self._hits[uid] = hit
+        self.books.pin(uid, hit)
         self._schedule.add(uid, prompt, hit.tokens, held=hit.on_disk)
         if hit.on_disk:
             self._verifying.append(uid)
@@ -44,14 +43,15 @@ class PrefixKeeping:
     def _send_loads(self) -> None:
         """A STATUS roll call asking every stage to read back the disk entries the waiting
         sequences begin from; its READY comes back in turn with the other answers."""
-        uids = [uid for uid in self._verifying if uid in self._hits]
+        uids = [uid for uid in self._verifying if self.books.pinned(uid) is not None]
         self._verifying.clear()
-        entries = sorted({self._hits[uid].entry_id for uid in uids})
+        entry_of = {uid: self.books.pinned(uid).entry_id for uid in uids}
+        entries = sorted(set(entry_of.values()))
         if not entries:
             return
         limit = sequence_documents.MAX_EVICT_PER_END
         entries, later = entries[:limit], set(entries[limit:])
-        self._verifying = [uid for uid in uids if self._hits[uid].entry_id in later]
+        self._verifying = [uid for uid in uids if entry_of[uid] in later]
         uids = [uid for uid in uids if uid not in self._verifying]
         unreadable = self._local.load(entries)
         number = self._take_number()
@@ -67,43 +67,35 @@ class PrefixKeeping:
         for report in reports if isinstance(reports, list) else []:
             listed = report.get("unreadable", []) if isinstance(report, dict) else []
             failed += [entry for entry in listed if isinstance(entry, int)]
-        failed_entries = set(failed)
-        for entry in failed_entries:
-            self.prefix_index.discard(entry)  # counted as a disk failure
-        for uid, hit in list(self._hits.items()):  # none of them has begun
-            if hit.entry_id in failed_entries:
-                del self._hits[uid]
-                self._schedule.start_cold(uid)
-                self._recounted[uid] = 0
+        for uid in self.books.discard(failed):  # pinned to a failed entry: not begun yet
+            self._schedule.start_cold(uid)
+            self.books.report_late(uid, 0)
         for uid in uids:
             if uid in self._schedule:
                 self._schedule.release(uid)
-        drop = self._release(sorted(failed_entries))
-        if drop:
-            self._local.drop(drop)
-            self._send_end([], [], drop)
+        orders = self._orders_on_stage_zero()
+        if orders:
+            self._send_end(orders)
 
     def _caches_to_keep(self, uids: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
         """(uid, the tokens its caches hold) of the ending sequences worth keeping."""
-        if not self.prefix_index.enabled:
+        if not self.books.index.enabled:
             return []
         keep = []
         for uid in uids:
             length = self._local.position(uid)  # every stage holds as many once END arrives
-            if length > 0:
+            if self.books.worth_keeping(length):
                 keep.append((uid, self._schedule.tokens(uid)[:length]))
         return keep
 
-    def _keep_on_stage_zero(self, keep: list[tuple[int, tuple[int, ...]]]) -> list[int]:
-        """Keep the caches here and index them; returns the entries every stage must drop."""
-        dropped: list[int] = []
+    def _keep_on_stage_zero(self, keep: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Keep the caches here and index them (the books order what every stage drops)."""
         for uid, tokens in keep:
-            dropped += self._index_kept(uid, tokens, self._local.keep(uid, len(tokens), tokens))
-        return self._release(dropped)
+            self._index_kept(uid, tokens, self._local.keep(uid, len(tokens), tokens))
 
-    def _index_kept(self, entry: int, tokens: tuple[int, ...], nbytes: int) -> list[int]:
-        """Index an entry stage 0 holds `nbytes` of; returns the entries the index dropped."""
-        return self.prefix_index.add(entry, tokens, self._entry_bytes(len(tokens), nbytes))
+    def _index_kept(self, entry: int, tokens: tuple[int, ...], nbytes: int) -> None:
+        """Index an entry stage 0 holds `nbytes` of."""
+        self.books.index_entry(entry, tokens, self._entry_bytes(len(tokens), nbytes))
 
     def _entry_bytes(self, tokens: int, nbytes: int) -> int:
         """An entry's bytes over the whole chain, from the `nbytes` stage 0 holds of it: scaled
@@ -113,44 +105,24 @@ class PrefixKeeping:
             return tokens * self._relay_kv_bytes_per_token
         return int(nbytes * self.stage.total_layers / len(self.layers))
 
-    def _take_entry_id(self) -> int:
-        """A fresh id for an entry no runner uid names."""
-        self._last_entry_id += 1
-        return self._last_entry_id
-
-    def _release(self, dropped: list[int]) -> list[int]:
-        """Of entries the index dropped, those the stages can drop now; the others are held
-        until the sequences that will begin from them have begun."""
-        pinned = {hit.entry_id for hit in self._hits.values()}
-        self._held.update(entry for entry in dropped if entry in pinned)
-        return [entry for entry in dropped if entry not in pinned]
-
-    def _unpin(self, uids: Sequence[int]) -> list[int]:
-        """`uids` no longer wait to begin from an entry: the held entries now free to drop."""
-        for uid in uids:
-            self._hits.pop(uid, None)
-        pinned = {hit.entry_id for hit in self._hits.values()}
-        free = [entry for entry in self._held if entry not in pinned]
-        self._held.difference_update(free)
-        return free
-
-    def _spill_on_stage_zero(self) -> list[int]:
-        """The entries the index just moved to disk: written here (in the background) and
-        returned for every other stage to write its share."""
-        spill = self.prefix_index.take_spills()
-        self._local.spill(spill)
-        return spill
+    def _orders_on_stage_zero(self) -> PrefixOrders:
+        """Take the books' orders and carry them out here: drop entries, then spill them to
+        disk (written in the background); every other stage gets them by `_send_end`."""
+        orders = self.books.take_orders()
+        self._local.drop(orders.evict)
+        self._local.spill(orders.spill)
+        return orders
 
     def _send_end(
         self,
-        uids: Sequence[int],
-        keep: Sequence[tuple[int, int]],
-        evict: Sequence[int],
-        spill: Sequence[int] = (),
+        orders: PrefixOrders,
+        uids: Sequence[int] = (),
+        keep: Sequence[tuple[int, int]] = (),
         share: Sequence[tuple[int, int, int]] = (),
     ) -> None:
-        """END frames: the first ends `uids`, keeps `keep` and shares `share`; evictions and
-        spills go in bounded lists."""
+        """END frames: the first ends `uids`, keeps `keep` and shares `share`; the orders'
+        evictions and spills go in bounded lists."""
+        evict, spill = orders.evict, orders.spill
         size = sequence_documents.MAX_EVICT_PER_END
         count = max(len(evict), len(spill), 1)
         for index, start in enumerate(range(0, count, size)):
@@ -163,11 +135,8 @@ class PrefixKeeping:
 
     def _forget_prefix_cache(self) -> None:
         """The session's stages and their entries are gone: forget every entry and hit."""
-        self.prefix_index.clear()
-        self._held.clear()
         self._verifying.clear()
         self._loads.clear()
-        for uid in self._hits:
+        for uid in self.books.clear():
             if uid in self._schedule:  # not begun yet: it prefills its whole prompt after all
                 self._schedule.start_cold(uid)
-        self._hits.clear()

@@ -24,9 +24,9 @@ from engines.model.packed_quantized import pack, runs_on_kernel
 from engines.model.precision import upcast_on_cpu
 from engines.observability.load_progress import evaluate_by_layer
 from engines.observability.process_memory import parameter_bytes
+from engines.prefix_cache.books import PrefixBooks
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.index import PrefixIndex
-from engines.prefix_cache.shared_prefill import PrefillSharing
 from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
 from engines.speculation.draft_model import DraftModelDrafter, check_draft_model
 from engines.speculation.lane import DrafterFactory
@@ -37,6 +37,7 @@ from planner.memory import DEFAULT_MAX_BATCH, DEFAULT_QUANTIZED_KV_START
 log = logging.getLogger(__name__)
 
 DISK_MARGIN = 256 << 20  # free disk the prefix cache's disk tier always leaves
+TOP_PRIVATE_ENTRY_ID = -1  # entries no runner uid names (restored, shared prompts) count down
 
 
 class SingleEngine(Engine):
@@ -71,8 +72,8 @@ class SingleEngine(Engine):
         self.draft_model = None
         self.kv_bits = kv_bits  # 8 or 4: every sequence's KV cache quantized; 0: as computed
         self.quantized_kv_start = quantized_kv_start  # ... once it holds this many tokens
-        # the prefix cache: which token prefixes are kept (index) and their KV (store), in
-        # memory and, with a disk budget and a directory, on disk
+        # the prefix cache: what is kept and who waits for what (books) and the KV (store),
+        # in memory and, with a disk budget and a directory, on disk
         disk = None
         if prefix_cache_tier_root is not None:
             # entries of another KV quantization are another cache's: never read as this one's
@@ -80,8 +81,9 @@ class SingleEngine(Engine):
             identity = str(prefix_cache_tier_root) + quantized
             disk = DiskTier(prefix_cache_tier_root, identity=identity)
         disk_bytes = prefix_cache_disk_bytes if disk is not None else 0
-        self.prefix_index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
-        self.prefix_store = PrefixStore(disk if self.prefix_index.disk_max_bytes else None)
+        index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
+        self.books = PrefixBooks(index, TOP_PRIVATE_ENTRY_ID)
+        self.prefix_store = PrefixStore(disk if index.disk_max_bytes else None)
         self.upcast = upcast  # half-precision weights to float32 on the CPU
         self.compute_dtype = ""
         self.max_batch = max_batch
@@ -93,9 +95,10 @@ class SingleEngine(Engine):
         self._first_tokens: list[StepOutput] = []  # sampled at insert, reported by the next step
         self._grammars: GrammarCompiler | None = None
         self._samplers = UnseededSamplers()  # a batch without seeds samples in one call
-        self._sharing = PrefillSharing()  # requests waiting for a prompt being prefilled
-        self._late_cached: dict[int, int] = {}  # uid -> tokens reused, for its first output
-        self._private_ids = 0  # entry ids below zero: restored entries and shared prompts
+
+    @property
+    def prefix_index(self) -> PrefixIndex:
+        return self.books.index
 
     def load(self) -> None:
         try:
@@ -143,7 +146,7 @@ class SingleEngine(Engine):
             raise EngineError("single engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
-        if self._sharing.hold(uid, request, self.prefix_index):  # a long prefix being prefilled
+        if self.books.hold(uid, request):  # a long prefix still being prefilled: wait
             return 0  # its first output will say how many tokens it reused
         return self._insert_now(uid, request)
 
@@ -152,15 +155,15 @@ class SingleEngine(Engine):
         grammar = None if request.grammar is None else self._grammars.processor(request.grammar)
         processors = make_request_processors(request, grammar)
         prompt = list(request.prompt_tokens)
-        hit = self.prefix_index.lookup(prompt)
+        hit = self.books.lookup(prompt)
         caches, prefix = None, []
         if hit is not None:
             try:
                 caches, prefix = self.prefix_store.take_prefix(hit.entry_id, hit.tokens)
             except DiskUnreadable as error:  # a torn or corrupt file: a miss, never wrong KV
                 log.warning("prefix cache: %s; prefilling the whole prompt", error)
-                self.prefix_index.discard(hit.entry_id)
-                self.prefix_store.drop([hit.entry_id])
+                self.books.discard([hit.entry_id])
+                self._carry_out_orders()
                 hit = None
         first = self._batch.insert(
             uid, prompt[len(prefix) :], sampler, processors,
@@ -169,40 +172,37 @@ class SingleEngine(Engine):
         )  # fmt: skip
         if first is not None:  # reported by the next step, before the batch advances
             self._first_tokens.append(first)
-        elif self.prefix_index.enabled:
-            self._sharing.prefilling(uid, tuple(request.prompt_tokens))
+        else:
+            self.books.prefilling(uid, tuple(request.prompt_tokens))
         return hit.tokens if hit is not None else 0
 
     def remove(self, uids: Sequence[int]) -> None:
         self._first_tokens = [output for output in self._first_tokens if output.uid not in uids]
-        self._sharing.forget(uids)
-        for uid in uids:
-            self._late_cached.pop(uid, None)
+        self.books.forget(uids)
         if self._batch is not None:
             self._batch.remove(uids)
 
     def _let_in(self, waiters: list[tuple[int, GenerationRequest]]) -> None:
         """Waiters join the batch; their first output carries the tokens they reused."""
         for uid, request in waiters:
-            self._late_cached[uid] = self._insert_now(uid, request)
+            self.books.report_late(uid, self._insert_now(uid, request))
 
     def _keep_prompt(self, owner: int) -> None:
         """Keep a just-prefilled prompt's KV as an entry, for the requests waiting for it."""
         if (found := self._batch.prompt_cache(owner)) is not None:
-            self._private_ids -= 1
-            self._keep_prefix(self._private_ids, *found)
+            self._keep_prefix(self.books.take_private_id(), *found)
 
     def evict_prefix_cache(self, keep_fraction: float) -> int:
-        before = self.prefix_index.nbytes
-        self._forget_and_spill(self.prefix_index.evict(keep_fraction))
-        return before - self.prefix_index.nbytes
+        freed = self.books.evict(keep_fraction)
+        self._carry_out_orders()
+        return freed
 
     def _keep_prefix(self, uid: int, caches: list, tokens: list[int]) -> None:
         """A finished sequence's prompt + answer becomes a prefix-cache entry named by its uid."""
-        if not self.prefix_index.enabled or not tokens:
+        if not self.books.worth_keeping(len(tokens)):
             return
-        nbytes = self.prefix_store.put(uid, caches, tokens)
-        self._forget_and_spill(self.prefix_index.add(uid, tokens, nbytes))
+        self.books.index_entry(uid, tokens, self.prefix_store.put(uid, caches, tokens))
+        self._carry_out_orders()
 
     def _restore_from_disk(self, disk: DiskTier) -> None:
         """List what a previous run left on disk; ids below zero never meet a runner uid.
@@ -216,37 +216,38 @@ class SingleEngine(Engine):
             )  # fmt: skip
             self.prefix_index.disk_max_bytes = max(usable, 0)
         for stored in stored_entries:
-            self._private_ids -= 1
-            disk.adopt(self._private_ids, stored)
-            dropped = self.prefix_index.restore(self._private_ids, stored.tokens, stored.nbytes)
-            self.prefix_store.drop(dropped)
+            entry = self.books.take_private_id()
+            disk.adopt(entry, stored)
+            self.books.restore(entry, stored.tokens, stored.nbytes)
+            self._carry_out_orders()
         if restored := self.prefix_index.snapshot()["disk_entries"]:
             log.info("prefix cache: %d entries found on disk in %s", restored, disk.directory)
 
-    def _forget_and_spill(self, dropped: list[int]) -> None:
-        """Carry out the index's orders: entries it dropped, and those it moved to disk."""
-        self.prefix_store.drop(dropped)
-        self.prefix_store.spill(self.prefix_index.take_spills())
+    def _carry_out_orders(self) -> None:
+        """The books' orders, on the one store there is: drop entries, then spill to disk."""
+        orders = self.books.take_orders()
+        self.prefix_store.drop(orders.evict)
+        self.prefix_store.spill(orders.spill)
 
     def step(self) -> list[StepOutput]:
         if self._batch is None:
             raise EngineError("single engine used before load()")
-        self._let_in(self._sharing.released())  # owners gone, or waited long enough
+        self._let_in(self.books.released())  # owners gone, or waited long enough
         if self._first_tokens:  # sampled at insert: report them before advancing the batch
             outputs, self._first_tokens = self._first_tokens, []
         else:
             outputs = self._batch.step()
-            done = {output.uid for output in outputs if self._sharing.first_token(output.uid)}
+            done = self.books.owners_done(output.uid for output in outputs)
             for owner in done:
                 self._keep_prompt(owner)
             if done:
-                self._let_in(self._sharing.released(done))
-        if self._late_cached:
+                self._let_in(self.books.released(done))
+        if self.books.any_late:
             outputs = [self._with_cached(output) for output in outputs]
         return outputs
 
     def _with_cached(self, output: StepOutput) -> StepOutput:
-        cached = self._late_cached.pop(output.uid, None)
+        cached = self.books.late_cached(output.uid)
         return output if cached is None else replace(output, cached_tokens=cached)
 
     def memory_held(self) -> dict[str, int]:
@@ -261,10 +262,7 @@ class SingleEngine(Engine):
             "compute_dtype": self.compute_dtype,
             "kv_bits": self.kv_bits,
             "quantized_kv_start": self.quantized_kv_start,
-            "prefix_cache": {
-                **self.prefix_index.snapshot(),
-                "shared_prefills": self._sharing.shared,
-            },
+            "prefix_cache": self.books.snapshot(),
         }
         counts = self._batch.speculation() if self._batch is not None else None
         if counts is not None:
@@ -279,9 +277,9 @@ class SingleEngine(Engine):
         if self._batch is not None:
             self._batch.close()
         self._batch = None
-        self._sharing.clear()
+        self.books.clear_waiters()
         self.prefix_store.close()
-        self.prefix_index.clear()
+        self.books.clear()
         self.model = None
         self.draft_model = None
         self._weight_bytes = 0

@@ -18,6 +18,7 @@ from engines.core.request import GenerationRequest
 from engines.decoding.sampling import request_seed
 from engines.model.tokenizer_loading import load_serving_tokenizer
 from engines.observability.step_timing import StepTimes
+from engines.prefix_cache.index import PrefixIndex
 from engines.tensor_parallel.group import WorkerSpec
 from engines.tensor_parallel.group_prefix_cache import GroupPrefixCache
 from engines.tensor_parallel.step_clock import step_segments
@@ -81,10 +82,14 @@ class TensorParallelEngine(Engine):
         self.prefixes = GroupPrefixCache(
             self.spec.prefix_cache_bytes, disk_bytes, self.spec.world_size
         )
-        self.prefix_index = self.prefixes.index
+        self.books = self.prefixes.books  # hits, waiters, late counts and the ranks' orders
         self.prefilled_tokens = 0  # prompt tokens the ranks ran through the model
         self.speculation: dict[str, int] | None = None  # rank 0's drafts, when it speculates
         self.step_timing = StepTimes()  # all_sum and compute per step (step_clock.py)
+
+    @property
+    def prefix_index(self) -> PrefixIndex:
+        return self.books.index
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -158,7 +163,7 @@ class TensorParallelEngine(Engine):
             raise EngineError("tensor-parallel engine used before load()")
         if not request.prompt_tokens:
             raise EngineError("the prompt is empty: a request needs at least one token")
-        if self.prefixes.hold(uid, request):  # a long prefix still being prefilled: wait
+        if self.books.hold(uid, request):  # a long prefix still being prefilled: wait
             return 0  # its first output will say how many tokens it reused
         return self._insert_now(uid, request)
 
@@ -182,7 +187,7 @@ class TensorParallelEngine(Engine):
     def _let_in(self, waiters: list[tuple[int, GenerationRequest]]) -> None:
         """Requests that waited for a shared prompt join the batch, from its entry."""
         for uid, request in waiters:
-            self.prefixes.reused(uid, self._insert_now(uid, request))
+            self.books.report_late(uid, self._insert_now(uid, request))
 
     def remove(self, uids: Sequence[int]) -> None:
         gone = set(uids)
@@ -199,12 +204,12 @@ class TensorParallelEngine(Engine):
         if self._removes and not self._active and not self._inserts:
             # Nothing left to step: tell the ranks now so their KV caches are freed.
             self._exchange(advance=False)
-            if self.prefixes.orders_pending:  # what they just kept goes to disk now too
+            if self.books.orders_pending:  # what they just kept goes to disk now too
                 self._exchange(advance=False)
 
     def step(self) -> list[StepOutput]:
         """One lockstep step of the whole batch: send its changes, read its tokens."""
-        self._let_in(self.prefixes.released())  # owners gone, or waited long enough
+        self._let_in(self.books.released())  # owners gone, or waited long enough
         if not self._active and not self._inserts:
             return []
         decode = not (self._inserts or self._prefilling)  # no prompt rides along this step
@@ -229,19 +234,19 @@ class TensorParallelEngine(Engine):
         owners = self.prefixes.owners_done(output.uid for output in outputs if not output.error)
         if owners:  # every rank keeps their prompts now; those waiting for them start there
             self._exchange(advance=False)
-            self._let_in(self.prefixes.released(owners))
+            self._let_in(self.books.released(owners))
         return [self._with_cached(output) for output in outputs]
 
     def _with_cached(self, output: StepOutput) -> StepOutput:
-        cached = self.prefixes.late_cached(output.uid)
+        cached = self.books.late_cached(output.uid)
         return output if cached is None else replace(output, cached_tokens=cached)
 
     def step_times(self, uid: int) -> dict[str, float]:
         return self.step_timing.request(uid)
 
     def evict_prefix_cache(self, keep_fraction: float) -> int:
-        freed = self.prefixes.evict(keep_fraction)
-        if self.prefixes.orders_pending and not self._active and not self._inserts:
+        freed = self.books.evict(keep_fraction)
+        if self.books.orders_pending and not self._active and not self._inserts:
             self._exchange(advance=False)  # idle: drop or spill them on every rank now
         return freed
 
@@ -307,7 +312,7 @@ class TensorParallelEngine(Engine):
             "kv_bits": self.spec.kv_bits,
             "quantized_kv_start": self.spec.quantized_kv_start,
             "ranks": ranks,
-            "prefix_cache": self.prefixes.snapshot(),
+            "prefix_cache": self.books.snapshot(),
             "prefilled_tokens": self.prefilled_tokens,
             "step_timing": self.step_timing.snapshot(),
             "healthy": self.healthy(),
