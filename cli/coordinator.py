@@ -312,6 +312,7 @@ def _service_limits(config: ServeConfig) -> Any:
         default_max_tokens=min(256, config.max_tokens_cap),
         request_timeout_s=config.request_timeout_s,
         api_key=config.api_key,
+        temperature=config.temperature,
     )
 
 

@@ -135,6 +135,15 @@ def _add_request_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--request-timeout", default=300.0, cast=float, help="seconds per request")
     add_flag(
         parser,
+        "--temperature",
+        default=None,
+        cast=float,
+        help="sampling temperature for a request that sets none (llama.cpp's --temp); "
+        "default: each API's own (1.0, Ollama's 0.8). Agents such as Claude Code and Codex "
+        "send none: 0 makes a small model's tool calls steadier",
+    )
+    add_flag(
+        parser,
         "--max-body-bytes",
         default=4 * 1024 * 1024,
         cast=int,
@@ -303,6 +312,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         measure_speeds=args.measure_speeds,
         max_tokens_cap=args.max_tokens_cap,
         request_timeout_s=args.request_timeout,
+        temperature=args.temperature,
         api_key=args.api_key,
         interface=args.interface,
         discovery_timeout_s=args.discovery_timeout,
@@ -326,13 +336,17 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def check_http_limits(args: argparse.Namespace) -> None:
-    """ConfigError for the first of max_tokens, the body, the headers' time, the connections
-    and the port that is out of range."""
-    from engines.core.request import MAX_TOKENS
+    """ConfigError for the first of max_tokens, the temperature, the body, the headers' time,
+    the connections and the port that is out of range."""
+    from engines.core.request import MAX_TEMPERATURE, MAX_TOKENS
 
     if not 1 <= args.max_tokens_cap <= MAX_TOKENS:
         raise ConfigError(
             f"--max-tokens-cap must be between 1 and {MAX_TOKENS}, got {args.max_tokens_cap}"
+        )
+    if args.temperature is not None and not 0 <= args.temperature <= MAX_TEMPERATURE:
+        raise ConfigError(
+            f"--temperature must be between 0 and {MAX_TEMPERATURE}, got {args.temperature}"
         )
     if args.max_body_bytes < 1:
         raise ConfigError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}")

@@ -31,6 +31,7 @@ class ServeConfig:
     cpu_float32: bool
     max_tokens_cap: int
     request_timeout_s: float
+    temperature: float | None  # for a request that sets none
     api_key: str | None
     interface: str | None
     discovery_timeout_s: float

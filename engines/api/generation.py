@@ -47,7 +47,8 @@ class Sampling:
     max_tokens: int | None = None  # None: the server's default, within the room left
     # A max_tokens beyond the room the prompt leaves: a 400, or (True) cut to the room.
     clamp_max_tokens: bool = False
-    temperature: float = DEFAULT_TEMPERATURE
+    temperature: float | None = None  # None: unset (tandem serve --temperature, else below)
+    default_temperature: float = DEFAULT_TEMPERATURE  # the dialect's own (Ollama's is 0.8)
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -62,10 +63,15 @@ class Sampling:
     def name_of(self, request_field: str) -> str:
         return self.names.get(request_field, request_field)
 
-    def given(self) -> dict[str, Any]:
-        """The fields set, as GenerationRequest takes them (absent ones keep its defaults)."""
+    def given(self, server_temperature: float | None = None) -> dict[str, Any]:
+        """The fields set, as GenerationRequest takes them (absent ones keep its defaults);
+        an unset temperature is the server's (`--temperature`), else the dialect's default."""
         values = {
-            "temperature": self.temperature,
+            "temperature": next(
+                value
+                for value in (self.temperature, server_temperature, self.default_temperature)
+                if value is not None
+            ),
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
@@ -166,7 +172,7 @@ def build_request(
         max_tokens=resolve_max_tokens(sampling, service.limits, room),
         timeout_s=service.limits.request_timeout_s,
         grammar=grammar,
-        **sampling.given(),
+        **sampling.given(service.limits.temperature),
     )
     try:
         request.check()

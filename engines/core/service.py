@@ -27,6 +27,7 @@ class ServiceLimits:
     default_max_tokens: int = 256
     request_timeout_s: float = 300.0
     api_key: str | None = None  # when set, every /v1 request needs `Authorization: Bearer <key>`
+    temperature: float | None = None  # --temperature: for a request that sets none
 
 
 @dataclass

@@ -335,3 +335,23 @@ def test_an_engine_without_a_feature_refuses_the_field(fields: dict, param: str)
     completion = CompletionRequest.model_validate(completion_body(logprobs=1))
     with pytest.raises(APIError):
         check_features(frozenset(), completion_sampling_of(completion, SERVICE))
+
+
+# -- the server's temperature ------------------------------------------------------------------
+
+
+async def test_a_request_without_temperature_takes_the_server_s(runner: EngineRunner) -> None:
+    """`tandem serve --temperature 0`: what agents that send none (Claude Code, Codex) get.
+    Each dialect's own default otherwise: seeded sampling at 1.0 on random weights."""
+    unset = {name: value for name, value in chat_body(seed=7).items() if name != "temperature"}
+
+    async def answer(**limits: float) -> str:
+        async with open_client(make_service(runner, **limits)) as client:
+            response = await client.post(CHAT, json=unset)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["message"]["content"]
+
+    async with open_client(make_service(runner)) as client:
+        greedy = (await client.post(CHAT, json=chat_body(seed=7))).json()
+    assert await answer(temperature=0.0) == greedy["choices"][0]["message"]["content"]
+    assert await answer() != greedy["choices"][0]["message"]["content"]

@@ -26,6 +26,16 @@ def test_max_tokens_cap_stays_within_what_a_request_may_ask() -> None:
             serve_config("--max-tokens-cap", str(bad))
 
 
+def test_the_temperature_default_is_a_request_s_temperature() -> None:
+    assert serve_config().temperature is None  # each API's own default
+    assert serve_config("--temperature", "0").temperature == 0.0
+    for bad in ("-0.5", "2.5"):
+        with pytest.raises(
+            ConfigError, match=f"--temperature must be between 0 and 2.0, got {bad}"
+        ):
+            serve_config("--temperature", bad)
+
+
 def test_model_aliases_are_names_or_patterns_of_the_served_model(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -30,7 +30,7 @@ from engines.api.conversation import (
     Turn,
 )
 from engines.api.errors import APIError
-from engines.api.generation import DEFAULT_TEMPERATURE, Sampling
+from engines.api.generation import Sampling
 from engines.core.service import ServiceLimits
 
 NAMES = FieldNames(
@@ -81,7 +81,7 @@ def sampling_of(body: MessagesRequest, limits: ServiceLimits) -> Sampling:
     return Sampling(
         max_tokens=min(body.max_tokens, limits.max_tokens_cap),
         clamp_max_tokens=True,
-        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         stop=tuple(body.stop_sequences or ()),

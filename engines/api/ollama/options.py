@@ -49,7 +49,8 @@ def sampling_of(options: Options | None, limits: ServiceLimits, prompt_param: st
     return Sampling(
         max_tokens=max_tokens_of(options.num_predict, limits),
         clamp_max_tokens=True,  # Ollama stops at a full context rather than refuse
-        temperature=DEFAULT_TEMPERATURE if options.temperature is None else options.temperature,
+        temperature=options.temperature,
+        default_temperature=DEFAULT_TEMPERATURE,
         top_p=options.top_p,
         top_k=options.top_k,
         min_p=options.min_p,
