@@ -98,3 +98,6 @@ def _has_type(value: Any, annotation: str) -> bool:
     if expected is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, expected)
+
+
+DEFAULT_OPTIONS = EngineOptions()  # every option at its default: what tests and tools start from
