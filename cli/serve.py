@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import Any
 
 from discovery.directories import default_cache_dir, default_state_dir
 from planner import Parallelism
@@ -279,15 +280,13 @@ def _add_storage_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     from discovery.capabilities import parse_memory_size
 
+    engine = engine_options_from(args)
     if args.queue_size < 1:
         raise ConfigError(f"--queue-size must be at least 1, got {args.queue_size}")
-    max_batch, shrink_batch = max_batch_from(args.max_batch)
     check_http_limits(args)
     models = args.model or [env_default("MODEL")]
     if args.keep_alive < 0:
         raise ConfigError(f"--keep-alive must be 0 or more seconds, got {args.keep_alive}")
-    prefix_cache_bytes = prefix_cache_bytes_from(args.prefix_cache_bytes)
-    prefix_cache_disk_bytes = disk_bytes_from(args.prefix_cache_disk_bytes)
     return ServeConfig(
         model=models[0],
         more_models=tuple(models[1:]),
@@ -299,13 +298,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         host=args.host,
         port=args.port,
         queue_size=args.queue_size,
-        max_batch=max_batch,
-        shrink_batch=shrink_batch,
-        prefix_cache_bytes=prefix_cache_bytes,
-        prefix_cache_disk_bytes=prefix_cache_disk_bytes,
-        kv_bits=kv_bits_from(args.kv_bits),
-        quantized_kv_start=quantized_kv_start_from(args.quantized_kv_start),
-        most_drafted=draft_tokens_from(args.num_draft_tokens),
+        engine=engine,
+        shrink_batch=max_batch_from(args.max_batch)[1],
+        prefix_cache_bytes=prefix_cache_bytes_from(args.prefix_cache_bytes),
         draft_model=args.draft_model,
         engine_core=args.engine_core,
         cpu_float32=args.cpu_float32 == "auto",
@@ -332,6 +327,21 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_body_bytes=args.max_body_bytes,
         http=HttpLimits(args.http_header_timeout, args.max_connections),
         chat_template=read_chat_template(args.chat_template),
+    )
+
+
+def engine_options_from(args: argparse.Namespace) -> Any:
+    """The EngineOptions the flags ask every engine for, each checked under its flag's name
+    (the plan adds the batch that fits, the prefix cache's budget and the precision)."""
+    from engines.core.engine_options import EngineOptions
+
+    return EngineOptions(
+        max_batch=max_batch_from(args.max_batch)[0],
+        prefix_cache_disk_bytes=disk_bytes_from(args.prefix_cache_disk_bytes),
+        kv_bits=kv_bits_from(args.kv_bits),
+        quantized_kv_start=quantized_kv_start_from(args.quantized_kv_start),
+        most_drafted=draft_tokens_from(args.num_draft_tokens),
+        blas_threads=max(0, args.blas_threads),  # 0 or less: every core, as ever
     )
 
 
@@ -400,8 +410,8 @@ def parse_model_aliases(values: list[str]) -> tuple[tuple[str, str | None], ...]
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_blas_flags(args)  # before anything under engines/ is imported, here or in workers
     config = config_from_args(args)
-    apply_blas_flags(args)  # before anything imports mlx, here or in the workers
     from .coordinator import serve
 
     return serve(config)

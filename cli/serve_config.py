@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner import Parallelism
-from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 from .http_limits import HttpLimits
 from .observability import ObservabilityConfig
+
+if TYPE_CHECKING:  # imported where it is built: importing engines/ binds the BLAS (blas.py)
+    from engines.core.engine_options import EngineOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +29,9 @@ class ServeConfig:
     host: str
     port: int
     queue_size: int
-    max_batch: int  # --max-batch, or the default when unset (then shrink_batch)
+    # How every engine runs, as the flags asked (--max-batch, --kv-bits, ...); the launcher
+    # adds what the plan decides.
+    engine: EngineOptions
     prefix_cache_bytes: int | None  # None: derived by the planner from the memory left
     cpu_float32: bool
     max_tokens_cap: int
@@ -50,19 +55,16 @@ class ServeConfig:
     send_weights: bool = True
     max_body_bytes: int = 4 * 1024 * 1024
     http: HttpLimits = field(default_factory=HttpLimits)
-    prefix_cache_disk_bytes: int = 0  # the prefix cache's disk tier; 0: none
     measure_speeds: str = "auto"  # auto | on | off (engines/cluster/speed_survey.py)
-    kv_bits: int = 0  # the KV cache's quantization in every engine; 0: none
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once a sequence holds this many
-    most_drafted: int = 0  # prompt-lookup tokens drafted per step of a lone request; 0: off
-    draft_model: str | None = None  # --draft-model: drafts from it instead of prompt lookup
+    draft_model: str | None = None  # --draft-model as given; resolved to engine's path per model
     engine_core: str = "process"  # process | thread (engines/cluster/launch.py)
     # --model-alias: (name or pattern, the served id it names; None: the first model)
     model_aliases: tuple[tuple[str, str | None], ...] = ()
     # every --model after the first: served beside it, placed over the cluster together
     more_models: tuple[str, ...] = ()
     load_on_demand: bool = False  # no model loads at start: the first request naming it does
-    # --max-batch unset: a full batch that does not fit is planned as the largest that does
+    # --max-batch unset (engine.max_batch is the default): a full batch that does not fit is
+    # planned as the largest that does
     shrink_batch: bool = False
     keep_alive_s: float = 0.0  # unload a model idle this long (it reloads on demand); 0: never
     chat_template: str | None = None  # --chat-template's text: the first model's chats use it

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,13 +130,13 @@ class ServedModel:
                 config.collective,
                 config.context_tokens,
                 config.queue_size,
-                config.max_batch,
+                config.engine.max_batch,
                 config.rediscover_interval_s,
                 config.cpu_float32,
                 config.prefix_cache_bytes,
                 measure=config.measure_speeds,
-                kv_bits=config.kv_bits,
-                quantized_kv_start=config.quantized_kv_start,
+                kv_bits=config.engine.kv_bits,
+                quantized_kv_start=config.engine.quantized_kv_start,
                 shrink_batch=config.shrink_batch,
             ),
             launch_settings=None,  # set by attach(), once the members (and our address) are known
@@ -170,15 +170,10 @@ class ServedModel:
             weights=self.weights,
             cluster_key=key,
             coordinator_address=address,
-            kv_bits=config.kv_bits,
-            quantized_kv_start=config.quantized_kv_start,
-            most_drafted=config.most_drafted,
-            draft_model_path=draft_model_path(config) if self.choice.first else None,
+            options=self.engine_options(config),
             engine_core=config.engine_core,
             core_lost_after_s=config.lost_after_s,
             chat_template=config.chat_template if self.choice.first else None,
-            prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
-            prefix_cache_dir=prefix_cache_dir(config.cache_dir, service.model_id, self.choice),
             rdma_rows=rdma_rows(config.hostfile),
             rdma_devices={node_id: own_active_rdma()},
         )
@@ -189,6 +184,17 @@ class ServedModel:
             else lambda: {**supervisor.status(), "weights": weights.status()}
         )
         service.pressure = watch_memory(service, supervisor, node_id, config.memory_budget)
+
+    def engine_options(self, config: ServeConfig) -> Any:
+        """The flags' EngineOptions with this model's own prefix-cache directory and, for the
+        first model, the draft model."""
+        draft = draft_model_path(config) if self.choice.first else None
+        directory = prefix_cache_dir(config.cache_dir, self.service.model_id, self.choice)
+        return replace(
+            config.engine,
+            prefix_cache_dir=str(directory),
+            draft_model_path=str(draft) if draft else None,
+        )
 
     def close(self, state: str = "stopping", reason: str = "server is shutting down") -> None:
         """Stop serving it everywhere; its service is left in `state`."""

@@ -10,6 +10,7 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Protocol
 
 from discovery.agent_config import AgentConfig
@@ -135,17 +136,9 @@ class CoordinatorSession:
                 on_exit=self._relay_exit,
             )
             self.worker = worker
-        payload = dict(message.payload)
-        if isinstance(payload.get("weights"), dict) and self.agent.config.cache_dir is not None:
-            # The coordinator says where to fetch from; this machine says where to keep it.
-            payload["weights"] = {
-                **payload["weights"],
-                "cache_dir": str(self.agent.config.cache_dir / "models"),
-                "disk_limit": self.agent.config.disk_limit,
-            }
-        if payload.get("prefix_cache_disk_bytes") and self.agent.config.cache_dir is not None:
-            # the prefix cache's disk tier lives in this machine's cache, as its models do
-            payload["prefix_cache_dir"] = str(self.agent.config.cache_dir / "prefix-cache")
+        payload = payload_here(
+            message.payload, self.agent.config.cache_dir, self.agent.config.disk_limit
+        )
         try:
             worker.start(payload)
         except OSError as error:
@@ -251,3 +244,25 @@ class CoordinatorSession:
             logger.warning(
                 "could not send %s to coordinator %s: %s", message.type, self.peer, error
             )
+
+
+def payload_here(
+    payload: dict[str, Any], cache_dir: Path | None, disk_limit: int | None
+) -> dict[str, Any]:
+    """An assignment's payload with what only this machine knows: where its models are kept
+    (a weights offer) and its prefix cache's disk tier (the engine options' directory)."""
+    payload = dict(payload)
+    if cache_dir is None:
+        return payload
+    if isinstance(payload.get("weights"), dict):
+        # The coordinator says where to fetch from; this machine says where to keep it.
+        payload["weights"] = {
+            **payload["weights"],
+            "cache_dir": str(cache_dir / "models"),
+            "disk_limit": disk_limit,
+        }
+    options = payload.get("options")  # engines/core/engine_options.py's document
+    if isinstance(options, dict) and options.get("prefix_cache_disk_bytes"):
+        # the prefix cache's disk tier lives in this machine's cache, as its models do
+        payload["options"] = {**options, "prefix_cache_dir": str(cache_dir / "prefix-cache")}
+    return payload

@@ -12,37 +12,40 @@ from pathlib import Path
 from typing import Any
 
 from engines.core.engine import Engine
+from engines.core.engine_options import EngineOptions
 
 
-def single(model_path: str, prefix_cache_tier_root: str | None = None, **options: Any) -> Engine:
+def single(model_path: str, options: EngineOptions) -> Engine:
     from engines.single.engine import SingleEngine
 
-    root = Path(prefix_cache_tier_root) if prefix_cache_tier_root else None
-    return SingleEngine(Path(model_path), prefix_cache_tier_root=root, **options)
+    return SingleEngine(Path(model_path), options)
 
 
 def tensor_parallel(
-    model_path: str, rank0_spec: dict[str, Any], rank_nodes: list[str], **options: Any
+    model_path: str,
+    rank0_spec: dict[str, Any],
+    rank_nodes: list[str],
+    options: EngineOptions,
+    **arguments: Any,
 ) -> Engine:
     from engines.tensor_parallel.engine import TensorParallelEngine
 
-    return TensorParallelEngine(Path(model_path), rank0_spec, rank_nodes=rank_nodes, **options)
+    # rank 0 runs on this machine: with this machine's options (its spec's copy is the same)
+    spec = {**rank0_spec, "options": options.document()}
+    return TensorParallelEngine(Path(model_path), spec, rank_nodes=rank_nodes, **arguments)
 
 
 def pipeline(
     model_path: str,
     layers: list[int],
-    prefix_cache_dir: str | None = None,
+    options: EngineOptions,
     listener: socket.socket | None = None,
-    **options: Any,
+    **arguments: Any,
 ) -> Engine:
     from engines.pipeline.engine import EncryptedPipelineEngine
 
     start, stop = layers
     return EncryptedPipelineEngine(
-        Path(model_path),
-        range(start, stop),
-        return_listener=listener,
-        prefix_cache_dir=Path(prefix_cache_dir) if prefix_cache_dir else None,
-        **options,
-    )
+        Path(model_path), range(start, stop), options=options, return_listener=listener,
+        **arguments,
+    )  # fmt: skip

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from discovery.framing import free_port
+from engines.core.engine_options import EngineOptions
 from engines.core.engine_spec import EngineSpec
 from engines.tensor_parallel.jaccl import RdmaRow
 from planner import ClusterPlan, Parallelism
 from planner.cluster_plan import JACCL, RING
 from planner.errors import EngineError, PeerError
-from planner.memory import DEFAULT_QUANTIZED_KV_START
 from planner.relay import is_relayed
 
 log = logging.getLogger(__name__)
@@ -52,10 +52,9 @@ class LaunchSettings:
     transfer_stall_s: float = 60.0
     token_timeout_s: float = 10.0
     ring_port_base: int = DEFAULT_RING_PORT_BASE
-    kv_bits: int = 0  # every engine's KV cache quantized to this many bits; 0: not
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once it holds this many tokens
-    most_drafted: int = 0  # speculative decoding: tokens drafted per step of a lone sequence
-    draft_model_path: Path | None = None  # drafts from this model (single only), else lookup
+    # How every engine runs, as the flags asked; each spec gets them with what the plan
+    # decided (planned_options) and its process's BLAS threads.
+    options: EngineOptions = EngineOptions()
     # What other machines resolve to the same files (repo@commit through their own Hugging
     # Face cache, or a path that must exist there); None: model_path.
     model_reference: str | None = None
@@ -64,9 +63,6 @@ class LaunchSettings:
     weights: Any = None
     # For a JACCL plan: --hostfile's rows (which device reaches which machine), and the active
     # RDMA devices of every node by node id (tensor_parallel/jaccl.py).
-    # The prefix cache's disk tier: its budget (0: none) and the root of its directories.
-    prefix_cache_disk_bytes: int = 0
-    prefix_cache_dir: Path | None = None
     rdma_rows: tuple[RdmaRow, ...] = ()
     rdma_devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Where the coordinator's part runs: PROCESS_CORE (an engine-core process beside the
@@ -95,27 +91,8 @@ def build_engine(
     """
     chosen = plan.decision.chosen
     if chosen == Parallelism.SINGLE and not is_relayed(plan):
-        from engines.prefix_cache.disk_tier import tier_root
-
-        # tp ranks and pp stages find their tier under prefix_cache_dir; the single engine is
-        # handed its own
-        disk_root = None
-        if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
-            share = f"single-kv{settings.kv_bits}" if settings.kv_bits else "single"
-            disk_root = tier_root(settings.prefix_cache_dir, settings.model_path, share)
-        options = {
-            "model_path": str(settings.model_path),
-            "max_batch": plan.batch_capacity,  # what fits (planner/batch.py)
-            "upcast": _upcast(plan),
-            "prefix_cache_bytes": plan.prefix_cache_bytes,
-            "prefix_cache_disk_bytes": settings.prefix_cache_disk_bytes if disk_root else 0,
-            "prefix_cache_tier_root": str(disk_root) if disk_root else None,
-            "kv_bits": settings.kv_bits,
-            "quantized_kv_start": settings.quantized_kv_start,
-            "most_drafted": settings.most_drafted,
-            "draft_model_path": str(settings.draft_model_path or "") or None,
-        }
-        return _spec("single", options, plan, settings, addresses)
+        arguments = {"model_path": str(settings.model_path)}
+        return _spec("single", arguments, plan, settings, addresses)
     if membership is None or settings.cluster_key is None:
         raise EngineError(
             f"a {chosen.value} plan over other machines needs cluster membership and a cluster key"
@@ -133,22 +110,11 @@ def _build_tensor_parallel(
 ) -> EngineSpec:
     rank_addresses = [addresses[node_id] for node_id in plan.ranks]
     ports = [_ring_port(address, rank, settings) for rank, address in enumerate(rank_addresses)]
-    options = {
-        "max_batch": plan.batch_capacity,
-        "upcast_float32": _upcast(plan),
-        "prefix_cache_bytes": plan.prefix_cache_bytes,
-        "kv_bits": settings.kv_bits,
-        "quantized_kv_start": settings.quantized_kv_start,
-        "most_drafted": settings.most_drafted,
-    }
-    if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
-        options["prefix_cache_disk_bytes"] = settings.prefix_cache_disk_bytes
-    specs = _group_specs(plan, settings, addresses, rank_addresses, ports, options)
-    if "prefix_cache_disk_bytes" in options:  # rank 0 runs here; an agent names its own dir
-        specs[0]["prefix_cache_dir"] = str(settings.prefix_cache_dir)
+    here = options_here(plan, settings, addresses)
+    specs = _group_specs(plan, settings, addresses, rank_addresses, ports, here)
     share = _share_cores(plan, addresses, settings.coordinator_address)
-    for spec, address in zip(specs, rank_addresses, strict=True):
-        spec["blas_threads"] = _threads_at(address, share, settings)
+    for spec, address in zip(specs[1:], rank_addresses[1:], strict=True):
+        spec["options"] = _remote_options(here, address, share, settings).document()
     if settings.weights is not None:
         from discovery.cluster_key import format_key
 
@@ -172,13 +138,13 @@ def _build_tensor_parallel(
                 raise EngineError(f"tensor-parallel rank on {node_id}: {error}") from error
     endpoints = ", ".join(f"{a}:{p}" for a, p in zip(rank_addresses, ports, strict=True))
     log.info("tp: %d ranks over %s on %s", len(specs), plan.backend or RING, endpoints)
-    options = {
+    arguments = {
         "model_path": str(settings.model_path),
         "rank0_spec": specs[0],
         "token_timeout_s": settings.token_timeout_s,
         "rank_nodes": list(plan.ranks),
     }
-    return _spec("tensor_parallel", options, plan, settings, addresses)
+    return _spec("tensor_parallel", arguments, plan, settings, addresses)
 
 
 def _group_specs(
@@ -187,7 +153,7 @@ def _group_specs(
     addresses: dict[str, str],
     rank_addresses: list[str],
     ports: list[int],
-    options: dict[str, Any],
+    options: EngineOptions,
 ) -> list[dict[str, Any]]:
     """The rank specs for the collective the plan chose: JACCL's device matrix and rank 0's
     coordinator port, or the ring's listening addresses."""
@@ -197,8 +163,8 @@ def _group_specs(
     if plan.backend == JACCL:
         matrix = device_matrix(plan.ranks, addresses, settings.rdma_devices, settings.rdma_rows)
         coordinator = f"{rank_addresses[0]}:{ports[0]}"
-        return jaccl_specs(matrix, coordinator, settings.remote_model, **options)
-    return ring_specs(rank_addresses, ports, settings.remote_model, **options)
+        return jaccl_specs(matrix, coordinator, settings.remote_model, options)
+    return ring_specs(rank_addresses, ports, settings.remote_model, options)
 
 
 def _build_pipeline(
@@ -221,24 +187,15 @@ def _build_pipeline(
     first = plan.stages[0]
     ranges = [[s.layers.start, s.layers.stop] for s in plan.stages]
     log.info("pp: %d stages %s", len(plan.stages), ranges)
-    disk = settings.prefix_cache_disk_bytes if settings.prefix_cache_dir is not None else 0
-    options = {
+    arguments = {
         "model_path": str(settings.model_path),
         "layers": [first.layers.start, first.layers.stop],
         "stages": remote,
         "return_listen_host": settings.coordinator_address,
         "cluster_key": settings.cluster_key,
         "token_timeout_s": settings.token_timeout_s,
-        "upcast": _upcast(plan),
-        "prefix_cache_bytes": plan.prefix_cache_bytes,
-        "prefix_cache_disk_bytes": disk,
-        # stage 0's; an agent names its own
-        "prefix_cache_dir": str(settings.prefix_cache_dir) if settings.prefix_cache_dir else None,
-        "kv_bits": settings.kv_bits,
-        "quantized_kv_start": settings.quantized_kv_start,
-        "most_drafted": settings.most_drafted,
     }
-    spec = _spec("pipeline", options, plan, settings, addresses)
+    spec = _spec("pipeline", arguments, plan, settings, addresses)
     return replace(spec, listener=listener)
 
 
@@ -260,6 +217,7 @@ def _assign_stages(
     from discovery.cluster_key import format_key
 
     next_hop = (settings.coordinator_address, listener.getsockname()[1])
+    here = options_here(plan, settings, addresses)
     remote: list[dict[str, Any]] = []
     fetching = _fetch_ahead(plan, settings, membership)
     for index in range(len(plan.stages) - 1, 0, -1):
@@ -277,15 +235,10 @@ def _assign_stages(
             "next_port": next_hop[1],
             "cluster_key": format_key(settings.cluster_key),
             "read_timeout_s": settings.token_timeout_s,
-            "blas_threads": _threads_at(address, share, settings),
-            "upcast_float32": _upcast(plan),
-            "kv_bits": settings.kv_bits,
-            "quantized_kv_start": settings.quantized_kv_start,
+            "options": _remote_options(here, address, share, settings).document(),
         }
         if settings.weights is not None:
             spec["weights"] = settings.weights.offer(stage.layers, spec["is_last"])
-        if settings.prefix_cache_disk_bytes and settings.prefix_cache_dir is not None:
-            spec["prefix_cache_disk_bytes"] = settings.prefix_cache_disk_bytes
         assignment = membership.assign(stage.node_id, PP_ROLE, spec)
         try:
             ready = membership.wait_ready(
@@ -343,18 +296,46 @@ def _finish_fetch(
 
 def _spec(
     factory: str,
-    options: dict[str, Any],
+    arguments: dict[str, Any],
     plan: ClusterPlan,
     settings: LaunchSettings,
     addresses: dict[str, str],
 ) -> EngineSpec:
-    """An engine_factories function, with the BLAS threads of this machine's share."""
+    """An engine_factories function, with the plan's options and this machine's BLAS threads
+    (its share when plan members share it, else as the flags said)."""
+    options = options_here(plan, settings, addresses)
+    return EngineSpec(f"engines.cluster.engine_factories:{factory}", arguments, options)
+
+
+def options_here(
+    plan: ClusterPlan, settings: LaunchSettings, addresses: dict[str, str]
+) -> EngineOptions:
+    """The flags' options with what the plan decided (the batch that fits, the prefix cache's
+    budget, float32 weights when it counted them: each worker upcasts only on its CPU) and
+    this machine's BLAS threads: its share when plan members share it, else as flagged."""
+    options = settings.options
     share = _share_cores(plan, addresses, settings.coordinator_address)
-    return EngineSpec(f"engines.cluster.engine_factories:{factory}", options, blas_threads=share)
+    return replace(
+        options,
+        max_batch=plan.batch_capacity,  # what fits (planner/batch.py)
+        prefix_cache_bytes=plan.prefix_cache_bytes,
+        upcast=_upcast(plan),
+        # a disk tier needs a directory here; agents then name their own
+        prefix_cache_disk_bytes=options.prefix_cache_disk_bytes if options.prefix_cache_dir else 0,
+        blas_threads=share or options.blas_threads,
+    )
+
+
+def _remote_options(
+    here: EngineOptions, address: str, share: int, settings: LaunchSettings
+) -> EngineOptions:
+    """A worker's options: this machine's, less what only names this machine (the agent
+    puts its own prefix_cache_dir in), with its BLAS threads."""
+    threads = _threads_at(address, share, settings)
+    return replace(here, prefix_cache_dir=None, draft_model_path=None, blas_threads=threads)
 
 
 def _upcast(plan: ClusterPlan) -> bool:
-    """Whether the plan counted float32 weights (each worker upcasts only on its CPU)."""
     return plan.compute_dtype == "float32"
 
 

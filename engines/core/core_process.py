@@ -328,10 +328,10 @@ class CoreProcess:
             if inherited is not None:
                 inherited.close()  # the core holds it now
         try:
-            tokenizer = load_serving_tokenizer(self.spec.options["model_path"])
+            tokenizer = load_serving_tokenizer(self.spec.arguments["model_path"])
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer: {error}") from error
-        self.engine = CoreView(tokenizer, self.spec.options["model_path"], self._send_quietly)
+        self.engine = CoreView(tokenizer, self.spec.arguments["model_path"], self._send_quietly)
         self._wait_ready(load_timeout_s)
         self._watchdog = threading.Thread(target=self._watch, name="engine-core watch", daemon=True)
         self._watchdog.start()

@@ -14,35 +14,42 @@ from typing import Any
 
 from engines.core import blas
 from engines.core.engine import Engine
+from engines.core.engine_options import EngineOptions
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """`factory` ("module:function") builds the engine from `options` (plain values that
-    msgpack carries); `listener`, a bound socket the engine takes over (the pipeline's
-    return hop), crosses to a child process as an inherited descriptor."""
+    """`factory` ("module:function") builds the engine from `arguments` (plain values that
+    msgpack carries: the model, its layers, its stages) and `options`, how it runs;
+    `listener`, a bound socket the engine takes over (the pipeline's return hop), crosses to
+    a child process as an inherited descriptor."""
 
     factory: str
-    options: dict[str, Any]
-    blas_threads: int = 0  # 0: the machine's default
+    arguments: dict[str, Any]
+    options: EngineOptions = EngineOptions()
     listener: socket.socket | None = field(default=None, compare=False)
 
     def build(self, listener: socket.socket | None = None) -> Engine:
         """The engine, not loaded yet; BLAS threads set for this process."""
-        blas.set_threads(self.blas_threads)
+        blas.set_threads(self.options.blas_threads)
         make = resolve(self.factory)
         taken = listener if listener is not None else self.listener
         if taken is not None:
-            return make(**self.options, listener=taken)
-        return make(**self.options)
+            return make(**self.arguments, options=self.options, listener=taken)
+        return make(**self.arguments, options=self.options)
 
     def document(self) -> dict[str, Any]:
         """What crosses to the engine-core process (the listener goes as a descriptor)."""
-        return {"factory": self.factory, "options": self.options, "blas_threads": self.blas_threads}
+        return {
+            "factory": self.factory,
+            "arguments": self.arguments,
+            "options": self.options.document(),
+        }
 
     @classmethod
     def from_document(cls, document: dict[str, Any]) -> EngineSpec:
-        return cls(document["factory"], dict(document["options"]), int(document["blas_threads"]))
+        options = EngineOptions.from_document(document["options"])
+        return cls(document["factory"], dict(document["arguments"]), options)
 
 
 def resolve(name: str) -> Any:

@@ -15,12 +15,8 @@ from typing import Any
 import mlx.core as mx
 
 from discovery.secure_channel import SecureChannel
-from engines.core.engine import (
-    DEFAULT_PREFILL_CHUNK,
-    Engine,
-    EngineInfo,
-    StepOutput,
-)
+from engines.core.engine import Engine, EngineInfo, StepOutput
+from engines.core.engine_options import DEFAULT_OPTIONS, EngineOptions
 from engines.core.request import GenerationRequest
 from engines.decoding.grammar import GrammarCompiler
 from engines.model.info import inspect_model
@@ -48,7 +44,6 @@ from engines.prefix_cache.store import NOT_REUSABLE
 from engines.speculation.lane import DrafterFactory
 from engines.speculation.prompt_lookup import PromptLookup
 from planner.errors import ChannelError, EngineError
-from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +65,13 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
     stage runs the whole model. That is how a model runs alone on an agent while this
     process keeps its scheduler; one micro-batch, no disk tier.
 
-    Speculation (`most_drafted` > 0): a sequence decoding alone, which the last stage only
-    samples, sends its next token and a prompt-lookup draft in one verifying frame and gets
+    Speculation (`options.most_drafted` > 0): a sequence decoding alone, which the last stage
+    only samples, sends its next token and a prompt-lookup draft in one verifying frame and gets
     back a token per position (speculation.py); greedy and seeded tokens are those of plain
     decoding. Not with quantized KV, sliding windows or recurrent layers.
 
-    Prefix cache (`prefix_cache_bytes` > 0): this coordinator's PrefixIndex decides hits and
-    evictions; every stage (stage 0 here too) keeps its own layers of each entry in its
+    Prefix cache (`options.prefix_cache_bytes` > 0): this coordinator's PrefixIndex decides hits
+    and evictions; every stage (stage 0 here too) keeps its own layers of each entry in its
     StageBatches' PrefixStore under the same entry id (the uid of the sequence it came from).
     A BEGIN names the entry and starts at the cached length; an END tells every stage which
     ended sequences to keep and which entries to drop or spill. A request sharing a long
@@ -99,24 +94,18 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         return_listen_host: str,
         cluster_key: bytes,
         token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        options: EngineOptions = DEFAULT_OPTIONS,
         *,
         micro_batches: int | None = None,
         return_listen_port: int = 0,
         return_listener: socket.socket | None = None,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         channel_class: Any = SecureChannel,
-        upcast: bool = False,
-        prefix_cache_bytes: int = 0,
-        prefix_cache_disk_bytes: int = 0,
-        prefix_cache_dir: Path | None = None,
-        kv_bits: int = 0,
-        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-        most_drafted: int = 0,
         drafter: DrafterFactory = PromptLookup,
     ) -> None:
-        """`most_drafted`: tokens drafted at most per verifying pass (0: no speculation);
-        `drafter` makes a sequence's drafter from its tokens (tests script one).
+        """`options` are stage 0's (each remote stage's spec carries its own); their
+        `most_drafted` bounds the tokens drafted per verifying pass. `drafter` makes a
+        sequence's drafter from its tokens (tests script one).
         `return_listener`: an already listening socket for the last stage's connection (its
         port must be known before the last stage starts); else one is opened on
         return_listen_host:return_listen_port. `channel_class` exists only so the benchmark
@@ -127,9 +116,9 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
             raise EngineError(f"stage 0 must start at layer 0, got [{layers.start}, {layers.stop})")
         # A relay (stage 0 without layers) keeps one micro-batch per stage that computes.
         groups = micro_batches if micro_batches is not None else bool(layers) + len(stages)
-        if prefill_chunk < 1 or token_timeout_s <= 0 or connect_timeout_s <= 0 or groups < 1:
+        if token_timeout_s <= 0 or connect_timeout_s <= 0 or groups < 1:
             raise EngineError(
-                f"invalid pipeline settings: prefill_chunk={prefill_chunk}, "
+                "invalid pipeline settings: "
                 f"token_timeout_s={token_timeout_s}, connect_timeout_s={connect_timeout_s}, "
                 f"micro_batches={micro_batches}"
             )
@@ -139,13 +128,10 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         self.return_listen_host = return_listen_host
         self.return_listen_port = return_listen_port
         self.token_timeout_s = token_timeout_s
-        self.prefill_chunk = prefill_chunk
+        self.options = options
         self.connect_timeout_s = connect_timeout_s
         self._cluster_key = cluster_key
         self._channel_class = channel_class
-        self.upcast = upcast  # half-precision weights to float32 on the CPU
-        self.kv_bits = kv_bits  # stage 0's KV caches quantized (each stage's spec says its own)
-        self.quantized_kv_start = quantized_kv_start  # ... once they hold this many tokens
         self.tokenizer = None
         self.stage: StageModel | None = None
         self._weight_bytes = 0  # stage 0's, in this process
@@ -153,7 +139,10 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         self._listener: socket.socket | None = return_listener
         self._chain: Chain | None = None
         self._schedule = MicroBatchSchedule(
-            groups, prefill_chunk, 1 + len(stages), quantized_kv_start if kv_bits else None
+            groups,
+            options.prefill_chunk,
+            1 + len(stages),
+            options.quantized_kv_start if options.kv_bits else None,
         )
         self._local: StageBatches | None = None  # stage 0's caches
         self._sampling: dict[int, GenerationRequest] = {}  # as BEGIN carries it
@@ -165,17 +154,18 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         self._abort_reason: str | None = None
         self._io_lock = threading.Lock()
         # A relay has no layers to spill and its disk list would be empty: no disk tier.
-        disk_bytes = prefix_cache_disk_bytes if prefix_cache_dir is not None and layers else 0
-        index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
+        disk_dir = options.prefix_cache_dir
+        disk_bytes = options.prefix_cache_disk_bytes if disk_dir is not None and layers else 0
+        index = PrefixIndex(options.prefix_cache_bytes, disk_bytes=disk_bytes)
         # hits (pinned until their sequence begins), waiters, late counts and END orders
         self.books = PrefixBooks(index, TOP_PRIVATE_ENTRY_ID)
-        self._disk_dir = Path(prefix_cache_dir) if disk_bytes else None
+        self._disk_dir = Path(disk_dir) if disk_bytes else None
         self._disk: ChainDiskTier | None = None  # stage 0's share of the disk tier
         self._verifying: list[int] = []  # uids whose disk entry no stage was asked for yet
         self._loads: dict[int, tuple[list[int], list[int]]] = {}  # roll call -> uids, failed
         self.step_timing = StepTimes()  # per answered frame: stages, sealing, hops
         self._clock: FrameClock | None = None  # the current session's (frame_clock.py)
-        self.speculation = PipelineSpeculation(most_drafted, drafter)
+        self.speculation = PipelineSpeculation(options.most_drafted, drafter)
 
     @property
     def prefix_index(self) -> PrefixIndex:
@@ -203,32 +193,33 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
             self.tokenizer = load_serving_tokenizer(self.model_path)
         except (OSError, ValueError) as error:
             raise EngineError(f"cannot load the tokenizer of {self.model_path}: {error}") from error
+        options = self.options
         self.stage = StageModel.load(
-            self.model_path, self.layers, False, self.upcast, self.kv_bits,
-            self.quantized_kv_start,
+            self.model_path, self.layers, False, options.upcast, options.kv_bits,
+            options.quantized_kv_start,
         )  # fmt: skip
         stage = self.stage
         parts = (*stage.blocks, stage.embed_tokens, stage.norm, stage.head)
         self._weight_bytes = parameter_bytes(*parts)
         if not self.layers:  # a relay: its prefix entries are counted from the model's shape
             shape = inspect_model(self.model_path).to_shape(
-                self.upcast, self.kv_bits, self.quantized_kv_start
+                options.upcast, options.kv_bits, options.quantized_kv_start
             )
             self._relay_kv_bytes_per_token = shape.prefix_kv_bytes_per_token
         self._load_grammars()
         windows = self.stage.layout.windows  # every layer's, the whole chain's
-        self.speculation.check_model(self.stage.make_cache(), windows, self.kv_bits)
+        self.speculation.check_model(self.stage.make_cache(), windows, options.kv_bits)
         if any(window is not None for window in self.stage.layout.windows):
             self.prefix_index.turn_off(NOT_REUSABLE)  # windows anywhere in the chain
         if self.prefix_index.disk_max_bytes and self._disk is None:  # each session opens it
             self._disk = chain_disk_tier(
-                self._disk_dir, self.model_path, self.layers, self.kv_bits,
-                self.quantized_kv_start,
+                self._disk_dir, self.model_path, self.layers, options.kv_bits,
+                options.quantized_kv_start,
             )  # fmt: skip
-        chunk_bytes = self.prefill_chunk * self.stage.hidden_size * 4
+        chunk_bytes = options.prefill_chunk * self.stage.hidden_size * 4
         if chunk_bytes > wire.MAX_FRAME_BYTES:
             raise EngineError(
-                f"a prefill chunk of {self.prefill_chunk} tokens x {self.stage.hidden_size} "
+                f"a prefill chunk of {options.prefill_chunk} tokens x {self.stage.hidden_size} "
                 f"would exceed the {wire.MAX_FRAME_BYTES}-byte frame limit; lower prefill_chunk"
             )
         self.open_return_listener()
@@ -307,9 +298,9 @@ class EncryptedPipelineEngine(PrefixKeeping, SharedPrompts, DiskRelisting, Chain
         detail: dict[str, Any] = {
             "model_path": str(self.model_path),
             "stages": stages,
-            "prefill_chunk": self.prefill_chunk,
-            "kv_bits": self.kv_bits,
-            "quantized_kv_start": self.quantized_kv_start,
+            "prefill_chunk": self.options.prefill_chunk,
+            "kv_bits": self.options.kv_bits,
+            "quantized_kv_start": self.options.quantized_kv_start,
             "micro_batches": self._schedule.groups,
             "healthy": self._healthy,
             "prefix_cache": self.books.snapshot(),

@@ -100,14 +100,15 @@ def run(channel_class: Any = SecureChannel) -> int:
     except ConfigError as error:
         output.write({"event": "failed", "reason": str(error)})
         return 2
-    log.info("BLAS: %s", blas.set_threads(spec.blas_threads).describe())
+    log.info("BLAS: %s", blas.set_threads(spec.options.blas_threads).describe())
     try:
         model_path = model_for_assignment(
             spec.model_path, spec.weights, spec.cluster_key, progress_events(output)
         )
+        options = spec.options
         stage = StageModel.load(
-            model_path, spec.layers, spec.is_last, spec.upcast_float32, spec.kv_bits,
-            spec.quantized_kv_start,
+            model_path, spec.layers, spec.is_last, options.upcast, options.kv_bits,
+            options.quantized_kv_start,
         )  # fmt: skip
         grammars = grammar_compiler(model_path, stage) if spec.is_last else None
         disk = stage_disk_tier(spec, model_path)
@@ -136,11 +137,13 @@ def stage_disk_tier(spec: StageSpec, model_path: Path) -> ChainDiskTier | None:
     """This stage's share of the prefix cache's disk tier, or None. Every session reopens it
     and adopts the files its coordinator names (chain_disk.py); it is opened once now, so that
     a directory this stage cannot use fails its start rather than its first session."""
-    if not spec.prefix_cache_disk_bytes or spec.prefix_cache_dir is None:
+    options = spec.options
+    if not options.prefix_cache_disk_bytes or options.prefix_cache_dir is None:
         return None
     disk = chain_disk_tier(
-        spec.prefix_cache_dir, model_path, spec.layers, spec.kv_bits, spec.quantized_kv_start
-    )
+        Path(options.prefix_cache_dir), model_path, spec.layers, options.kv_bits,
+        options.quantized_kv_start,
+    )  # fmt: skip
     disk.open()
     disk.close()
     return disk

@@ -14,7 +14,8 @@ from mlx_lm import load as load_model_and_tokenizer
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from engines.core.engine import DEFAULT_PREFILL_CHUNK, Engine, EngineInfo, StepOutput
+from engines.core.engine import Engine, EngineInfo, StepOutput
+from engines.core.engine_options import DEFAULT_OPTIONS, EngineOptions
 from engines.core.request import GenerationRequest
 from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.grammar import GrammarCompiler
@@ -25,14 +26,13 @@ from engines.model.precision import upcast_on_cpu
 from engines.observability.load_progress import evaluate_by_layer
 from engines.observability.process_memory import parameter_bytes
 from engines.prefix_cache.books import PrefixBooks
-from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
+from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable, tier_root
 from engines.prefix_cache.index import PrefixIndex
 from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
 from engines.speculation.draft_model import DraftModelDrafter, check_draft_model
 from engines.speculation.lane import DrafterFactory
 from engines.speculation.prompt_lookup import PromptLookup, TimedPromptLookup
 from planner.errors import EngineError
-from planner.memory import DEFAULT_MAX_BATCH, DEFAULT_QUANTIZED_KV_START
 
 log = logging.getLogger(__name__)
 
@@ -50,44 +50,20 @@ class SingleEngine(Engine):
 
     features = frozenset({"penalties", "logprobs", "grammar"})
 
-    def __init__(
-        self,
-        model_path: Path,
-        max_batch: int = DEFAULT_MAX_BATCH,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-        upcast: bool = False,
-        prefix_cache_bytes: int = 0,
-        prefix_cache_disk_bytes: int = 0,
-        # the disk tier's own directory, tier_root() under a machine's prefix_cache_dir
-        prefix_cache_tier_root: Path | None = None,
-        kv_bits: int = 0,
-        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-        most_drafted: int = 0,
-        draft_model_path: Path | str | None = None,
-    ) -> None:
+    def __init__(self, model_path: Path, options: EngineOptions = DEFAULT_OPTIONS) -> None:
         self.model_path = Path(model_path)
-        self.most_drafted = most_drafted  # tokens drafted per step of a lone request; 0: off
-        # drafts from this model (--draft-model) instead of by prompt lookup
-        self.draft_model_path = Path(draft_model_path) if draft_model_path else None
+        self.options = options
+        path = options.draft_model_path
+        self.draft_model_path = Path(path) if path else None
         self.draft_model = None
-        self.kv_bits = kv_bits  # 8 or 4: every sequence's KV cache quantized; 0: as computed
-        self.quantized_kv_start = quantized_kv_start  # ... once it holds this many tokens
         # the prefix cache: what is kept and who waits for what (books) and the KV (store),
         # in memory and, with a disk budget and a directory, on disk
-        disk = None
-        if prefix_cache_tier_root is not None:
-            # entries of another KV quantization are another cache's: never read as this one's
-            quantized = f"|kv{kv_bits}from{quantized_kv_start}" if kv_bits else ""
-            identity = str(prefix_cache_tier_root) + quantized
-            disk = DiskTier(prefix_cache_tier_root, identity=identity)
-        disk_bytes = prefix_cache_disk_bytes if disk is not None else 0
-        index = PrefixIndex(prefix_cache_bytes, disk_bytes=disk_bytes)
+        disk = self._open_disk_tier(options)
+        disk_bytes = options.prefix_cache_disk_bytes if disk is not None else 0
+        index = PrefixIndex(options.prefix_cache_bytes, disk_bytes=disk_bytes)
         self.books = PrefixBooks(index, TOP_PRIVATE_ENTRY_ID)
         self.prefix_store = PrefixStore(disk if index.disk_max_bytes else None)
-        self.upcast = upcast  # half-precision weights to float32 on the CPU
         self.compute_dtype = ""
-        self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
         self.model = None
         self._weight_bytes = 0
         self.tokenizer = None
@@ -95,6 +71,18 @@ class SingleEngine(Engine):
         self._first_tokens: list[StepOutput] = []  # sampled at insert, reported by the next step
         self._grammars: GrammarCompiler | None = None
         self._samplers = UnseededSamplers()  # a batch without seeds samples in one call
+
+    def _open_disk_tier(self, options: EngineOptions) -> DiskTier | None:
+        """The disk tier under this machine's prefix_cache_dir, in a folder of this model's
+        and KV quantization's own; None without a budget or a directory."""
+        if not options.prefix_cache_disk_bytes or options.prefix_cache_dir is None:
+            return None
+        kv_bits = options.kv_bits
+        share = f"single-kv{kv_bits}" if kv_bits else "single"
+        root = tier_root(Path(options.prefix_cache_dir), self.model_path, share)
+        # entries of another KV quantization are another cache's: never read as this one's
+        quantized = f"|kv{kv_bits}from{options.quantized_kv_start}" if kv_bits else ""
+        return DiskTier(root, identity=str(root) + quantized)
 
     @property
     def prefix_index(self) -> PrefixIndex:
@@ -107,7 +95,7 @@ class SingleEngine(Engine):
             evaluate_by_layer(self.model)
         except (OSError, ValueError, RuntimeError) as error:
             raise EngineError(f"cannot load model {self.model_path}: {error}") from error
-        self.compute_dtype = upcast_on_cpu(self.model, self.upcast)
+        self.compute_dtype = upcast_on_cpu(self.model, self.options.upcast)
         (self.model,) = pack(*lay_out(self.model))  # float32 layers, then quantized ones
         self._weight_bytes = parameter_bytes(self.model)
         if not reusable(make_prompt_cache(self.model)):
@@ -119,16 +107,17 @@ class SingleEngine(Engine):
         if getattr(self.tokenizer, "has_tool_calling", False):
             self._grammars.prepare()  # every request with tools has a grammar (call_guard.py)
         keep = self._keep_prefix if self.prefix_index.enabled else None
+        options = self.options
         self._batch = DecodeBatch(
-            self.model, self.max_batch, self.prefill_chunk, keep, self.kv_bits,
-            self.quantized_kv_start, self.most_drafted, self._load_drafter(),
+            self.model, options.max_batch, options.prefill_chunk, keep, options.kv_bits,
+            options.quantized_kv_start, options.most_drafted, self._load_drafter(),
         )  # fmt: skip
-        log.info("single engine loaded %s (batch of up to %d)", self.model_path, self.max_batch)
+        log.info("single engine loaded %s (batch of up to %d)", self.model_path, options.max_batch)
 
     def _load_drafter(self) -> DrafterFactory:
         """Prompt lookup (timed where the kernel makes a verifying pass costly), or drafts
         from --draft-model once it is loaded and checked."""
-        if self.draft_model_path is None or not self.most_drafted:
+        if self.draft_model_path is None or not self.options.most_drafted:
             return TimedPromptLookup if runs_on_kernel(self.model) else PromptLookup
         try:
             self.draft_model, draft_tokenizer = load_model_and_tokenizer(str(self.draft_model_path))
@@ -136,7 +125,7 @@ class SingleEngine(Engine):
             where = self.draft_model_path
             raise EngineError(f"cannot load draft model {where}: {error}") from error
         check_draft_model(self.draft_model, draft_tokenizer, self.tokenizer)
-        upcast_on_cpu(self.draft_model, self.upcast)
+        upcast_on_cpu(self.draft_model, self.options.upcast)
         self._weight_bytes += parameter_bytes(self.draft_model)
         log.info("drafting from %s", self.draft_model_path)
         return partial(DraftModelDrafter, self.draft_model, generation_stream)
@@ -257,17 +246,17 @@ class SingleEngine(Engine):
     def info(self) -> EngineInfo:
         detail = {
             "model_path": str(self.model_path),
-            "max_batch": self.max_batch,
-            "prefill_chunk": self.prefill_chunk,
+            "max_batch": self.options.max_batch,
+            "prefill_chunk": self.options.prefill_chunk,
             "compute_dtype": self.compute_dtype,
-            "kv_bits": self.kv_bits,
-            "quantized_kv_start": self.quantized_kv_start,
+            "kv_bits": self.options.kv_bits,
+            "quantized_kv_start": self.options.quantized_kv_start,
             "prefix_cache": self.books.snapshot(),
         }
         counts = self._batch.speculation() if self._batch is not None else None
         if counts is not None:
             detail["speculation"] = {
-                "most_drafted": self.most_drafted,
+                "most_drafted": self.options.most_drafted,
                 "drafter": str(self.draft_model_path or "prompt lookup"),
                 **asdict(counts),
             }

@@ -78,9 +78,10 @@ class TensorParallelEngine(Engine):
         self._prefilling: set[int] = set()  # uids with no token yet
         # The prefix cache: this engine decides hits and evictions, every rank holds its
         # shard of each entry (engines/tensor_parallel/shard_batch.py).
-        disk_bytes = self.spec.prefix_cache_disk_bytes if self.spec.prefix_cache_dir else 0
+        options = self.spec.options
+        disk_bytes = options.prefix_cache_disk_bytes if options.prefix_cache_dir else 0
         self.prefixes = GroupPrefixCache(
-            self.spec.prefix_cache_bytes, disk_bytes, self.spec.world_size
+            options.prefix_cache_bytes, disk_bytes, self.spec.world_size
         )
         self.books = self.prefixes.books  # hits, waiters, late counts and the ranks' orders
         self.prefilled_tokens = 0  # prompt tokens the ranks ran through the model
@@ -309,17 +310,17 @@ class TensorParallelEngine(Engine):
             "backend": self.spec.backend,
             "model_path": str(self.model_path),
             "sync_every": self.spec.sync_every,
-            "kv_bits": self.spec.kv_bits,
-            "quantized_kv_start": self.spec.quantized_kv_start,
+            "kv_bits": self.spec.options.kv_bits,
+            "quantized_kv_start": self.spec.options.quantized_kv_start,
             "ranks": ranks,
             "prefix_cache": self.books.snapshot(),
             "prefilled_tokens": self.prefilled_tokens,
             "step_timing": self.step_timing.snapshot(),
             "healthy": self.healthy(),
         }
-        if self.spec.most_drafted:
+        if self.spec.options.most_drafted:
             counts = self.speculation or {"drafted": 0, "accepted": 0, "steps": 0}
-            detail["speculation"] = {"most_drafted": self.spec.most_drafted, **counts}
+            detail["speculation"] = {"most_drafted": self.spec.options.most_drafted, **counts}
         if self._lost_reason is not None:
             detail["lost_reason"] = self._lost_reason
         return EngineInfo(strategy="tp", world_size=self.spec.world_size, detail=detail)

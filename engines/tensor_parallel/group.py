@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from discovery.framing import free_port
-from engines.core.engine import DEFAULT_PREFILL_CHUNK
-from planner.memory import DEFAULT_MAX_BATCH, DEFAULT_QUANTIZED_KV_START, KV_BITS
+from engines.core.engine_options import DEFAULT_OPTIONS, EngineOptions
+from planner.errors import ConfigError
 
 BACKENDS = ("ring", "jaccl")
 # The longest idle gap between the group's header broadcasts: the idle latency a new request
@@ -40,18 +40,9 @@ class WorkerSpec:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     sync_every: int = DEFAULT_SYNC_EVERY
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
-    max_batch: int = DEFAULT_MAX_BATCH
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-    kv_bits: int = 0  # every rank's KV cache quantized to 8 or 4 bits; 0: as computed
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START  # ... once it holds this many tokens
-    most_drafted: int = 0  # prompt-lookup tokens a lone sequence drafts per step; 0: off
-    blas_threads: int = 0  # this rank's share of its machine's cores; 0 keeps the default
-    upcast_float32: bool = False  # half-precision weights to float32 when on the CPU
-    prefix_cache_bytes: int = 0  # the whole group's prefix-cache budget; 0 keeps no entries
-    # The prefix cache's disk tier: the whole group's budget (0: none) and this machine's
-    # root for it (each rank keeps its shard of every entry under its own share).
-    prefix_cache_disk_bytes: int = 0
-    prefix_cache_dir: str | None = None
+    # How the rank runs; its prefix-cache budgets are the whole group's, and each rank keeps
+    # its shard of every entry under its own share of prefix_cache_dir.
+    options: EngineOptions = EngineOptions()
     log_level: str = "INFO"
     # Where to fetch the model when this machine lacks it, and the key that channel needs.
     weights: dict[str, Any] | None = None
@@ -76,15 +67,8 @@ class WorkerSpec:
                 )
             if not self.jaccl_coordinator:
                 raise ValueError("jaccl backend needs jaccl_coordinator ('ip:port' of rank 0)")
-        if self.sync_every < 1 or self.max_batch < 1 or self.prefill_chunk < 1:
-            raise ValueError(
-                f"sync_every, max_batch and prefill_chunk must be at least 1, got "
-                f"{self.sync_every}, {self.max_batch}, {self.prefill_chunk}"
-            )
-        if self.kv_bits not in (0, *KV_BITS):
-            raise ValueError(f"kv_bits must be 0 or one of {KV_BITS}, got {self.kv_bits}")
-        if self.quantized_kv_start < 0:
-            raise ValueError(f"quantized_kv_start must be >= 0, got {self.quantized_kv_start}")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be at least 1, got {self.sync_every}")
         if self.heartbeat_s < 0 or self.stall_timeout_s <= 0:
             raise ValueError(
                 f"heartbeat_s must be >= 0 and stall_timeout_s > 0, got "
@@ -102,8 +86,9 @@ class WorkerSpec:
         values["ibv_devices"] = tuple(tuple(row) for row in data.get("ibv_devices", ()))
         values["model_path"] = str(data.get("model_path", ""))
         try:
+            values["options"] = EngineOptions.from_document(data.get("options", {}))
             return cls(**values)
-        except TypeError as error:  # a missing required key
+        except (TypeError, ConfigError) as error:  # a missing required key, a bad option
             raise ValueError(f"invalid worker spec: {error}") from error
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,11 +96,16 @@ class WorkerSpec:
         data = {name: getattr(self, name) for name in self.__slots__}
         data["hosts"] = [list(row) for row in self.hosts]
         data["ibv_devices"] = [list(row) for row in self.ibv_devices]
+        data["options"] = self.options.document()
         return data
 
 
 def ring_specs(
-    addresses: list[str], ports: list[int], model_path: str | Path, **options: Any
+    addresses: list[str],
+    ports: list[int],
+    model_path: str | Path,
+    options: EngineOptions = DEFAULT_OPTIONS,
+    **fields: Any,
 ) -> list[dict[str, Any]]:
     """One spec per rank for the ring backend; rank r listens on addresses[r]:ports[r]."""
     if len(addresses) != len(ports):
@@ -129,7 +119,8 @@ def ring_specs(
                 "backend": "ring",
                 "hosts": hosts,
                 "model_path": str(model_path),
-                **options,
+                "options": options.document(),
+                **fields,
             }
         ).to_dict()
         for rank in range(len(hosts))
@@ -137,18 +128,22 @@ def ring_specs(
 
 
 def loopback_ring_specs(
-    world_size: int, model_path: str | Path, **options: Any
+    world_size: int,
+    model_path: str | Path,
+    options: EngineOptions = DEFAULT_OPTIONS,
+    **fields: Any,
 ) -> list[dict[str, Any]]:
     """Ring specs for `world_size` ranks on 127.0.0.1 with fresh ports (tests, benchmarks)."""
     ports = [free_port() for _ in range(world_size)]
-    return ring_specs(["127.0.0.1"] * world_size, ports, model_path, **options)
+    return ring_specs(["127.0.0.1"] * world_size, ports, model_path, options, **fields)
 
 
 def jaccl_specs(
     ibv_devices: list[list[str | None]],
     coordinator: str,
     model_path: str | Path,
-    **options: Any,
+    options: EngineOptions = DEFAULT_OPTIONS,
+    **fields: Any,
 ) -> list[dict[str, Any]]:
     """One spec per rank for JACCL: the RDMA device matrix plus rank 0's 'ip:port'."""
     return [
@@ -160,7 +155,8 @@ def jaccl_specs(
                 "ibv_devices": ibv_devices,
                 "jaccl_coordinator": coordinator,
                 "model_path": str(model_path),
-                **options,
+                "options": options.document(),
+                **fields,
             }
         ).to_dict()
         for rank in range(len(ibv_devices))

@@ -29,13 +29,14 @@ KEY_WORDS = KEY_BYTES // 4
 def open_rank_disk(spec: WorkerSpec) -> tuple[DiskTier | None, list[StoredEntry]]:
     """This rank's disk tier (None without a budget or a directory) and the valid entries it
     found there, oldest first."""
-    if not spec.prefix_cache_bytes or not spec.prefix_cache_disk_bytes:
+    options = spec.options
+    if not options.prefix_cache_bytes or not options.prefix_cache_disk_bytes:
         return None, []
-    if not spec.prefix_cache_dir:
+    if not options.prefix_cache_dir:
         log.warning("prefix cache: no cache directory on this machine, so no disk tier")
         return None, []
     share = f"tp-{spec.rank}of{spec.world_size}"
-    root = tier_root(Path(spec.prefix_cache_dir), Path(spec.model_path), share)
+    root = tier_root(Path(options.prefix_cache_dir), Path(spec.model_path), share)
     disk = DiskTier(root, identity=disk_identity(spec, root))
     return disk, disk.open()
 
@@ -44,8 +45,9 @@ def disk_identity(spec: WorkerSpec, root: Path) -> str:
     """What an entry's KV depends on: the model and share (the root's last two names, so a
     cache directory moved whole still reads), its quantization and its dtype. Files written
     under another identity are never read."""
-    quantized = f"|kv{spec.kv_bits}from{spec.quantized_kv_start}" if spec.kv_bits else ""
-    dtype = "|float32" if spec.upcast_float32 else ""
+    options = spec.options
+    quantized = f"|kv{options.kv_bits}from{options.quantized_kv_start}" if options.kv_bits else ""
+    dtype = "|float32" if options.upcast else ""
     return f"{root.parent.name}/{root.name}{quantized}{dtype}"
 
 

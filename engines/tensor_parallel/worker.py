@@ -126,7 +126,7 @@ def load_shard(
     for layer in getattr(model, "layers", []):
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
-    upcast_on_cpu(model, spec.upcast_float32)
+    upcast_on_cpu(model, spec.options.upcast)
     (model,) = pack(model)  # the kernel rounds alike on every rank: no clock decides it
     model_vocab = getattr(getattr(model, "args", None), "vocab_size", 0) or 0
     grammars = RankGrammars(model_path, model_vocab, config.get("eos_token_id"))
@@ -252,7 +252,7 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
         output.write({"event": "failed", "rank": spec.rank, "reason": reason})
         os._exit(1)  # the main thread may be stuck in a collective that cannot be interrupted
 
-    log.info("BLAS: %s", blas.set_threads(spec.blas_threads).describe())
+    log.info("BLAS: %s", blas.set_threads(spec.options.blas_threads).describe())
     watchdog = Watchdog(fail)
     if spec.rank != 0:
         threading.Thread(target=exit_when_stdin_closes, name="stdin-watch", daemon=True).start()
@@ -262,7 +262,7 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
         lockstep = Lockstep(group)
         peaks, active = gather_memory(lockstep)
         disk, stored = open_rank_disk(spec)
-        if spec.prefix_cache_bytes and spec.prefix_cache_disk_bytes:  # alike on every rank
+        if spec.options.prefix_cache_bytes and spec.options.prefix_cache_disk_bytes:  # alike
             stored_entries = agree_on_stored(lockstep, disk, stored)
         else:
             stored_entries = []
@@ -282,16 +282,17 @@ def run(spec: WorkerSpec, output: ProtocolOutput) -> int:
         }
     )
     try:
+        options = spec.options
         batch = ShardBatch(
             model,
-            spec.max_batch,
-            spec.prefill_chunk,
-            keep_prefixes=spec.prefix_cache_bytes > 0,
+            options.max_batch,
+            options.prefill_chunk,
+            keep_prefixes=options.prefix_cache_bytes > 0,
             grammars=grammars,
             disk=disk,
-            kv_bits=spec.kv_bits,
-            quantized_kv_start=spec.quantized_kv_start,
-            most_drafted=spec.most_drafted,
+            kv_bits=options.kv_bits,
+            quantized_kv_start=options.quantized_kv_start,
+            most_drafted=options.most_drafted,
             sum_across_ranks=lockstep.sum_across_ranks,
         )
         rank = Rank(spec, lockstep, batch, vocab_size, output, watchdog, grammars)

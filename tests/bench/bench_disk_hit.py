@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.prefix_cache.index import MIN_DISK_HIT_TOKENS
 from engines.single.engine import SingleEngine
@@ -35,9 +36,9 @@ class Timer:
     def __init__(self, model: Path, root: Path) -> None:
         self.engine = SingleEngine(
             model,
-            prefix_cache_bytes=1,
-            prefix_cache_disk_bytes=8 << 30,
-            prefix_cache_tier_root=root,
+            EngineOptions(
+                prefix_cache_bytes=1, prefix_cache_disk_bytes=8 << 30, prefix_cache_dir=str(root)
+            ),
         )
         self.engine.load()
         self.uid = 0

@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.sampling import make_request_sampler
@@ -80,7 +81,9 @@ def measure(name: str, spec: DemoSpec) -> list[list[str]]:
     rows, baseline = [], {}
     for bits in BITS:
         # quantized from the first pass: the prompts here are under the default threshold
-        engine = SingleEngine(path, max_batch=max(STREAMS), kv_bits=bits, quantized_kv_start=0)
+        engine = SingleEngine(
+            path, EngineOptions(max_batch=max(STREAMS), kv_bits=bits, quantized_kv_start=0)
+        )
         engine.load()
         try:
             measured = kv_bytes_per_token(engine, bits)

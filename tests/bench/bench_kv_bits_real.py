@@ -33,6 +33,7 @@ from mlx_lm.generate import generate_step, maybe_quantize_kv_cache  # noqa: E402
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache  # noqa: E402
 
 from discovery.cluster_key import generate_key  # noqa: E402
+from engines.core.engine_options import EngineOptions  # noqa: E402
 from engines.core.request import GenerationRequest  # noqa: E402
 from engines.core.runner import EngineRunner  # noqa: E402
 from engines.model.gguf.cache import ensure_imported  # noqa: E402
@@ -114,7 +115,7 @@ def engine_answers(runner: EngineRunner, all_prompts: list[list[int]], eos) -> t
 
 
 def single_answers(model_dir: Path, bits: int, start: int, all_prompts, eos):
-    engine = SingleEngine(model_dir, kv_bits=bits, quantized_kv_start=start)
+    engine = SingleEngine(model_dir, EngineOptions(kv_bits=bits, quantized_kv_start=start))
     runner = EngineRunner(engine, queue_size=len(all_prompts), max_batch=len(all_prompts))
     runner.start(LOAD_TIMEOUT_S)
     try:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.gguf.cache import ensure_imported
@@ -99,7 +100,7 @@ def many(runner: EngineRunner, texts: list[str]) -> float:
 
 def start(model_dir: Path, drafted: int) -> EngineRunner:
     runner = EngineRunner(
-        SingleEngine(model_dir, most_drafted=drafted), queue_size=32, max_batch=16
+        SingleEngine(model_dir, EngineOptions(most_drafted=drafted)), queue_size=32, max_batch=16
     )
     runner.start(load_timeout_s=300)
     return runner

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from discovery.cluster_key import generate_key
+from engines.core.engine_options import EngineOptions
 from engines.core.runner import EngineRunner
 from engines.model.info import inspect_model
 from engines.pipeline.engine import EncryptedPipelineEngine
@@ -33,9 +34,7 @@ def open_pipeline_runner(
 ) -> Iterator[EngineRunner]:
     """`prefix_cache_dir`: each stage keeps its disk tier under its own subdirectory of it, as
     if on its own machine; `most_drafted`: speculation by prompt lookup (0: off)."""
-    disk = {}
-    if prefix_cache_disk_bytes and prefix_cache_dir is not None:
-        disk = {"prefix_cache_disk_bytes": prefix_cache_disk_bytes}
+    disk = prefix_cache_disk_bytes if prefix_cache_dir is not None else 0
     layers = allocate_layers(inspect_model(model_path).num_layers, [1] * stages)
     key = generate_key()
     threads = max(1, (os.cpu_count() or 1) // stages)  # as launch.py shares a machine
@@ -53,10 +52,12 @@ def open_pipeline_runner(
                 "next_host": HOST,
                 "next_port": next_port,
                 "cluster_key": key.hex(),
-                "blas_threads": threads,
+                "options": EngineOptions(
+                    blas_threads=threads,
+                    prefix_cache_disk_bytes=disk,
+                    prefix_cache_dir=str(prefix_cache_dir / f"stage-{index}") if disk else None,
+                ).document(),
             }
-            if disk:
-                spec.update(disk, prefix_cache_dir=str(prefix_cache_dir / f"stage-{index}"))
             worker = StageProcess.start(
                 spec, stderr=subprocess.DEVNULL, ready_timeout_s=LOAD_TIMEOUT_S
             )
@@ -72,11 +73,13 @@ def open_pipeline_runner(
             remote,
             HOST,
             key,
+            options=EngineOptions(
+                prefix_cache_bytes=prefix_cache_bytes,
+                prefix_cache_disk_bytes=disk,
+                prefix_cache_dir=str(prefix_cache_dir / "stage-0") if disk else None,
+                most_drafted=most_drafted,
+            ),
             return_listener=listener,
-            prefix_cache_bytes=prefix_cache_bytes,
-            prefix_cache_dir=prefix_cache_dir / "stage-0" if disk else None,
-            most_drafted=most_drafted,
-            **disk,
         )
         runner = EngineRunner(engine, queue_size=64, max_batch=max_batch)
         runner.start(LOAD_TIMEOUT_S)

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from engines.core.engine_options import EngineOptions
 from engines.core.runner import EngineRunner
 from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
 from tests.bench.common import PROJECT_ROOT
@@ -32,10 +33,12 @@ def open_tensor_parallel_runner(
     specs = loopback_ring_specs(
         world_size,
         model_path,
-        max_batch=max_batch,
-        blas_threads=threads,
-        prefix_cache_bytes=prefix_cache_bytes,
-        **options,
+        EngineOptions(
+            max_batch=max_batch,
+            blas_threads=threads,
+            prefix_cache_bytes=prefix_cache_bytes,
+            **options,
+        ),
     )
     ranks: list[subprocess.Popen[bytes]] = []
     runner: EngineRunner | None = None

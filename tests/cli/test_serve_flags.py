@@ -121,9 +121,26 @@ def test_only_an_unset_max_batch_lets_the_planner_shrink_the_batch(
     else:
         monkeypatch.setenv("TANDEM_MAX_BATCH", env)
     config = serve_config(*flags)
-    assert (config.max_batch, config.shrink_batch) == expected
+    assert (config.engine.max_batch, config.shrink_batch) == expected
 
 
 def test_a_max_batch_under_one_is_refused() -> None:
     with pytest.raises(ConfigError, match="--max-batch must be at least 1, got 0"):
         serve_config("--max-batch", "0")
+
+
+def test_the_engine_flags_become_one_engine_options() -> None:
+    """Every flag that configures an engine lands in config.engine, checked under its name,
+    and travels from there whole (engines/cluster/launch.py adds only what the plan decides)."""
+    from engines.core.engine_options import EngineOptions
+
+    config = serve_config(
+        "--max-batch", "3", "--kv-bits", "4", "--quantized-kv-start", "0",
+        "--num-draft-tokens", "5", "--prefix-cache-disk-bytes", "1G", "--blas-threads", "2",
+    )  # fmt: skip
+    assert config.engine == EngineOptions(
+        max_batch=3, kv_bits=4, quantized_kv_start=0, most_drafted=5,
+        prefix_cache_disk_bytes=1 << 30, blas_threads=2,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="--kv-bits must be 8, 4 or off, got '3'"):
+        serve_config("--kv-bits", "3")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.cluster_key import format_key
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.pipeline.engine import EncryptedPipelineEngine
@@ -62,7 +63,7 @@ def start_workers(
     stage_options: dict[str, Any] | None = None,
 ) -> tuple[socket.socket, list[StageProcess]]:
     """The coordinator's return listener and a worker per stage 1.., started last to first;
-    `stage_options` joins every stage's spec (e.g. kv_bits)."""
+    `stage_options` are every stage's EngineOptions (e.g. kv_bits)."""
     listener = socket.create_server((HOST, 0))
     next_port = listener.getsockname()[1]
     workers: list[StageProcess] = []
@@ -79,7 +80,7 @@ def start_workers(
                 "next_port": next_port,
                 "cluster_key": key.hex() if index % 2 else format_key(key),
                 "read_timeout_s": read_timeout_s,
-                **(stage_options or {}),
+                "options": EngineOptions(**(stage_options or {})).document(),
             }
             with open(log_dir / f"stage{index}.log", "ab") as log:
                 worker = StageProcess.start(spec, stderr=log, ready_timeout_s=60)
@@ -105,14 +106,19 @@ def make_engine(
     key: bytes,
     listener: socket.socket | None,
     workers: list[StageProcess],
-    **options: Any,
+    **arguments: Any,
 ) -> EncryptedPipelineEngine:
+    """The engine over `workers`; the `arguments` that are EngineOptions fields (kv_bits,
+    prefill_chunk, ...) become its options, the others go to its constructor."""
+    names = set(EngineOptions.__slots__)
+    options = EngineOptions(**{k: v for k, v in arguments.items() if k in names})
+    rest = {k: v for k, v in arguments.items() if k not in names}
     stages = [
         {"host": HOST, "port": worker.port, "layers": [layers.start, layers.stop]}
         for worker, layers in zip(workers, ranges[1:], strict=True)
     ]
     return EncryptedPipelineEngine(
-        model_dir, ranges[0], stages, HOST, key, return_listener=listener, **options
+        model_dir, ranges[0], stages, HOST, key, options=options, return_listener=listener, **rest
     )
 
 

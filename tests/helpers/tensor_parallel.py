@@ -12,6 +12,7 @@ from typing import Any
 from llguidance import LLMatcher
 
 from engines.api.constraints import ANY_OBJECT, JSON_OPTIONS
+from engines.core.engine_options import EngineOptions
 from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def open_cluster(
 ) -> Cluster:
     """A loaded group on 127.0.0.1: every rank's spec gets `spec_options` (prefix cache, KV
     bits, ...), the engine `engine_options`."""
-    specs = loopback_ring_specs(world_size, model_dir, **(spec_options or {}))
+    specs = loopback_ring_specs(world_size, model_dir, EngineOptions(**(spec_options or {})))
     ranks = [start_rank(spec) for spec in specs[1:]]
     lost: list[str] = []
     engine = TensorParallelEngine(

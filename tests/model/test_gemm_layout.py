@@ -9,6 +9,7 @@ from mlx_lm.utils import load
 
 from engines.core import blas
 from engines.core.blas import LAYOUT_ENV
+from engines.core.engine_options import EngineOptions
 from engines.core.runner import EngineRunner
 from engines.model import gemm_layout
 from engines.model.gemm_layout import (
@@ -102,7 +103,7 @@ def test_a_batch_of_sixteen_decodes_the_same_tokens_weights_first(demo_model_fac
     found = {}
     for layout in ("off", "auto"):
         monkeypatch.setenv(LAYOUT_ENV, layout)
-        runner = EngineRunner(SingleEngine(model_dir, max_batch=16), max_batch=16)
+        runner = EngineRunner(SingleEngine(model_dir, EngineOptions(max_batch=16)), max_batch=16)
         runner.start(120)
         try:
             if layout == "auto" and blas.status().name == "mkl":

@@ -9,6 +9,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engines.cluster.planning import PlanSettings, plan_nodes
+from engines.core.engine_options import EngineOptions
 from engines.core.runner import EngineRunner
 from engines.model.info import inspect_model
 from engines.single.engine import SingleEngine
@@ -25,7 +26,7 @@ def test_a_bfloat16_model_computes_in_float32_on_the_cpu(demo_model_factory):
     model_dir = demo_model_factory(dtype="bfloat16")
     results = {}
     for upcast in (False, True):
-        runner = EngineRunner(SingleEngine(model_dir, upcast=upcast))
+        runner = EngineRunner(SingleEngine(model_dir, EngineOptions(upcast=upcast)))
         runner.start(120)
         try:
             assert runner.engine.info().detail["compute_dtype"] == (

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from discovery.cluster_key import generate_key
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.tensor_parallel.engine import TensorParallelEngine
@@ -32,7 +33,7 @@ def requests() -> list[GenerationRequest]:
 def test_tp_2_ranks_with_kv_bits_equal_mlx_lm(demo_model_dir: Path):
     bits, start = 4, 20  # mid-prompt (the 40-token prompt) and mid-decode (the others)
     options = {"kv_bits": bits, "quantized_kv_start": start, "prefill_chunk": CHUNK}
-    specs = loopback_ring_specs(2, demo_model_dir, **options)
+    specs = loopback_ring_specs(2, demo_model_dir, EngineOptions(**options))
     ranks = [start_rank(spec) for spec in specs[1:]]
     engine = TensorParallelEngine(demo_model_dir, specs[0], load_timeout_s=LOAD_TIMEOUT_S)
     runner = EngineRunner(engine, max_batch=4)

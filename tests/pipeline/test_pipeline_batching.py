@@ -79,7 +79,7 @@ def test_long_prefill_does_not_freeze_running_streams(three_stages: Pipeline) ->
     runner = three_stages.runner
     running = make_request(runner, PROMPTS[0], max_tokens=1000)
     newcomer = make_request(runner, LONG_PROMPT * 2, max_tokens=1)
-    chunks = len(newcomer.prompt_tokens) // three_stages.engine.prefill_chunk
+    chunks = len(newcomer.prompt_tokens) // three_stages.engine.options.prefill_chunk
     assert chunks >= 10
     stamps: list[float] = []
     warm = asyncio.Event()

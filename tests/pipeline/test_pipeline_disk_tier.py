@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from discovery.cluster_key import generate_key
+from engines.core.engine_options import EngineOptions
 from engines.core.runner import EngineRunner
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.stage_worker import StageProcess
@@ -86,7 +87,9 @@ def start_spilling(
                 "model_path": str(model), "layers": [ranges[index].start, ranges[index].stop],
                 "is_last": index == len(ranges) - 1, "listen_host": HOST, "next_host": HOST,
                 "next_port": next_port, "cluster_key": key.hex(),
-                "prefix_cache_disk_bytes": disk_bytes, "prefix_cache_dir": str(machines[index]),
+                "options": EngineOptions(
+                    prefix_cache_disk_bytes=disk_bytes, prefix_cache_dir=str(machines[index])
+                ).document(),
             }  # fmt: skip
             workers.insert(0, StageProcess.start(spec, ready_timeout_s=60))
             next_port = workers[0].port
@@ -94,11 +97,13 @@ def start_spilling(
             {"host": HOST, "port": worker.port, "layers": [layers.start, layers.stop]}
             for worker, layers in zip(workers, ranges[1:], strict=True)
         ]
-        engine = EncryptedPipelineEngine(
-            model, ranges[0], stages, HOST, key, return_listener=listener, prefill_chunk=16,
-            prefix_cache_bytes=1024, prefix_cache_disk_bytes=disk_bytes,
-            prefix_cache_dir=machines[0],
+        options = EngineOptions(
+            prefill_chunk=16, prefix_cache_bytes=1024, prefix_cache_disk_bytes=disk_bytes,
+            prefix_cache_dir=str(machines[0]),
         )  # fmt: skip
+        engine = EncryptedPipelineEngine(
+            model, ranges[0], stages, HOST, key, options=options, return_listener=listener
+        )
         runner = EngineRunner(engine)
         runner.start(load_timeout_s=60)
     except BaseException:

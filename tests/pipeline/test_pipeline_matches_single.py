@@ -39,7 +39,7 @@ def test_the_last_chunk_samples_the_first_token_at_any_length(
 ) -> None:
     """A prompt's last prefill chunk, whatever its length (one token, a whole chunk, one token
     after whole chunks), samples the first token: the single engine's tokens."""
-    length = chunks * three_stages.engine.prefill_chunk + extra
+    length = chunks * three_stages.engine.options.prefill_chunk + extra
     tokens = tuple(three_stages.engine.tokenizer.encode(LONG_PROMPT))[:length]
     assert len(tokens) == length
     assert_same(three_stages, GenerationRequest(f"edge-{length}", tokens, max_tokens=16))
@@ -47,7 +47,7 @@ def test_the_last_chunk_samples_the_first_token_at_any_length(
 
 def test_long_prompt_is_chunked_and_matches(pipeline: Pipeline) -> None:
     request = make_request(pipeline.runner, LONG_PROMPT, max_tokens=32)
-    assert len(request.prompt_tokens) > pipeline.engine.prefill_chunk + 1
+    assert len(request.prompt_tokens) > pipeline.engine.options.prefill_chunk + 1
     assert_same(pipeline, request)
 
 

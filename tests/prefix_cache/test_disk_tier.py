@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable, tier_root
@@ -182,11 +183,12 @@ def test_the_index_restores_oldest_first_within_the_disk_budget():
 # -- the single engine ------------------------------------------------------------------------
 
 
-def disk_engine(model: Path, root: Path) -> SingleEngine:
-    return SingleEngine(
-        model, prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28,
-        prefix_cache_tier_root=root,
-    )  # fmt: skip
+def disk_engine(model: Path, cache_dir: Path) -> SingleEngine:
+    """A single engine whose disk tier is tier_root(cache_dir, model, "single")."""
+    options = EngineOptions(
+        prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28, prefix_cache_dir=str(cache_dir)
+    )
+    return SingleEngine(model, options)
 
 
 def started(engine: SingleEngine) -> EngineRunner:
@@ -208,7 +210,7 @@ def test_single_an_entry_on_disk_serves_the_next_turn_exactly_also_after_a_resta
     demo_model_dir: Path, tmp_path: Path
 ):
     root = tier_root(tmp_path / "prefix-cache", demo_model_dir, "single")
-    runner = started(disk_engine(demo_model_dir, root))
+    runner = started(disk_engine(demo_model_dir, root.parents[1]))
     try:
         tokenizer = runner.engine.tokenizer
         first = tuple(tokenizer.encode(SYSTEM + " Question one: what is a fox?"))
@@ -233,7 +235,9 @@ def test_single_an_entry_on_disk_serves_the_next_turn_exactly_also_after_a_resta
         cold_runner.close()
     assert turn_two.tokens == cold.tokens and len(cold.tokens) == 12
 
-    restarted = started(disk_engine(demo_model_dir, root))  # a new engine, same model and share
+    restarted = started(
+        disk_engine(demo_model_dir, root.parents[1])
+    )  # a new engine, same model and share
     try:
         assert restarted.engine.prefix_index.snapshot()["disk_entries"] == 1
         third = second + tuple(turn_two.tokens) + tuple(tokenizer.encode(" And three?"))
@@ -253,7 +257,7 @@ def test_single_an_entry_on_disk_serves_the_next_turn_exactly_also_after_a_resta
     content = bytearray(data.read_bytes())
     content[-3] ^= 0xFF
     data.write_bytes(bytes(content))
-    damaged = started(disk_engine(demo_model_dir, root))
+    damaged = started(disk_engine(demo_model_dir, root.parents[1]))
     try:
         assert damaged.engine.prefix_index.snapshot()["disk_entries"] == 1
         again = run_one(damaged, GenerationRequest("t3-again", third, 12))
@@ -275,7 +279,9 @@ def test_tp_every_rank_spills_its_shard_and_a_disk_hit_equals_a_cold_engine(
     from tests.helpers.tensor_parallel import start_rank, stop_processes
 
     disk = {"prefix_cache_disk_bytes": 1 << 28, "prefix_cache_dir": str(tmp_path / "tiers")}
-    specs = loopback_ring_specs(2, demo_model_dir, prefix_cache_bytes=1 << 28, **disk)
+    specs = loopback_ring_specs(
+        2, demo_model_dir, EngineOptions(prefix_cache_bytes=1 << 28, **disk)
+    )
     ranks = [start_rank(spec) for spec in specs[1:]]
     engine = TensorParallelEngine(demo_model_dir, specs[0], load_timeout_s=LOAD_TIMEOUT_S)
     runner = EngineRunner(engine, max_batch=4)

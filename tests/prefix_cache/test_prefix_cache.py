@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.prefix_cache.index import PrefixHit, PrefixIndex
@@ -135,7 +136,9 @@ def cold_runner(demo_model_dir: Path) -> Iterator[EngineRunner]:
 
 @pytest.fixture(scope="module")
 def cached_runner(demo_model_dir: Path) -> Iterator[EngineRunner]:
-    runner = EngineRunner(SingleEngine(demo_model_dir, prefix_cache_bytes=BUDGET), max_batch=8)
+    runner = EngineRunner(
+        SingleEngine(demo_model_dir, EngineOptions(prefix_cache_bytes=BUDGET)), max_batch=8
+    )
     runner.start(LOAD_TIMEOUT_S)
     yield runner
     runner.close()
@@ -205,7 +208,7 @@ def test_single_a_hit_joining_a_running_batch_is_computed_in_the_batch_step(
     """A hit arriving at an empty batch gets its first token from a pass of its own, reported
     by the next step alone; one joining a running batch waits for the batch's step, which
     computes its rest with everyone's (a pass each would stall the batch once per hit)."""
-    engine = SingleEngine(demo_model_dir, prefix_cache_bytes=BUDGET)
+    engine = SingleEngine(demo_model_dir, EngineOptions(prefix_cache_bytes=BUDGET))
     engine.load()
     try:
         shared = tuple(engine.tokenizer.encode(SYSTEM + " Joining now."))
@@ -226,7 +229,7 @@ def test_single_a_hit_joining_a_running_batch_is_computed_in_the_batch_step(
 
 
 def test_single_eviction_empties_the_store_and_the_next_turn_recomputes(demo_model_dir):
-    engine = SingleEngine(demo_model_dir, prefix_cache_bytes=BUDGET)
+    engine = SingleEngine(demo_model_dir, EngineOptions(prefix_cache_bytes=BUDGET))
     runner = EngineRunner(engine, max_batch=4)
     runner.start(LOAD_TIMEOUT_S)
     try:
@@ -244,7 +247,7 @@ def test_single_eviction_empties_the_store_and_the_next_turn_recomputes(demo_mod
 
 
 def test_tp_over_the_ring_reuses_the_first_turn_on_every_rank(demo_model_dir, cold_runner):
-    specs = loopback_ring_specs(2, demo_model_dir, prefix_cache_bytes=BUDGET)
+    specs = loopback_ring_specs(2, demo_model_dir, EngineOptions(prefix_cache_bytes=BUDGET))
     ranks = [start_rank(spec) for spec in specs[1:]]
     engine = TensorParallelEngine(demo_model_dir, specs[0], load_timeout_s=LOAD_TIMEOUT_S)
     runner = EngineRunner(engine, max_batch=4)
@@ -280,7 +283,7 @@ def test_tp_over_the_ring_reuses_the_first_turn_on_every_rank(demo_model_dir, co
 def test_a_model_with_sliding_window_caches_keeps_nothing_and_says_why(demo_model_factory):
     """A rotating cache holds a window, not every token: a prefix of it cannot be reused."""
     engine = SingleEngine(
-        demo_model_factory(arch="gemma3_text", layers=2), prefix_cache_bytes=BUDGET
+        demo_model_factory(arch="gemma3_text", layers=2), EngineOptions(prefix_cache_bytes=BUDGET)
     )
     runner = EngineRunner(engine, max_batch=2)
     runner.start(LOAD_TIMEOUT_S)

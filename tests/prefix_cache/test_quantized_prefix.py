@@ -12,11 +12,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.kv_quantization import as_mlx_cache
 from engines.model.quantized_kv import QuantizedSequenceCache
-from engines.prefix_cache.disk_tier import DiskTier, tier_root
+from engines.prefix_cache.disk_tier import DiskTier
 from engines.prefix_cache.kv_prefix import kv_prefix
 from engines.prefix_cache.store import PrefixStore
 from engines.single.engine import SingleEngine
@@ -63,14 +64,11 @@ def test_a_hit_from_memory_and_from_disk_goes_on_as_mlx_lm_does_from_that_cache(
     first = tuple(tokenizer.encode(SYSTEM + " Question one: what is a fox?"))
     more = tuple(tokenizer.encode(" Question two, a longer one: what is a dog, and why?"))
     start = {"above": 0, "crossed by the hit": len(first) + 16, "below": 10**6}[where]
-    root = tier_root(tmp_path / "prefix-cache", demo_model_dir, "single")
-    cached = started(
-        SingleEngine(
-            demo_model_dir, prefill_chunk=CHUNK, prefix_cache_bytes=1 << 28,
-            prefix_cache_disk_bytes=1 << 28, prefix_cache_tier_root=root, kv_bits=BITS,
-            quantized_kv_start=start,
-        )
+    options = EngineOptions(
+        prefill_chunk=CHUNK, prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28,
+        prefix_cache_dir=str(tmp_path / "prefix-cache"), kv_bits=BITS, quantized_kv_start=start,
     )  # fmt: skip
+    cached = started(SingleEngine(demo_model_dir, options))
     try:
         turn_one = run_one(cached, GenerationRequest("t1", first, 12))
         # kept when the runner removes the sequence, just after handing over its last event
@@ -131,13 +129,13 @@ def test_the_disk_tier_round_trips_a_quantized_entry(tmp_path: Path):
 def test_entries_on_disk_of_another_kv_quantization_are_never_read(
     demo_model_dir: Path, tmp_path: Path
 ):
-    root = tmp_path / "tier"
-
-    def engine(bits: int) -> SingleEngine:
-        return SingleEngine(
-            demo_model_dir, prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28,
-            prefix_cache_tier_root=root, kv_bits=bits,
+    # one folder (the same bits), another quantization: the entries quantized from token 0
+    def engine(start: int) -> SingleEngine:
+        options = EngineOptions(
+            prefix_cache_bytes=1 << 28, prefix_cache_disk_bytes=1 << 28,
+            prefix_cache_dir=str(tmp_path / "tier"), kv_bits=BITS, quantized_kv_start=start,
         )  # fmt: skip
+        return SingleEngine(demo_model_dir, options)
 
     plain = started(engine(0))
     try:
@@ -147,7 +145,7 @@ def test_entries_on_disk_of_another_kv_quantization_are_never_read(
         assert plain.engine.prefix_store.disk.flush()
     finally:
         plain.close()
-    quantized = started(engine(BITS))
+    quantized = started(engine(10**6))
     try:
         assert quantized.engine.prefix_index.snapshot()["disk_entries"] == 0
         again = run_one(quantized, GenerationRequest("t1", first + (5, 6), 4))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.prefix_cache.shared_prefill import PrefillSharing
@@ -58,7 +59,9 @@ def conversations(engine: SingleEngine, count: int) -> list[GenerationRequest]:
 def test_eight_users_with_one_system_prompt_prefill_it_once_and_answer_exactly(
     demo_model_dir: Path,
 ):
-    runner = EngineRunner(SingleEngine(demo_model_dir, prefix_cache_bytes=1 << 28), max_batch=8)
+    runner = EngineRunner(
+        SingleEngine(demo_model_dir, EngineOptions(prefix_cache_bytes=1 << 28)), max_batch=8
+    )
     runner.start(LOAD_TIMEOUT_S)
     try:
         requests = conversations(runner.engine, 8)

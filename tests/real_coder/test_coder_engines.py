@@ -13,6 +13,7 @@ import pytest
 
 from discovery.cluster_key import generate_key
 from engines.core.engine import Engine
+from engines.core.engine_options import EngineOptions
 from engines.core.runner import EngineRunner
 from engines.model.info import inspect_model
 from engines.single.engine import SingleEngine
@@ -131,7 +132,7 @@ def test_mlx_lm_answers_right(coder_answers: list[Greedy]) -> None:
 def test_the_single_engine_gives_mlx_lm_tokens_with_its_prefix_cache_and_kv_bits(
     qwen_dir: Path, coder_answers: list[Greedy]
 ) -> None:
-    engine = SingleEngine(qwen_dir, prefix_cache_bytes=64 * 1024**2)
+    engine = SingleEngine(qwen_dir, EngineOptions(prefix_cache_bytes=64 * 1024**2))
     runner = EngineRunner(engine)
     try:
         runner.start(LOAD_TIMEOUT_S)
@@ -143,7 +144,7 @@ def test_the_single_engine_gives_mlx_lm_tokens_with_its_prefix_cache_and_kv_bits
     finally:
         runner.close()
     # an 8-bit KV cache changes the numbers a little, never the answer on this text
-    quantized_kv = answers_of(SingleEngine(qwen_dir, kv_bits=8))
+    quantized_kv = answers_of(SingleEngine(qwen_dir, EngineOptions(kv_bits=8)))
     for question, answer in zip(CODER_QUESTIONS, quantized_kv, strict=True):
         assert question.answer in answer.text, answer
 

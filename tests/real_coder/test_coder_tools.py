@@ -17,6 +17,7 @@ import pytest
 
 from engines.api import create_app
 from engines.api.loose_calls import fence_body
+from engines.core.engine_options import EngineOptions
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
 from tests.helpers.api import make_service, serve_on_loopback
@@ -42,7 +43,7 @@ CUT = 12  # tokens: a forced call is cut inside its arguments
 
 @pytest.fixture(scope="module")
 def url(qwen_dir: Path) -> Iterator[str]:
-    runner = EngineRunner(SingleEngine(qwen_dir, prefix_cache_bytes=64 * 1024**2))
+    runner = EngineRunner(SingleEngine(qwen_dir, EngineOptions(prefix_cache_bytes=64 * 1024**2)))
     runner.start(load_timeout_s=180)
     service = make_service(runner, model_id=MODEL, max_tokens_cap=256, request_timeout_s=300)
     try:
@@ -155,7 +156,9 @@ def test_a_forced_call_cut_short_is_each_dialects_truncated_shape(url: str) -> N
     ).choices[0]  # fmt: skip
     [call] = choice.message.tool_calls
     assert (choice.finish_reason, choice.message.content, call.function.name) == (
-        "length", None, "get_weather"
+        "length",
+        None,
+        "get_weather",
     )
     assert PARIS_PREFIX.startswith(call.function.arguments.replace(" ", ""))
 
@@ -171,7 +174,8 @@ def test_a_forced_call_cut_short_is_each_dialects_truncated_shape(url: str) -> N
         max_output_tokens=CUT,
     )  # fmt: skip
     assert (response.status, response.incomplete_details.reason) == (
-        "incomplete", "max_output_tokens"
+        "incomplete",
+        "max_output_tokens",
     )
     [item] = response.output
     assert (item.type, item.name, item.status) == ("function_call", "get_weather", "incomplete")

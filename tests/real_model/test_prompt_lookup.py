@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
@@ -28,7 +29,7 @@ PREFIX_CACHE_BYTES = 64 * 1024**2
 
 def start(model_dir: Path, most_drafted: int) -> EngineRunner:
     engine = SingleEngine(
-        model_dir, prefix_cache_bytes=PREFIX_CACHE_BYTES, most_drafted=most_drafted
+        model_dir, EngineOptions(prefix_cache_bytes=PREFIX_CACHE_BYTES, most_drafted=most_drafted)
     )
     runner = EngineRunner(engine, queue_size=8, max_batch=4)
     runner.start(load_timeout_s=120)

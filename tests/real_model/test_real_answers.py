@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from engines.core.engine_options import EngineOptions
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
 from tests.helpers.api import MODEL_ID, assert_error, make_service, open_client
@@ -35,7 +36,9 @@ PREFIX_CACHE_BYTES = 64 * 1024**2
 def runner(smollm2_dir: Path) -> Iterator[EngineRunner]:
     """One engine for the module, with a prefix cache: after the first test each question's
     prompt is cached, so the later ones pay for their answers only."""
-    runner = EngineRunner(SingleEngine(smollm2_dir, prefix_cache_bytes=PREFIX_CACHE_BYTES))
+    runner = EngineRunner(
+        SingleEngine(smollm2_dir, EngineOptions(prefix_cache_bytes=PREFIX_CACHE_BYTES))
+    )
     runner.start(load_timeout_s=120)
     yield runner
     runner.close()

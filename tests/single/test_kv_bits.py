@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
@@ -34,7 +35,7 @@ def mlx_lm_tokens(model_dir: Path, bits: int | None, start: int) -> list[list[in
 def quantized(request: pytest.FixtureRequest, demo_model_dir: Path) -> Iterator[EngineRunner]:
     bits, start = request.param
     engine = SingleEngine(
-        demo_model_dir, prefill_chunk=CHUNK, kv_bits=bits, quantized_kv_start=start
+        demo_model_dir, EngineOptions(prefill_chunk=CHUNK, kv_bits=bits, quantized_kv_start=start)
     )
     runner = EngineRunner(engine, max_batch=4)
     runner.start(LOAD_TIMEOUT_S)
@@ -49,13 +50,15 @@ def requests() -> list[GenerationRequest]:
 def test_greedy_tokens_equal_mlx_lms_with_the_same_quantization(quantized, demo_model_dir):
     engine = quantized.engine
     alone = [run_one(quantized, request).tokens for request in requests()]
-    assert alone == mlx_lm_tokens(demo_model_dir, engine.kv_bits, engine.quantized_kv_start)
+    assert alone == mlx_lm_tokens(
+        demo_model_dir, engine.options.kv_bits, engine.options.quantized_kv_start
+    )
     together = run_all(quantized, requests())
     assert [outcome.tokens for outcome in together] == alone
     detail = quantized.engine.info().detail
     assert (detail["kv_bits"], detail["quantized_kv_start"]) == (
-        engine.kv_bits,
-        engine.quantized_kv_start,
+        engine.options.kv_bits,
+        engine.options.quantized_kv_start,
     )
 
 
@@ -79,7 +82,7 @@ def test_the_threshold_matters_so_the_comparison_means_something(demo_model_dir)
 def test_a_model_whose_caches_cannot_be_quantized_is_refused_at_load(
     demo_model_factory, arch: str, reason: str
 ):
-    engine = SingleEngine(demo_model_factory(arch=arch, layers=2), kv_bits=8)
+    engine = SingleEngine(demo_model_factory(arch=arch, layers=2), EngineOptions(kv_bits=8))
     with pytest.raises(EngineError, match=reason):
         engine.load()
     engine.close()

@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
+from engines.core.engine_options import EngineOptions
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
 from engines.speculation.draft_model import DraftModelDrafter
@@ -23,7 +24,9 @@ TOKENS = 40
 
 
 def start(model_dir: Path, **options) -> EngineRunner:
-    runner = EngineRunner(SingleEngine(model_dir, **options), queue_size=4, max_batch=4)
+    runner = EngineRunner(
+        SingleEngine(model_dir, EngineOptions(**options)), queue_size=4, max_batch=4
+    )
     runner.start(120)
     return runner
 
@@ -40,7 +43,7 @@ def test_greedy_tokens_equal_plain_decoding(plain, demo_model_dir, demo_model_fa
     """Drafting from the served model itself accepts every draft; from another model (the
     same tokenizer, other weights) most are rejected: either way the tokens are the same."""
     draft_dir = demo_model_dir if draft == "itself" else demo_model_factory(seed=1)
-    runner = start(demo_model_dir, most_drafted=4, draft_model_path=draft_dir)
+    runner = start(demo_model_dir, most_drafted=4, draft_model_path=str(draft_dir))
     try:
         for prompt in PROMPTS:
             expected = run_one(plain, make_request(plain.engine, prompt, TOKENS))
@@ -59,7 +62,8 @@ def test_greedy_tokens_equal_plain_decoding(plain, demo_model_dir, demo_model_fa
 
 def test_a_draft_model_with_another_tokenizer_is_refused(demo_model_dir, demo_model_factory):
     engine = SingleEngine(
-        demo_model_dir, most_drafted=4, draft_model_path=demo_model_factory(vocab=512)
+        demo_model_dir,
+        EngineOptions(most_drafted=4, draft_model_path=str(demo_model_factory(vocab=512))),
     )
     with pytest.raises(EngineError, match="the draft model's tokenizer is not the target's"):
         engine.load()

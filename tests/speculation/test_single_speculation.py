@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from mlx_lm import load
 
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.decoding.decode_batch import DecodeBatch
 from engines.decoding.sampling import greedy, make_request_processors, make_request_sampler
@@ -108,7 +109,9 @@ def test_prompt_lookup_is_timed_where_the_kernel_makes_a_verifying_pass_costly(
 
     drafters = {}
     for bits in (None, 4):
-        engine = SingleEngine(demo_model_factory(quantize=bits), most_drafted=MOST_DRAFTED)
+        engine = SingleEngine(
+            demo_model_factory(quantize=bits), EngineOptions(most_drafted=MOST_DRAFTED)
+        )
         engine.load()
         drafters[bits] = engine._batch.lane.drafter
         engine.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engines.cluster.launch import LaunchSettings, _group_specs
+from engines.core.engine_options import EngineOptions
 from engines.tensor_parallel.group import WorkerSpec, group_environment
 from engines.tensor_parallel.jaccl import RdmaRow, device_matrix
 from planner import NodeResources, Parallelism, PlanError, plan_cluster
@@ -82,8 +83,12 @@ def test_a_jaccl_plan_launches_jaccl_ranks_and_a_ring_plan_the_ring(tmp_path):
     devices = {"mac0": ("rdma_en3",), "mac1": ("rdma_en5",)}
     rank_addresses = [ADDRESSES[mac] for mac in jaccl_plan.ranks]
     specs = _group_specs(
-        jaccl_plan, settings(rdma_devices=devices), ADDRESSES, rank_addresses, [52400, 52401],
-        {"max_batch": 4},
+        jaccl_plan,
+        settings(rdma_devices=devices),
+        ADDRESSES,
+        rank_addresses,
+        [52400, 52401],
+        EngineOptions(max_batch=4),
     )
     assert [spec["backend"] for spec in specs] == ["jaccl", "jaccl"]
     assert specs[1]["ibv_devices"] == [[None, "rdma_en3"], ["rdma_en5", None]]
@@ -96,15 +101,20 @@ def test_a_jaccl_plan_launches_jaccl_ranks_and_a_ring_plan_the_ring(tmp_path):
 
     ring_plan = plan_for(("ring",), "ring")
     assert ring_plan.backend == "ring"
-    specs = _group_specs(ring_plan, settings(), ADDRESSES, rank_addresses, [52400, 52401], {})
+    specs = _group_specs(
+        ring_plan, settings(), ADDRESSES, rank_addresses, [52400, 52401], EngineOptions()
+    )
     assert [spec["backend"] for spec in specs] == ["ring", "ring"]
     environment = group_environment(WorkerSpec.from_dict(specs[0]), tmp_path)
     assert json.loads(Path(environment["MLX_HOSTFILE"]).read_text()) == [
-        ["10.0.0.1:52400"], ["10.0.0.2:52401"],
+        ["10.0.0.1:52400"],
+        ["10.0.0.2:52401"],
     ]
 
 
 def test_a_jaccl_plan_without_known_links_fails_closed():
     jaccl_plan = plan_for(("jaccl", "ring"), None)
     with pytest.raises(PlanError, match="JACCL over 2 machines"):
-        _group_specs(jaccl_plan, settings(), ADDRESSES, ["10.0.0.1", "10.0.0.2"], [1, 2], {})
+        _group_specs(
+            jaccl_plan, settings(), ADDRESSES, ["10.0.0.1", "10.0.0.2"], [1, 2], EngineOptions()
+        )
