@@ -35,6 +35,8 @@ SOURCES = (
     "CMakeLists.txt",
     "affine_matmul.h",
     "affine_matmul.cpp",
+    "swiglu.h",
+    "swiglu.cpp",
     "thread_pool.h",
     "thread_pool.cpp",
     "bindings.cpp",

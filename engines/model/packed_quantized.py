@@ -5,6 +5,7 @@ head's nn.QuantizedEmbedding, tensor parallelism's sharded linears) is swapped f
 whose product calls `affine_matmul` on the same arrays: nothing is copied or re-packed, so
 memory, the planner's byte counts and the weight files stay as they are, and mlx's own
 `mx.quantized_matmul` still runs wherever the kernel cannot (another device or dtype, mxfp4).
+The gated MLP's activation goes through the kernels too (engines/model/kernel_activations.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mlx.nn.layers.distributed import (
 from mlx.utils import tree_map_with_path
 
 from engines import kernels
+from engines.model.kernel_activations import use_kernel_swiglu
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,8 @@ def pack(*modules: Any) -> list[Any]:
             leaves = tree_map_with_path(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
             module.update_modules(leaves)
         done.append(module)
+        if module is not None and type(module) not in PACKED.values():
+            use_kernel_swiglu(module)
     if swapped:
         log.info("%d quantized layers computed by tandem's CPU kernel", swapped)
     return done
