@@ -312,7 +312,9 @@ async def test_conversation_maps_onto_chat_turns() -> None:
 
 async def test_sampling_defaults_are_anthropics() -> None:
     sampling = sampling_of(MessagesRequest.model_validate(body(temperature=None)), ServiceLimits())
-    assert sampling.temperature == 1.0  # Anthropic's default: its SDK sends none
+    assert (
+        sampling.temperature is None and sampling.given()["temperature"] == 1.0
+    )  # Anthropic's default: its SDK sends none
     assert sampling.clamp_max_tokens and sampling.max_tokens == 8
     forced = MessagesRequest.model_validate(
         body(tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"})

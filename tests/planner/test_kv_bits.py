@@ -80,8 +80,8 @@ def test_serve_refuses_bad_kv_bits_and_takes_good_ones() -> None:
         key = ["--cluster-key", "tandem-" + "A" * 43]
         return config_from_args(build_parser().parse_args(["serve", *key, *flags]))
 
-    assert [config("--kv-bits", v).kv_bits for v in ("8", "4", "off")] == [8, 4, 0]
-    assert config().kv_bits == 0
+    assert [config("--kv-bits", v).engine.kv_bits for v in ("8", "4", "off")] == [8, 4, 0]
+    assert config().engine.kv_bits == 0
     for bad in ("3", "16", "eight"):
         with pytest.raises(ConfigError, match=f"--kv-bits must be 8, 4 or off, got '{bad}'"):
             config("--kv-bits", bad)
@@ -142,8 +142,8 @@ def test_serve_takes_a_quantized_kv_start_and_refuses_a_bad_one() -> None:
         key = ["--cluster-key", "tandem-" + "A" * 43]
         return config_from_args(build_parser().parse_args(["serve", *key, *flags]))
 
-    assert config().quantized_kv_start == 5000  # mlx_lm.server's default
-    assert config("--quantized-kv-start", "0").quantized_kv_start == 0
+    assert config().engine.quantized_kv_start == 5000  # mlx_lm.server's default
+    assert config("--quantized-kv-start", "0").engine.quantized_kv_start == 0
     for bad in ("-1", "many"):
         with pytest.raises(
             ConfigError, match=f"--quantized-kv-start must be 0 or more tokens, got '{bad}'"
