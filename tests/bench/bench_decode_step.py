@@ -16,12 +16,15 @@ import argparse
 import asyncio
 import statistics
 import time
+from pathlib import Path
 
 from engines.api.openai.completion_replies import CompletionChunks
 from engines.api.streaming import OPENAI_SSE
+from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.model.demo import ensure_demo_model
+from engines.model.gguf.cache import ensure_imported, is_gguf_file
 from engines.single.engine import SingleEngine
 from tests.bench.bench_batching import MODEL_CACHE, prompts_for
 from tests.bench.bench_single import MODEL
@@ -142,15 +145,25 @@ def chunk_cost_us() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--model", type=Path, help="a model directory or GGUF file instead of "
+                        "the batching benchmark's model (implies --no-write)")
+    parser.add_argument("--streams", type=int, nargs="+", default=list(STREAMS))
     arguments = parser.parse_args()
-    model = ensure_demo_model(MODEL_CACHE, MODEL)
-    runner = TimedRunner(TimedEngine(model, max_batch=16), queue_size=32, max_batch=16)
+    if arguments.model is None:
+        model = ensure_demo_model(MODEL_CACHE, MODEL)
+    else:
+        arguments.no_write = True
+        model = arguments.model
+        if is_gguf_file(model):
+            model = ensure_imported(model, Path.home() / ".cache" / "tandem")
+    options = EngineOptions(max_batch=max(arguments.streams))
+    runner = TimedRunner(TimedEngine(model, options), queue_size=32, max_batch=options.max_batch)
     runner.start(300)
     loop = asyncio.new_event_loop()
     rows = []
     try:
         burst(runner, 2, loop)  # warm-up
-        for count in STREAMS:
+        for count in arguments.streams:
             samples = [burst(runner, count, loop) for _ in range(ROUNDS)]
             bare_ms = statistics.median(bare(runner.engine, count) for _ in range(ROUNDS))
             median = {key: statistics.median(s[key] for s in samples) for key in samples[0]}

