@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from errors import PlanError
 from planner import ClusterPlan, NodeResources, Parallelism
-from planner.errors import PlanError
 
 from .serve_config import ServeConfig
 

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from discovery.directories import default_cache_dir, default_state_dir
-from planner.errors import ConfigError
+from errors import ConfigError
 
 from .options import (
     add_flag,

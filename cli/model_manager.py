@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engines.api.model_admin import ModelExists
+from errors import EngineError, PlanError, TandemError
 from planner import NodeResources, Parallelism
-from planner.errors import EngineError, PlanError, TandemError
 
 from .serve_config import ServeConfig
 from .served_model import ModelChoice, ServedModel, placement_of

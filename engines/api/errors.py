@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from planner.errors import OverloadedError, QueueFullError
+from errors import OverloadedError, QueueFullError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from engines.core.request import GenerationRequest
 from engines.core.runner import Submission
 from engines.core.served_models import ServedModels
 from engines.core.service import Service, ServiceLimits
-from planner.errors import EngineError, RequestError
+from errors import EngineError, RequestError
 
 log = logging.getLogger(__name__)
 

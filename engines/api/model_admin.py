@@ -22,7 +22,7 @@ from engines.api.openai.errors import SERVER_FAILURE, UNAUTHORIZED, documented
 from engines.api.openai.schemas import ModelCard
 from engines.core.served_models import ServedModels
 from engines.core.service import Service
-from planner.errors import ConfigError, ModelError, PlanError
+from errors import ConfigError, ModelError, PlanError
 
 
 class ModelExists(ConfigError):

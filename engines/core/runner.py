@@ -21,7 +21,7 @@ from engines.core.engine import Engine, Failure, Finish, TokenEvent
 from engines.core.request import GenerationRequest
 from engines.core.scheduler import SHUTTING_DOWN, BatchScheduler, Ended, Release, StepReport
 from engines.core.sequence import ActiveSequence, Ending
-from planner.errors import EngineError, QueueFullError
+from errors import EngineError, QueueFullError
 from planner.memory import DEFAULT_MAX_BATCH
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from engines.api.errors import APIError
 from engines.core.served_models import ServedModels
 from engines.core.service import Service
 from engines.model.info import FLOAT_DTYPE_BYTES, read_config, read_tensor_table
-from planner.errors import ModelError
+from errors import ModelError
 
 log = logging.getLogger(__name__)
 
