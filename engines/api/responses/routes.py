@@ -30,8 +30,8 @@ from engines.api.responses.schemas import ResponsesRequest
 from engines.api.responses.store import ResponseStore
 from engines.api.shared_path import shared_path_route
 from engines.api.streaming import STREAMED
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
+from engines.core.service_registry import ServiceRegistry
 
 STORED = {**UNAUTHORIZED, 404: documented("no stored response has this id")}
 SEALED_INCLUDE = "reasoning.encrypted_content"
@@ -82,7 +82,7 @@ def response_replies(
 
 
 def create_router(
-    models: ServedModels, max_prompt_tokens: int, store: ResponseStore | None = None
+    models: ServiceRegistry, max_prompt_tokens: int, store: ResponseStore | None = None
 ) -> APIRouter:
     router = APIRouter()
     store = store if store is not None else ResponseStore()
