@@ -132,7 +132,15 @@ def add_metrics_route(app: FastAPI, metrics: Metrics) -> None:
 def create_info_router(models: ServiceRegistry, loads: bool = False) -> APIRouter:
     """/v1/models and /v1/models/{id} (with `loads`, model_admin answers POST and DELETE on
     them: their 405s allow those too), /health and /v1/cluster."""
-    router = APIRouter()
+    router = _status_router(models)
+    for model_router in _model_routers(models, loads):
+        router.include_router(model_router)
+    return router
+
+
+def _model_routers(models: ServiceRegistry, loads: bool) -> tuple[APIRouter, APIRouter]:
+    """GET /v1/models and GET /v1/models/{id}, each on a path of its own that `loads` shares
+    with model_admin's POST or DELETE."""
     listing = APIRouter(route_class=shared_path_route(("GET", "POST") if loads else ("GET",)))
     one = APIRouter(route_class=shared_path_route(("GET", "DELETE") if loads else ("GET",)))
     started = int(time.time())
@@ -153,6 +161,13 @@ def create_info_router(models: ServiceRegistry, loads: bool = False) -> APIRoute
         if service is None:
             raise model_not_found(model_id, models.describe_ids())
         return model_card(service)
+
+    return listing, one
+
+
+def _status_router(models: ServiceRegistry) -> APIRouter:
+    """/health (200 when serving, else 503) and /v1/cluster (the plan and members)."""
+    router = APIRouter()
 
     @router.get(
         "/health",
@@ -179,8 +194,6 @@ def create_info_router(models: ServiceRegistry, loads: bool = False) -> APIRoute
     async def cluster() -> JSONResponse:
         return JSONResponse(cluster_status(models))
 
-    router.include_router(listing)
-    router.include_router(one)
     return router
 
 
