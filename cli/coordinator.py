@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from errors import PlanError
 from planner import ClusterPlan, NodeResources, Parallelism
-from planner.errors import PlanError
 
 from .serve_config import ServeConfig
 
@@ -239,7 +239,7 @@ def _serve(config: ServeConfig, listener: socket.socket) -> int:
         prewarm_core()  # first: its imports overlap ours, fetching the model and planning
     from engines.api.app import create_app
     from engines.core import blas
-    from engines.core.served_models import ServedModels
+    from engines.core.service_registry import ServiceRegistry
 
     from .http_server import run_http_server
     from .model_manager import ModelManager, ServingContext
@@ -255,7 +255,7 @@ def _serve(config: ServeConfig, listener: socket.socket) -> int:
     limits = _service_limits(config)
     served = [ServedModel.open(config, choice, limits, coordinator) for choice in choices]
     check_ids(served, config)
-    models = ServedModels(model.service for model in served)
+    models = ServiceRegistry(model.service for model in served)
     membership = None
     if wants_cluster and key is not None:
         # every model's supervisor, those loaded later too (`manager` is bound below, before

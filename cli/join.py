@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from discovery.directories import default_cache_dir, default_state_dir
-from planner.errors import ConfigError
+from errors import ConfigError
 
 from .options import (
     add_flag,
@@ -25,8 +25,23 @@ DEFAULT_CONTROL_PORT = 52300
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-
     parser = subparsers.add_parser("join", help="offer this machine to a cluster as an agent")
+    _add_connection_flags(parser)
+    _add_resource_flags(parser)
+    _add_liveness_flags(parser)
+    parser.add_argument(
+        "--role-module",
+        action="append",
+        default=None,
+        metavar="ROLE=MODULE",
+        help="run ROLE with `python -m MODULE` instead of the built-in module (repeatable) "
+        "[env TANDEM_ROLE_MODULE, comma-separated]",
+    )
+    parser.set_defaults(run=run)
+
+
+def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """How a coordinator reaches this agent: the cluster key, the interface, the port."""
     add_key_flags(parser)
     add_interface_flag(parser)
     # TANDEM_PORT belongs to serve's HTTP port, so the control port has its own twin.
@@ -40,6 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "free one, which zeroconf advertises "
         f"[env TANDEM_CONTROL_PORT; default {DEFAULT_CONTROL_PORT}]",
     )
+
+
+def _add_resource_flags(parser: argparse.ArgumentParser) -> None:
+    """What this agent reports to the planner: its node id's home, its memory and its disk."""
     add_flag(
         parser,
         "--state-dir",
@@ -63,6 +82,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="models received from coordinators may take at most this much disk, e.g. 20G "
         "(default: the free disk)",
     )
+
+
+def _add_liveness_flags(parser: argparse.ArgumentParser) -> None:
+    """How often this agent beats, and how long it waits for a silent coordinator."""
     add_flag(
         parser, "--heartbeat-interval", default=1.0, cast=float, help="seconds between heartbeats"
     )
@@ -73,15 +96,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         cast=float,
         help="seconds of coordinator silence before the agent releases its worker",
     )
-    parser.add_argument(
-        "--role-module",
-        action="append",
-        default=None,
-        metavar="ROLE=MODULE",
-        help="run ROLE with `python -m MODULE` instead of the built-in module (repeatable) "
-        "[env TANDEM_ROLE_MODULE, comma-separated]",
-    )
-    parser.set_defaults(run=run)
 
 
 def read_cluster_key(args: argparse.Namespace, required: bool) -> bytes | None:

@@ -8,7 +8,7 @@ import os
 import sys
 from importlib import import_module
 
-from planner.errors import TandemError
+from errors import TandemError
 
 from .options import env_default
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engines.api.model_admin import ModelExists
+from errors import EngineError, PlanError, TandemError
 from planner import NodeResources, Parallelism
-from planner.errors import EngineError, PlanError, TandemError
 
 from .serve_config import ServeConfig
 from .served_model import ModelChoice, ServedModel, placement_of
@@ -55,7 +55,7 @@ class ModelManager:
 
     def __init__(self, context: ServingContext, models: Any, served: list[ServedModel]) -> None:
         self.context = context
-        self.models = models  # engines.core.served_models.ServedModels
+        self.models = models  # engines.core.service_registry.ServiceRegistry
         self._served = {model.service.model_id: model for model in served}
         self._lock = threading.RLock()  # one load or unload at a time
         self._closed = threading.Event()
@@ -87,7 +87,7 @@ class ModelManager:
         model.service.swap_runner(None, UNLOADED, "loads when a request names it")
 
     async def wait_loaded(self, model_id: str) -> Any:
-        """ServedModels.on_demand: the model's Service once it answers (claimed for the
+        """ServiceRegistry.on_demand: the model's Service once it answers (claimed for the
         request), loading it first when it is unloaded (after --keep-alive has finished
         unloading it); EngineError when it fails, does not fit, or takes longer than the request
         timeout."""

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.errors import ModelError
+from errors import ModelError
 
 if TYPE_CHECKING:
     from engines.model.pypi_models import PypiModel

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ConfigError
+from errors import ConfigError
 
 from .options import add_flag
 

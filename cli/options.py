@@ -118,7 +118,7 @@ def add_max_batch_flag(parser: argparse.ArgumentParser) -> None:
 
 def max_batch_from(value: int | None) -> tuple[int, bool]:
     """--max-batch: the batch to plan, and whether the planner may shrink it to fit (unset)."""
-    from planner.errors import ConfigError
+    from errors import ConfigError
     from planner.memory import DEFAULT_MAX_BATCH
 
     if value is None:
@@ -178,7 +178,7 @@ def add_planning_flags(parser: argparse.ArgumentParser) -> None:
 
 def kv_bits_from(value: str) -> int:
     """--kv-bits: 8 or 4, or 0 for off."""
-    from planner.errors import ConfigError
+    from errors import ConfigError
     from planner.memory import KV_BITS
 
     value = str(value).strip()
@@ -195,7 +195,7 @@ MOST_DRAFT_TOKENS = 16  # beyond this a verifying pass costs like a prefill chun
 
 def draft_tokens_from(value: int) -> int:
     """--num-draft-tokens: 0 (off) to MOST_DRAFT_TOKENS."""
-    from planner.errors import ConfigError
+    from errors import ConfigError
 
     if not 0 <= value <= MOST_DRAFT_TOKENS:
         raise ConfigError(f"--num-draft-tokens must be 0 to {MOST_DRAFT_TOKENS}, got {value}")
@@ -204,7 +204,7 @@ def draft_tokens_from(value: int) -> int:
 
 def quantized_kv_start_from(value: str) -> int:
     """--quantized-kv-start: a token count, 0 or more."""
-    from planner.errors import ConfigError
+    from errors import ConfigError
 
     try:
         tokens = int(str(value).strip())
@@ -218,7 +218,7 @@ def quantized_kv_start_from(value: str) -> int:
 def prefix_cache_bytes_from(value: str) -> int | None:
     """--prefix-cache-bytes: bytes, 0 (off), or None for auto (the planner derives it)."""
     from discovery.capabilities import parse_memory_size
-    from planner.errors import ConfigError
+    from errors import ConfigError
 
     value = str(value).strip()
     if value in ("0", "off"):

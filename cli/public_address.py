@@ -15,7 +15,7 @@ import socket
 
 import psutil
 
-from planner.errors import ConfigError
+from errors import ConfigError
 
 BACKLOG = 2048  # uvicorn's own
 

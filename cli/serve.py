@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from discovery.directories import default_cache_dir, default_state_dir
+from errors import ConfigError
 from planner import Parallelism
-from planner.errors import ConfigError
 
 from .http_limits import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, HttpLimits
 from .model_source import MODEL_HELP

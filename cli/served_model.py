@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from errors import ConfigError, PlanError
 from planner import NodeResources
-from planner.errors import ConfigError, PlanError
 
 from .serve_config import ServeConfig
 

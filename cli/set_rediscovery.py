@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from errors import TandemError
 from planner import NodeResources
-from planner.errors import TandemError
 
 from .served_model import ServedModel, assign, coordinator_shares, group_of, placement_of
 

@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from planner.errors import PeerError
+from errors import PeerError
 
 from .options import add_flag
 

@@ -36,7 +36,7 @@ from discovery.zeroconf_service import (
     check_not_advertised,
     open_zeroconf,
 )
-from planner.errors import ChannelError, ConfigError
+from errors import ChannelError, ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.errors import PeerError
+from errors import PeerError
 
 
 @dataclass(frozen=True, slots=True)

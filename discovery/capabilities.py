@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from discovery.cgroup_memory import read_cgroup_memory
-from planner.errors import ConfigError
+from errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

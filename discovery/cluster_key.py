@@ -13,7 +13,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from planner.errors import ConfigError
+from errors import ConfigError
 
 KEY_BYTES = 32
 KEY_PREFIX = "tandem-"

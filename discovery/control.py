@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
-from planner.errors import ChannelError
+from errors import ChannelError
 
 logger = logging.getLogger(__name__)
 

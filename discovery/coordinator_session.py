@@ -28,7 +28,7 @@ from discovery.control import (
 )
 from discovery.framing import ChannelTimeout
 from discovery.role_worker import RoleWorker
-from planner.errors import ChannelError
+from errors import ChannelError
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import socket
 import struct
 import time
 
-from planner.errors import ChannelError
+from errors import ChannelError
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 HEADER = struct.Struct(">I")  # body length, big-endian

@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ConfigError
+from errors import ConfigError
 
 KNOWN_KEYS = frozenset({"ssh", "ips", "rdma", "control_port"})
 DEFAULT_CONTROL_PORT = 52300  # where `tandem join --port` listens unless a row says otherwise

@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import psutil
 
-from planner.errors import TandemError
+from errors import TandemError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from discovery.control import MAX_PING_PADDING, Ping, Pong
 from discovery.members import CONNECTED, Link
-from planner.errors import ChannelError, PeerError
+from errors import ChannelError, PeerError
 
 SMALL_PINGS = 5  # the fastest of these is the round trip
 LARGE_PINGS = 3

@@ -35,8 +35,8 @@ from discovery.framing import ChannelTimeout
 from discovery.link_probe import LinkProbes
 from discovery.members import BUSY, CLOSED, CONNECTED, LOST, UNVERIFIED, Link, Member
 from discovery.zeroconf_service import PeerRecord, browse_records, open_zeroconf
+from errors import ChannelError, PeerError
 from planner import NodeResources
-from planner.errors import ChannelError, PeerError
 
 # Member and its states are imported from here too.
 __all__ = [

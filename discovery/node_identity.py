@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import IO
 
-from planner.errors import ConfigError
+from errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

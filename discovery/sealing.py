@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from discovery import cluster_key as cluster_keys
-from planner.errors import ChannelError
+from errors import ChannelError
 
 SESSION_KEY_BYTES = 32
 SESSION_ID_BYTES = 16

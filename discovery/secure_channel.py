@@ -34,7 +34,7 @@ from discovery.sealing import (
     SessionKeys,
     derive_session_keys,
 )
-from planner.errors import ChannelError
+from errors import ChannelError
 
 # The sealing names are re-exported for callers that import them from here.
 __all__ = [

@@ -21,7 +21,7 @@ from zeroconf import (
 )
 
 from discovery.capabilities import RdmaDevice
-from planner.errors import ConfigError
+from errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """The pure planner: which parallelism to run, how layers split, and whether it fits."""
 
+from errors import PlanError
 from planner.allocation import allocate_layers
 from planner.batch import plan_batch
 from planner.cluster_plan import plan_cluster
@@ -13,7 +14,6 @@ from planner.decision import (
     decide,
 )
 from planner.disk import DISK_MARGIN_BYTES, TransferSizes
-from planner.errors import PlanError
 from planner.memory import (
     ModelShape,
     NodeFit,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner.errors import PlanError
+from errors import PlanError
 
 MIN_LAYERS_PER_STAGE = 1
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from errors import PlanError
 from planner.decision import RuleCheck
-from planner.errors import PlanError
 from planner.plan_data import ClusterPlan
 
 BATCH_RULE = "batch capacity"

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from errors import PlanError
 from planner.allocation import allocate_layers
 from planner.decision import (
     GROUP_RULE,
@@ -17,7 +18,6 @@ from planner.decision import (
     decide,
 )
 from planner.disk import DiskNeed, TransferSizes, disk_check
-from planner.errors import PlanError
 from planner.memory import (
     DEFAULT_CONTEXT_TOKENS,
     DEFAULT_HEADROOM,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.errors import PlanError
+from errors import PlanError
 
 DEFAULT_HEADROOM = 0.10
 DEFAULT_CONTEXT_TOKENS = 4096

@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 from itertools import permutations, product
 from typing import Any
 
+from errors import PlanError
 from planner.decision import Parallelism
-from planner.errors import PlanError
 from planner.memory import bounded, format_bytes
 from planner.plan_data import ClusterPlan, NodeResources
 from planner.relay import is_relayed, may_relay

@@ -46,7 +46,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from planner.errors import PlanError
+from errors import PlanError
 from planner.memory import ModelShape
 
 PREDICTION_PROMPT_TOKENS = 512  # the prompt a predicted time to first token is for

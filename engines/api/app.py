@@ -31,8 +31,8 @@ from engines.api.openai.schemas import ModelCard, ModelList
 from engines.api.openapi import install_openapi
 from engines.api.prompts import DEFAULT_MAX_PROMPT_TOKENS
 from engines.api.shared_path import shared_path_route
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
+from engines.core.service_registry import ServiceRegistry
 
 METRICS_PATH = "/metrics"
 DASHBOARD_PATHS = ("/", "/dashboard", chat_page.PAGE_PATH)  # the browser pages
@@ -45,7 +45,7 @@ DIALECTS = Dialects(
 
 
 def create_app(
-    served: Service | ServedModels,
+    served: Service | ServiceRegistry,
     *,
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     metrics_open: bool = False,
@@ -65,7 +65,7 @@ def create_app(
     """
     if max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be at least 1, got {max_prompt_tokens}")
-    models = served if isinstance(served, ServedModels) else ServedModels([served])
+    models = served if isinstance(served, ServiceRegistry) else ServiceRegistry([served])
     service = models.default  # limits are the server's, the same for every model
     # strict_content_type off: a JSON body without a Content-Type (curl -d ...) is still read.
     app = FastAPI(
@@ -129,10 +129,18 @@ def add_metrics_route(app: FastAPI, metrics: Metrics) -> None:
         return Response(body, media_type=content_type)
 
 
-def create_info_router(models: ServedModels, loads: bool = False) -> APIRouter:
+def create_info_router(models: ServiceRegistry, loads: bool = False) -> APIRouter:
     """/v1/models and /v1/models/{id} (with `loads`, model_admin answers POST and DELETE on
     them: their 405s allow those too), /health and /v1/cluster."""
-    router = APIRouter()
+    router = _status_router(models)
+    for model_router in _model_routers(models, loads):
+        router.include_router(model_router)
+    return router
+
+
+def _model_routers(models: ServiceRegistry, loads: bool) -> tuple[APIRouter, APIRouter]:
+    """GET /v1/models and GET /v1/models/{id}, each on a path of its own that `loads` shares
+    with model_admin's POST or DELETE."""
     listing = APIRouter(route_class=shared_path_route(("GET", "POST") if loads else ("GET",)))
     one = APIRouter(route_class=shared_path_route(("GET", "DELETE") if loads else ("GET",)))
     started = int(time.time())
@@ -153,6 +161,13 @@ def create_info_router(models: ServedModels, loads: bool = False) -> APIRouter:
         if service is None:
             raise model_not_found(model_id, models.describe_ids())
         return model_card(service)
+
+    return listing, one
+
+
+def _status_router(models: ServiceRegistry) -> APIRouter:
+    """/health (200 when serving, else 503) and /v1/cluster (the plan and members)."""
+    router = APIRouter()
 
     @router.get(
         "/health",
@@ -179,15 +194,13 @@ def create_info_router(models: ServedModels, loads: bool = False) -> APIRouter:
     async def cluster() -> JSONResponse:
         return JSONResponse(cluster_status(models))
 
-    router.include_router(listing)
-    router.include_router(one)
     return router
 
 
 HEALTHY = ("ok", "unloaded")  # an unloaded model loads when a request names it
 
 
-def server_health(models: ServedModels) -> dict[str, Any]:
+def server_health(models: ServiceRegistry) -> dict[str, Any]:
     """The default model's health; with several models each one's under "models". The
     server is "ok" while every model is ok or unloaded; else the first that is not says why
     (a model loading or re-planning does not answer)."""
@@ -207,7 +220,7 @@ def server_health(models: ServedModels) -> dict[str, Any]:
     return status
 
 
-def cluster_status(models: ServedModels) -> dict[str, Any]:
+def cluster_status(models: ServiceRegistry) -> dict[str, Any]:
     """The /v1/cluster body: the default model's, and with several, each one's by id."""
     services = models.all()
     if not services:

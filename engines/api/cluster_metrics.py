@@ -13,8 +13,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
+from engines.core.service_registry import ServiceRegistry
 from engines.observability.process_memory import process_memory
 
 MODEL_LABEL = "model"  # the first label of every series here, and of the request series
@@ -71,7 +71,7 @@ class ClusterCollector:
     """Read at every scrape, for the models served at that moment: one loaded since the last
     scrape appears, one unloaded through the API is gone."""
 
-    def __init__(self, models: ServedModels) -> None:
+    def __init__(self, models: ServiceRegistry) -> None:
         self.models = models
 
     def describe(self) -> list[Metric]:

@@ -21,8 +21,8 @@ from starlette.responses import StreamingResponse
 
 from engines.api import dashboard_view as view
 from engines.api.errors import APIError
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
+from engines.core.service_registry import ServiceRegistry
 from engines.observability.request_timing import RequestRecord
 
 UPDATE_INTERVAL_S = 1.0
@@ -39,7 +39,7 @@ class DashboardState:
 
     def __init__(
         self,
-        models: ServedModels,
+        models: ServiceRegistry,
         interval_s: float = UPDATE_INTERVAL_S,
         stopping: threading.Event | None = None,
     ) -> None:
@@ -116,12 +116,12 @@ def model_row(service: Service, status: dict[str, Any], health: dict[str, Any]) 
 
 
 def create_router(
-    served: Service | ServedModels,
+    served: Service | ServiceRegistry,
     interval_s: float = UPDATE_INTERVAL_S,
     stopping: threading.Event | None = None,
 ) -> APIRouter:
     router = APIRouter(include_in_schema=False)
-    models = served if isinstance(served, ServedModels) else ServedModels([served])
+    models = served if isinstance(served, ServiceRegistry) else ServiceRegistry([served])
     state = DashboardState(models, interval_s, stopping)
     page = Template(_static_text("dashboard.html"))
 
@@ -150,7 +150,7 @@ def create_router(
     return router
 
 
-def _title(models: ServedModels) -> str:
+def _title(models: ServiceRegistry) -> str:
     return escape(f"tandem · {', '.join(models.ids()) or 'no model'}")
 
 

@@ -11,23 +11,23 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from engines.api.errors import APIError, ErrorRenderer
-from engines.core.served_models import ServedModels
+from engines.core.service_registry import ServiceRegistry
 
 
 @dataclass(frozen=True, slots=True)
 class Dialect:
     name: str
-    router: Callable[[ServedModels, int], APIRouter]  # (models, max_prompt_tokens)
+    router: Callable[[ServiceRegistry, int], APIRouter]  # (models, max_prompt_tokens)
     # The routes that submit a generation: a refusal on them counts as a rejected request.
     generation_paths: tuple[str, ...]
     # Errors on paths under this prefix, the middlewares' 401s and 413s too, take its shape.
-    error_prefix: str
+    path_prefix: str
     render_error: ErrorRenderer
     # Why a field its schema accepts only at the default is refused (None: not one of those).
     refusal_of: Callable[[str | None], str | None] | None = None
 
     def claims(self, path: str) -> bool:
-        prefix = self.error_prefix
+        prefix = self.path_prefix
         return path == prefix or path.startswith(prefix.rstrip("/") + "/")
 
 
@@ -39,9 +39,9 @@ class Dialects:
     default: Dialect
 
     def at(self, path: str) -> Dialect:
-        """The dialect whose error prefix is the longest one `path` is under."""
+        """The dialect whose path prefix is the longest one `path` is under."""
         claiming = [dialect for dialect in self.served if dialect.claims(path)]
-        return max(claiming, key=lambda dialect: len(dialect.error_prefix), default=self.default)
+        return max(claiming, key=lambda dialect: len(dialect.path_prefix), default=self.default)
 
     def response(self, path: str, error: APIError) -> Response:
         return self.at(path).render_error(error)

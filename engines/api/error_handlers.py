@@ -19,7 +19,7 @@ from engines.api.errors import (
     overloaded,
     queue_full,
 )
-from planner.errors import EngineError, OverloadedError, QueueFullError
+from errors import EngineError, OverloadedError, QueueFullError
 
 log = logging.getLogger(__name__)
 

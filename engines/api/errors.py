@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from planner.errors import OverloadedError, QueueFullError
+from errors import OverloadedError, QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def overloaded(error: OverloadedError) -> APIError:
 
 
 def model_not_found(requested: str, served: str, param: str = "model") -> APIError:
-    """`served`: what is served, quoted ('a', or 'a' and 'b': ServedModels.describe_ids)."""
+    """`served`: what is served, quoted ('a', or 'a' and 'b': ServiceRegistry.describe_ids)."""
     message = (
         f"the model '{requested}' does not exist; this server serves {served} "
         "(--model-alias gives it other names)"

@@ -14,9 +14,9 @@ from engines.api.token_score import TokenScore
 from engines.core.engine import Failure, TokenEvent
 from engines.core.request import GenerationRequest
 from engines.core.runner import Submission
-from engines.core.served_models import ServedModels
 from engines.core.service import Service, ServiceLimits
-from planner.errors import EngineError, RequestError
+from engines.core.service_registry import ServiceRegistry
+from errors import EngineError, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class Outcome:
     accepted_tokens: int = 0
 
 
-async def serving(models: ServedModels, requested: str, param: str = "model") -> Service:
+async def serving(models: ServiceRegistry, requested: str, param: str = "model") -> Service:
     """The served model `requested` names (its id or an alias); 404 naming what is served
     otherwise; 503 while it has no tokenizer (none until its first engine has loaded)."""
     service = models.find(requested)
@@ -109,7 +109,7 @@ async def serving(models: ServedModels, requested: str, param: str = "model") ->
     return await ready_service(models, service)
 
 
-async def ready_service(models: ServedModels, service: Service) -> Service:
+async def ready_service(models: ServiceRegistry, service: Service) -> Service:
     """`service` for a request: claimed when a runner serves (so --keep-alive keeps it); with
     --load-on-demand a model that is unloaded (or being unloaded) is loaded first and the
     request waits for it (bounded); 503 while it has no tokenizer (none until its first engine

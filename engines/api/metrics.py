@@ -12,8 +12,8 @@ from prometheus_client.exposition import generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.api.cluster_metrics import MODEL_LABEL, ClusterCollector
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
+from engines.core.service_registry import ServiceRegistry
 from engines.observability.request_timing import REJECTED, SEGMENTS, RequestRecord, rejected_record
 
 RECEIVED_AT = "tandem.received_at"  # key in the ASGI scope state: monotonic arrival time
@@ -35,8 +35,8 @@ class Metrics:
     """One registry per app (tests build many apps in one process), fed by the finished
     requests of every served model; each request series carries the request's model."""
 
-    def __init__(self, served: Service | ServedModels) -> None:
-        self.models = served if isinstance(served, ServedModels) else ServedModels([served])
+    def __init__(self, served: Service | ServiceRegistry) -> None:
+        self.models = served if isinstance(served, ServiceRegistry) else ServiceRegistry([served])
         self.registry = CollectorRegistry()
         registry = self.registry
         by_model = [MODEL_LABEL]

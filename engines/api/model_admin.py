@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from engines.api.errors import APIError
 from engines.api.openai.errors import SERVER_FAILURE, UNAUTHORIZED, documented
 from engines.api.openai.schemas import ModelCard
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
-from planner.errors import ConfigError, ModelError, PlanError
+from engines.core.service_registry import ServiceRegistry
+from errors import ConfigError, ModelError, PlanError
 
 
 class ModelExists(ConfigError):
@@ -64,7 +64,7 @@ def card_of(service: Service, created: int) -> ModelCard:
     )
 
 
-def create_router(models: ServedModels, loader: ModelLoader) -> APIRouter:
+def create_router(models: ServiceRegistry, loader: ModelLoader) -> APIRouter:
     router = APIRouter()
 
     @router.post(

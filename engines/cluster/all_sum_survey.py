@@ -22,7 +22,7 @@ from typing import Any
 from discovery.framing import free_port
 from discovery.json_child import ChildNotReady, JsonChild
 from engines.cluster.launch import DEFAULT_RING_PORT_BASE, ring_port
-from planner.errors import PeerError
+from errors import PeerError
 from planner.speed import Curve, RankCpu
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from discovery.framing import free_port
 from engines.core.engine_options import EngineOptions
 from engines.core.engine_spec import EngineSpec
 from engines.tensor_parallel.jaccl import RdmaRow
+from errors import EngineError, PeerError
 from planner import ClusterPlan, Parallelism
 from planner.cluster_plan import JACCL, RING
-from planner.errors import EngineError, PeerError
 from planner.relay import is_relayed
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from discovery.members import CONNECTED
 from discovery.memory_monitor import MemoryMonitor
 from discovery.memory_tiers import CRITICAL, OK, WARN, severity, worst_tier
 from engines.core.service import Service
+from errors import OverloadedError
 from planner import ClusterPlan
-from planner.errors import OverloadedError
 
 log = logging.getLogger(__name__)
 

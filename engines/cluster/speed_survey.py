@@ -31,9 +31,9 @@ from engines.cluster.all_sum_survey import AllSumProbe, GroupProbe
 from engines.core.engine import DEFAULT_PREFILL_CHUNK
 from engines.model.info import ModelFacts, read_config
 from engines.model.precision import on_cpu
+from errors import PeerError
 from planner import NodeResources
 from planner.decision import can_shard
-from planner.errors import PeerError
 from planner.speed import ClusterSpeeds, Curve, LinkSpeed, NodeSpeed
 
 log = logging.getLogger(__name__)

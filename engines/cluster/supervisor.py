@@ -27,8 +27,8 @@ from engines.core.service import Service
 from engines.model.info import ModelFacts
 from engines.observability.process_memory import process_memory
 from engines.observability.served_speed import ServedSpeed, one_stream_segments_ms
+from errors import EngineError, PlanError, TandemError
 from planner import ClusterPlan, NodeResources, Parallelism
-from planner.errors import EngineError, PlanError, TandemError
 from planner.relay import is_relayed
 from planner.speed import ClusterSpeeds, Prediction, predict_speculating
 

@@ -23,7 +23,7 @@ from engines.core.engine_spec import EngineSpec
 from engines.core.request import GenerationRequest
 from engines.core.scheduler import BatchScheduler, StepReport
 from engines.observability import load_progress
-from planner.errors import RequestError
+from errors import RequestError
 
 log = logging.getLogger("engines.core.core_main")
 

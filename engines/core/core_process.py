@@ -37,7 +37,7 @@ from engines.core.engine import EngineInfo, StepOutput
 from engines.core.engine_spec import EngineSpec, resolve
 from engines.core.request import GenerationRequest
 from engines.core.scheduler import Release, StepReport
-from planner.errors import EngineError
+from errors import EngineError
 
 log = logging.getLogger(__name__)
 

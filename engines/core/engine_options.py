@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engines.core.engine import DEFAULT_PREFILL_CHUNK
-from planner.errors import ConfigError
+from errors import ConfigError
 from planner.memory import DEFAULT_MAX_BATCH, DEFAULT_QUANTIZED_KV_START, KV_BITS
 
 

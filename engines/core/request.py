@@ -8,7 +8,7 @@ import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from planner.errors import RequestError
+from errors import RequestError
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_TOKEN_ID = 2**31 - 1  # token ids and counts cross the tp lockstep in int32 words

@@ -5,6 +5,10 @@ The core (engines/core/scheduler.py) batches and steps the engine, in this proce
 tokens; the runner turns them into each request's text events (detokenizing, stop strings,
 usage) and ends a request when its text, its client or its deadline says so, asking the core
 to drop it. Requests join and leave the running batch between two steps.
+
+"Runner" here is the API side. It is not what vLLM and nano-vllm call the model runner (the
+side that runs the model's forward pass): that is the Engine (engines/core/engine.py), which
+the core steps. The name is kept: it is used in some 1100 places.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from engines.core.engine import Engine, Failure, Finish, TokenEvent
 from engines.core.request import GenerationRequest
 from engines.core.scheduler import SHUTTING_DOWN, BatchScheduler, Ended, Release, StepReport
 from engines.core.sequence import ActiveSequence, Ending
-from planner.errors import EngineError, QueueFullError
+from errors import EngineError, QueueFullError
 from planner.memory import DEFAULT_MAX_BATCH
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from engines.core.engine import Engine, StepOutput
 from engines.core.request import GenerationRequest
-from planner.errors import EngineError
+from errors import EngineError
 
 log = logging.getLogger(__name__)
 

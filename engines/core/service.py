@@ -14,7 +14,7 @@ from engines.core.engine import TokenEvent
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner, Submission
 from engines.observability.request_timing import RequestRecord, record_of
-from planner.errors import EngineError
+from errors import EngineError
 
 log = logging.getLogger(__name__)
 

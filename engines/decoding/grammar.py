@@ -11,7 +11,7 @@ import llguidance.hf
 import mlx.core as mx
 import numpy as np
 
-from planner.errors import EngineError
+from errors import EngineError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from engines.model.demo_tokenizer import (
     _with_think_tokens,
 )
 from engines.model.demo_weights import GAINS, _make_weights, _write_safetensors
-from planner.errors import ConfigError
+from errors import ConfigError
 
 log = logging.getLogger(__name__)
 

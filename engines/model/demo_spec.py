@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from engines.model.demo_architectures import ARCHITECTURE_NAMES, TIED_BY_DEFAULT
 from engines.model.demo_tokenizer import CORPUS_PATH
-from planner.errors import ConfigError
+from errors import ConfigError
 
 # Bump when the bytes written for a given spec change, so cached demo models are rebuilt.
 GENERATOR_VERSION = 2

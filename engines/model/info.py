@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.errors import ModelError
+from errors import ModelError
 
 if TYPE_CHECKING:
     from planner import ModelShape

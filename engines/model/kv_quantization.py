@@ -9,7 +9,7 @@ from typing import Any
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from engines.model.quantized_kv import QuantizedSequenceCache
-from planner.errors import EngineError
+from errors import EngineError
 from planner.memory import KV_BITS, kv_group_size
 
 

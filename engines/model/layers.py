@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from planner.errors import ModelError
+from errors import ModelError
 
 # Where the usual mlx-lm model keeps its parts: Model.<inner>.<embedding|layers|norm>, and
 # Model.lm_head unless the head is tied to the embedding.

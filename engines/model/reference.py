@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import ModelError
+from errors import ModelError
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from engines.decoding.sampling import request_seed
 from engines.pipeline import wire
 from engines.pipeline.sequence_documents import MAX_UID, PENALTY_CONTEXT, PREFIX_ENTRY
 from engines.pipeline.wire import Kind
-from planner.errors import RequestError
+from errors import RequestError
 
 
 def sampling_of(request: GenerationRequest) -> GenerationRequest:

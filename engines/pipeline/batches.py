@@ -14,7 +14,7 @@ from engines.pipeline.stage_model import StageModel
 from engines.pipeline.wire import PREFILL_GROUP, Row, WireError
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.store import PrefixStore
-from planner.errors import EngineError
+from errors import EngineError
 
 MAX_GROUPS = 256  # decode micro-batches a stage accepts (the coordinator uses one per stage)
 

@@ -14,7 +14,7 @@ from discovery.framing import connect, wait_readable
 from discovery.handshake_gate import HandshakeGate
 from engines.pipeline import wire
 from engines.pipeline.wire import PURPOSE, Kind
-from planner.errors import ChannelError, EngineError
+from errors import ChannelError, EngineError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from engines.pipeline.batches import StageBatches
 from engines.pipeline.chain import open_chain
 from engines.pipeline.frame_clock import FrameClock
 from engines.pipeline.wire import Kind
-from planner.errors import ChannelError, EngineError
+from errors import ChannelError, EngineError
 
 log = logging.getLogger(__name__)
 

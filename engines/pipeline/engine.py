@@ -43,7 +43,7 @@ from engines.prefix_cache.index import PrefixIndex
 from engines.prefix_cache.store import NOT_REUSABLE
 from engines.speculation.lane import DrafterFactory
 from engines.speculation.prompt_lookup import PromptLookup
-from planner.errors import ChannelError, EngineError
+from errors import ChannelError, EngineError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from engines.core.request import GenerationRequest
 from engines.pipeline.wire import Frame, Kind, Row, WireError, document_frame
-from planner.errors import RequestError
+from errors import RequestError
 
 MAX_UID = 2**64 - 1  # a row's uid field; prefix-cache entry ids are uids
 MAX_POSITION = 2**32 - 1  # a row's position field

@@ -20,7 +20,7 @@ from engines.model.packed_quantized import pack
 from engines.model.precision import upcast_on_cpu
 from engines.model.reference import local_model_path
 from engines.weights.manifest import is_partial_copy
-from planner.errors import EngineError, ModelError
+from errors import EngineError, ModelError
 from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_session import _Scoring, _Session, scores
 from engines.pipeline.stage_spec import StageSpec
 from engines.pipeline.wire import PURPOSE, Kind, WireError
-from planner.errors import ChannelError, EngineError
+from errors import ChannelError, EngineError
 
 log = logging.getLogger(__name__)
 

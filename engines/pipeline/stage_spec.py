@@ -9,7 +9,7 @@ from typing import Any
 
 from discovery.cluster_key import KEY_BYTES, KEY_PREFIX, parse_key
 from engines.core.engine_options import EngineOptions
-from planner.errors import ConfigError
+from errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

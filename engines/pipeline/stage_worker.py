@@ -29,7 +29,7 @@ from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_server import EncryptedPipelineServer
 from engines.pipeline.stage_spec import StageSpec
 from engines.weights.fetch import model_for_assignment, progress_events
-from planner.errors import ConfigError, EngineError, ModelError
+from errors import ConfigError, EngineError, ModelError
 
 log = logging.getLogger(__name__)
 

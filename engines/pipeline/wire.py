@@ -42,7 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 from engines.core.request import MAX_TOP_LOGPROBS
-from planner.errors import ChannelError
+from errors import ChannelError
 
 # 5: BEGIN carries an output grammar (a v4 last stage would ignore it and sample freely)
 # 6: BEGIN carries the request's document (a v5 last stage would ignore its penalties)

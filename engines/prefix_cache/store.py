@@ -21,7 +21,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.kv_prefix import PLAIN_KV, kv_prefix
-from planner.errors import EngineError
+from errors import EngineError
 
 log = logging.getLogger(__name__)
 

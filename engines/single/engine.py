@@ -32,7 +32,7 @@ from engines.prefix_cache.store import NOT_REUSABLE, PrefixStore, reusable
 from engines.speculation.draft_model import DraftModelDrafter, check_draft_model
 from engines.speculation.lane import DrafterFactory
 from engines.speculation.prompt_lookup import PromptLookup, TimedPromptLookup
-from planner.errors import EngineError
+from errors import EngineError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from planner.errors import EngineError
+from errors import EngineError
 
 
 class DraftModelDrafter:

@@ -22,7 +22,7 @@ from engines.prefix_cache.index import PrefixIndex
 from engines.tensor_parallel.group import WorkerSpec
 from engines.tensor_parallel.group_prefix_cache import GroupPrefixCache
 from engines.tensor_parallel.step_clock import step_segments
-from planner.errors import EngineError
+from errors import EngineError
 
 log = logging.getLogger(__name__)
 

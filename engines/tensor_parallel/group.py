@@ -9,7 +9,7 @@ from typing import Any
 
 from discovery.framing import free_port
 from engines.core.engine_options import DEFAULT_OPTIONS, EngineOptions
-from planner.errors import ConfigError
+from errors import ConfigError
 
 BACKENDS = ("ring", "jaccl")
 # The longest idle gap between the group's header broadcasts: the idle latency a new request

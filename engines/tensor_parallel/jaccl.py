@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from planner.errors import PlanError
+from errors import PlanError
 
 DeviceMatrix = list[list[str | None]]
 

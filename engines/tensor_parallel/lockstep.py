@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from engines.core.request import GenerationRequest
-from planner.errors import EngineError, RequestError
+from errors import EngineError, RequestError
 
 STEP = 1
 PING = 2

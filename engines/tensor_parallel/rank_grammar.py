@@ -9,7 +9,7 @@ from typing import Any
 from mlx_lm.utils import load_tokenizer
 
 from engines.decoding.grammar import GrammarCompiler, LogitsProcessor
-from planner.errors import EngineError
+from errors import EngineError
 
 log = logging.getLogger(__name__)
 

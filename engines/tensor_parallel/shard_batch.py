@@ -16,7 +16,7 @@ from engines.prefix_cache.disk_tier import DiskTier, DiskUnreadable
 from engines.prefix_cache.store import PrefixStore, reusable
 from engines.tensor_parallel.lockstep import Command, Insert, update_checksum
 from engines.tensor_parallel.rank_grammar import RankGrammars
-from planner.errors import EngineError
+from errors import EngineError
 from planner.memory import DEFAULT_QUANTIZED_KV_START
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import Any
 from engines.core.request import MAX_TOKEN_ID, GenerationRequest
 from engines.tensor_parallel.lockstep import STEP, Command, Insert
 from engines.tensor_parallel.rank_grammar import RankGrammars
-from planner.errors import EngineError, RequestError
+from errors import EngineError, RequestError
 
 
 def parse_insert(

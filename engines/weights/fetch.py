@@ -16,8 +16,8 @@ from discovery.framing import connect
 from discovery.secure_channel import SecureChannel
 from engines.weights.manifest import MANIFEST_NAME, FileEntry, Manifest, hash_prefix
 from engines.weights.server import HANDSHAKE_TIMEOUT_S, MAX_FRAME_BYTES, PURPOSE
+from errors import ChannelError, ModelError
 from planner import DISK_MARGIN_BYTES
-from planner.errors import ChannelError, ModelError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import sys
 from discovery.cluster_key import parse_key
 from discovery.json_child import configure_child_logging, open_protocol_output
 from engines.weights.fetch import model_for_assignment, progress_events
-from planner.errors import ConfigError, ModelError
+from errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
 

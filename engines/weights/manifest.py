@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.model.reference import DOWNLOAD_PATTERNS
-from planner.errors import ModelError
+from errors import ModelError
 
 log = logging.getLogger(__name__)
 

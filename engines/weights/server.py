@@ -16,7 +16,7 @@ from discovery.framing import ChannelTimeout
 from discovery.handshake_gate import HandshakeGate
 from discovery.secure_channel import SecureChannel
 from engines.weights.manifest import Manifest
-from planner.errors import ChannelError, ModelError
+from errors import ChannelError, ModelError
 
 log = logging.getLogger(__name__)
 

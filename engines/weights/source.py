@@ -21,7 +21,7 @@ from engines.weights.subset import (
     stage_file,
     subset_file,
 )
-from planner.errors import ModelError
+from errors import ModelError
 
 log = logging.getLogger(__name__)
 

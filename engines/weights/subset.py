@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from engines.model.info import EMBEDDING_NAMES, HEAD_NAMES, WEIGHT_GLOB, _read_header
-from planner.errors import ModelError
+from errors import ModelError
 
 LAYER_PATTERN = re.compile(r"\.layers\.(\d+)\.")
 SUBSET_FILE = "model.safetensors"

@@ -19,7 +19,7 @@ import pytest
 from cli.main import build_parser
 from cli.observability import observability_from_args
 from discovery.framing import free_port
-from planner.errors import ConfigError
+from errors import ConfigError
 from tests.helpers.cluster import REPO_ROOT, child_env
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from cli.public_address import bind_public_address
-from planner.errors import ConfigError
+from errors import ConfigError
 from tests.helpers.api import ROOT
 
 

@@ -10,7 +10,7 @@ from cli.main import build_parser
 from cli.serve import config_from_args
 from cli.serve_config import ServeConfig
 from engines.core.request import MAX_TOKENS
-from planner.errors import ConfigError
+from errors import ConfigError
 
 KEY = ["--cluster-key", "tandem-" + "A" * 43]
 

@@ -23,8 +23,8 @@ from engines.cluster.speed_survey import SpeedSurvey
 from engines.model.info import inspect_model
 from engines.model.tp_step_probe import MAX_PAIRS, MIN_PAIRS, has_tp_variant
 from engines.tensor_parallel.collective_probe import MIN_ROUNDS
+from errors import PeerError
 from planner import NodeResources
-from planner.errors import PeerError
 
 pytestmark = pytest.mark.cluster
 

@@ -21,7 +21,7 @@ from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.core.service import Service
 from engines.single.engine import SingleEngine
-from planner.errors import OverloadedError
+from errors import OverloadedError
 from tests.helpers.api import (  # noqa: F401
     anyio_backend,
     assert_error,

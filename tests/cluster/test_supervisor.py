@@ -13,7 +13,7 @@ from engines.cluster.exclusions import FIRST_EXCLUSION_S, MemberExclusions
 from engines.core.engine import Engine, StepOutput
 from engines.core.request import GenerationRequest
 from engines.core.scheduler import BatchScheduler
-from planner.errors import EngineError
+from errors import EngineError
 from tests.helpers.supervision import WAIT_S, Members, ScriptedEngine, make_supervisor
 
 

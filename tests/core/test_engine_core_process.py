@@ -18,7 +18,7 @@ from engines.core.engine_spec import EngineSpec
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
-from planner.errors import QueueFullError
+from errors import QueueFullError
 from tests.helpers.engine import run_all
 
 pytestmark = pytest.mark.cluster  # a real child process per runner

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engines.core.engine_options import EngineOptions
-from planner.errors import ConfigError
+from errors import ConfigError
 
 
 def test_the_document_round_trips_through_json():

@@ -16,7 +16,7 @@ from engines.core.request import (
     MAX_TOP_LOGPROBS,
     GenerationRequest,
 )
-from planner.errors import RequestError
+from errors import RequestError
 
 FULL = GenerationRequest(
     "r-1",

@@ -21,7 +21,7 @@ from discovery.capabilities import (
     read_memory,
     run_probe,
 )
-from planner.errors import ConfigError
+from errors import ConfigError
 
 MIB = 1024**2
 GIB = 1024**3

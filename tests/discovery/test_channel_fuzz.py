@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from discovery.framing import recv_frame
 from discovery.sealing import SessionKeys, derive_session_keys
 from discovery.secure_channel import _parse_hello
-from planner.errors import ChannelError
+from errors import ChannelError
 
 KEY = bytes(range(32))
 ASSOCIATED = b"request=req-7;layers=16-31;step=3"

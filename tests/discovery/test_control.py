@@ -34,7 +34,7 @@ from discovery.control import (
 )
 from discovery.framing import ChannelTimeout, connect
 from discovery.secure_channel import SecureChannel
-from planner.errors import ChannelError
+from errors import ChannelError
 from tests.helpers.threads import run_in_thread
 
 KEY = bytes(range(32))

@@ -19,7 +19,7 @@ from discovery.framing import ChannelTimeout
 from discovery.membership import BUSY, CONNECTED, LOST, UNVERIFIED, Member, Membership, browse_peers
 from discovery.node_identity import StateDirLock, load_or_create_node_id
 from discovery.zeroconf_service import PeerRecord, decode_txt, encode_txt
-from planner.errors import ChannelError, ConfigError, PeerError
+from errors import ChannelError, ConfigError, PeerError
 from tests.helpers.cluster import (
     LOOPBACK,
     AgentPool,

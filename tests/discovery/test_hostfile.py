@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from discovery.hostfile import HostEntry, Hostfile, load_hostfile, validate_hostfile
-from planner.errors import ConfigError
+from errors import ConfigError
 
 HOSTS_DIR = Path(__file__).resolve().parents[2] / "hosts"
 

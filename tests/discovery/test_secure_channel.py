@@ -25,7 +25,7 @@ from discovery.cluster_key import (
 from discovery.framing import ChannelTimeout, recv_frame, send_frame
 from discovery.sealing import COUNTER, MAX_COUNTER, FrameOpener, FrameSealer, derive_session_keys
 from discovery.secure_channel import SecureChannel
-from planner.errors import ChannelError, ConfigError
+from errors import ChannelError, ConfigError
 from tests.helpers.threads import run_in_thread
 
 KEY = bytes(range(32))

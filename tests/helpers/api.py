@@ -22,8 +22,8 @@ import uvicorn
 from discovery.framing import free_port
 from engines.api import create_app
 from engines.core.runner import EngineRunner
-from engines.core.served_models import ServedModels
 from engines.core.service import Service, ServiceLimits
+from engines.core.service_registry import ServiceRegistry
 from engines.single.engine import SingleEngine
 
 MODEL_ID = "tandem-demo"
@@ -81,7 +81,7 @@ def make_service(
 
 @asynccontextmanager
 async def open_client(
-    served: Service | ServedModels, **app_options: Any
+    served: Service | ServiceRegistry, **app_options: Any
 ) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=create_app(served, **app_options))
     async with httpx.AsyncClient(transport=transport, base_url="http://tandem.test") as client:

@@ -10,7 +10,7 @@ from typing import Any
 from engines.core.engine import Engine
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
-from planner.errors import EngineError
+from errors import EngineError
 
 
 @dataclass

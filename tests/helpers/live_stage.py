@@ -25,7 +25,7 @@ from engines.pipeline import wire
 from engines.pipeline.sequence_documents import end_frame
 from engines.pipeline.stage_worker import StageProcess
 from engines.pipeline.wire import PURPOSE, Frame, Kind, Row
-from planner.errors import ChannelError
+from errors import ChannelError
 
 HOST = "127.0.0.1"
 UPSTREAM = range(0, 4)  # the test plays every stage before the live one

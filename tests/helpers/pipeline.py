@@ -17,7 +17,7 @@ from engines.core.runner import EngineRunner
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.stage_worker import StageProcess
 from engines.single.engine import SingleEngine
-from planner.errors import EngineError
+from errors import EngineError
 from tests.helpers.signals import wake
 
 HOST = "127.0.0.1"

@@ -45,7 +45,7 @@ def refuse_fetch(what: str) -> NoReturn:
 def prefetch_all() -> list[str]:
     """Fetch every download of the suite that is missing; the problems, one line each."""
     from discovery.directories import default_cache_dir
-    from planner.errors import ModelError
+    from errors import ModelError
     from tests.helpers.npm_tools import NpmInstallError, install_npm_tool
     from tests.helpers.real_models import SUITE_MODELS
 

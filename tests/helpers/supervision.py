@@ -14,8 +14,8 @@ from engines.core.engine import Engine, EngineInfo, StepOutput
 from engines.core.request import GenerationRequest
 from engines.core.service import Service
 from engines.model.info import inspect_model
+from errors import EngineError
 from planner import NodeResources, Parallelism
-from planner.errors import EngineError
 
 GiB = 2**30
 WAIT_S = 5.0

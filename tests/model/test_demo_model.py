@@ -19,7 +19,7 @@ import engines.model.demo as demo_model
 from engines.model.demo import default_demo_path, ensure_demo_model, write_demo_model
 from engines.model.demo_spec import DemoSpec
 from engines.model.demo_tokenizer import EOS_TOKEN, PRINTABLE, SPECIAL_TOKENS
-from planner.errors import ConfigError
+from errors import ConfigError
 
 SMALL = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}
 GREEDY = make_sampler(0.0)

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models import llama
 
 from engines.model.info import ModelFacts, inspect_model
-from planner.errors import ModelError
+from errors import ModelError
 
 SMALL = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2}
 

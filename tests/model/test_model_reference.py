@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engines.model.reference import parse_repo_id, resolve_reference
-from planner.errors import ModelError
+from errors import ModelError
 from tests.helpers.cluster import REPO_ROOT, child_env
 from tests.helpers.hf_cache import COMMIT, cache_repo
 

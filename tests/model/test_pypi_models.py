@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engines.model.pypi_models import PypiModel, _chunk_parts
-from planner.errors import ModelError
+from errors import ModelError
 
 PARTS = (b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 3)
 

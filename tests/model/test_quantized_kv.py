@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from engines.model.kv_quantization import KVQuantization, as_mlx_cache, as_sequence_cache
 from engines.model.quantized_kv import QuantizedBatchCache, QuantizedSequenceCache
 from engines.prefix_cache.kv_prefix import kv_prefix
-from planner.errors import PlanError
+from errors import PlanError
 from planner.memory import kv_group_size
 
 HEADS, HEAD_DIM = 2, 32

@@ -21,7 +21,7 @@ from engines.api.cluster_metrics import MODEL_LABEL, Families, add_prefix_cache
 from engines.api.dashboard_view import render_members
 from engines.cluster.cluster_status import engine_status
 from engines.core.runner import EngineRunner
-from engines.core.served_models import ServedModels
+from engines.core.service_registry import ServiceRegistry
 from engines.observability.request_log import RequestLog, RequestLogSettings
 from engines.observability.request_timing import SEGMENTS, RequestRecord
 from tests.helpers.api import (
@@ -74,7 +74,7 @@ def second_runner(demo_model_factory: Callable[..., Path]) -> Iterator[EngineRun
     second.close()
 
 
-def two_models(first: EngineRunner, second: EngineRunner) -> ServedModels:
+def two_models(first: EngineRunner, second: EngineRunner) -> ServiceRegistry:
     """Model "a" on the demo model and "b" on the second, each planned on a node of its own."""
     services = []
     for model_id, each, node in (("a", first, "node-a"), ("b", second, "node-b")):
@@ -85,7 +85,7 @@ def two_models(first: EngineRunner, second: EngineRunner) -> ServedModels:
             status | {"engine": engine_status(each)}
         )
         services.append(service)
-    return ServedModels(services)
+    return ServiceRegistry(services)
 
 
 async def test_metrics_move_as_requests_flow(runner: Any) -> None:

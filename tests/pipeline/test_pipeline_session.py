@@ -11,7 +11,7 @@ import pytest
 from cli.status import engine_steps, parse_metrics
 from discovery.cluster_key import generate_key
 from engines.api.dashboard_view import render_requests
-from planner.errors import EngineError
+from errors import EngineError
 from tests.helpers.pipeline import (
     PROMPTS,
     Pipeline,

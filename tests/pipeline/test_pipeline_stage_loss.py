@@ -17,8 +17,8 @@ from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.pipeline.engine import EncryptedPipelineEngine
 from engines.pipeline.stage_worker import StageProcess
+from errors import EngineError
 from planner import allocate_layers
-from planner.errors import EngineError
 from tests.helpers.pipeline import (
     PROMPTS,
     make_engine,

@@ -14,8 +14,8 @@ from discovery.cluster_key import generate_key
 from engines.pipeline.stage_model import StageModel
 from engines.pipeline.stage_spec import StageSpec
 from engines.pipeline.stage_worker import StageProcess
+from errors import ConfigError, EngineError
 from planner import allocate_layers
-from planner.errors import ConfigError, EngineError
 from tests.helpers.pipeline import HOST, Pipeline, make_engine, start_workers, stop_workers
 from tests.helpers.strangers import open_strangers
 

@@ -13,7 +13,7 @@ import pytest
 from discovery.cluster_key import generate_key
 from engines.pipeline import wire
 from engines.pipeline.wire import Frame, Kind, Row
-from planner.errors import ChannelError
+from errors import ChannelError
 from tests.helpers.live_stage import (
     GREEDY,
     HOST,

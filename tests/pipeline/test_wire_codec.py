@@ -21,7 +21,7 @@ from engines.pipeline.sequence_documents import (
     prefix_entry_of,
 )
 from engines.pipeline.wire import PREFILL_GROUP, Frame, Kind, Row, WireError
-from planner.errors import ChannelError
+from errors import ChannelError
 from tests.helpers.live_stage import JSON_OBJECT, LAST, SESSION
 
 pytestmark = pytest.mark.cluster

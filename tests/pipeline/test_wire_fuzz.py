@@ -11,7 +11,7 @@ import pytest
 from engines.pipeline import wire
 from engines.pipeline.sequence_documents import end_frame
 from engines.pipeline.wire import PREFILL_GROUP, Kind, Row, WireError
-from planner.errors import ChannelError
+from errors import ChannelError
 from tests.helpers.live_stage import GREEDY, SESSION, UPSTREAM
 
 pytestmark = pytest.mark.cluster

@@ -13,8 +13,8 @@ import pytest
 
 from cli.main import build_parser
 from cli.serve import config_from_args
+from errors import ConfigError, PlanError
 from planner import ModelShape, NodeResources, Parallelism, plan_cluster, single_need
-from planner.errors import ConfigError, PlanError
 from tests.helpers.planning import MB, SHAPE
 
 ROOT = Path(__file__).resolve().parents[2]

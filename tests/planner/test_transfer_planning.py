@@ -18,8 +18,8 @@ from discovery.cluster_key import parse_key
 from discovery.control import HeldModel
 from discovery.membership import Membership
 from engines.weights.holdings import with_holdings
+from errors import PeerError
 from planner import NodeResources
-from planner.errors import PeerError
 from tests.helpers.cluster import LOOPBACK, AgentPool
 
 pytestmark = pytest.mark.cluster

@@ -18,8 +18,8 @@ from engines.core.runner import EngineRunner
 from engines.model.info import inspect_model
 from engines.single.engine import SingleEngine
 from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
+from errors import ModelError
 from planner import NodeResources, Parallelism, allocate_layers, plan_cluster
-from planner.errors import ModelError
 from tests.helpers.engine import run_one
 from tests.helpers.pipeline import make_engine, start_workers, stop_workers
 from tests.helpers.real_model import Greedy, engine_request

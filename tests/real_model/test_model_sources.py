@@ -20,7 +20,7 @@ from engines.model.gguf.cache import ensure_imported
 from engines.model.gguf.ollama_store import OllamaName, find_model, list_names, parse_name
 from engines.model.pypi_models import SMOLLM2
 from engines.model.smollm2 import MODEL_ID
-from planner.errors import ModelError
+from errors import ModelError
 from tests.helpers.cluster import REPO_ROOT, child_env
 from tests.helpers.ollama_store import (
     MODEL_MEDIA_TYPE,

@@ -13,7 +13,7 @@ from engines.core.engine_options import EngineOptions
 from engines.core.request import GenerationRequest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
-from planner.errors import EngineError
+from errors import EngineError
 from tests.helpers.engine import run_all, run_one
 from tests.helpers.kv_reference import KV_PROMPTS
 from tests.helpers.kv_reference import mlx_lm_tokens as reference_tokens

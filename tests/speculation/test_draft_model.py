@@ -16,7 +16,7 @@ from engines.core.engine_options import EngineOptions
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
 from engines.speculation.draft_model import DraftModelDrafter
-from planner.errors import EngineError
+from errors import EngineError
 from tests.helpers.engine import make_request, run_one
 
 PROMPTS = ("The quick brown fox", "Once upon a time, in a city by the sea,")

@@ -11,7 +11,7 @@ import pytest
 from engines.core.runner import EngineRunner
 from engines.single.engine import SingleEngine
 from engines.tensor_parallel import TensorParallelEngine, loopback_ring_specs
-from planner.errors import EngineError
+from errors import EngineError
 from tests.helpers.engine import make_request, run_all
 from tests.helpers.tensor_parallel import (
     LOAD_TIMEOUT_S,

@@ -34,7 +34,7 @@ from engines.tensor_parallel.lockstep import (
 )
 from engines.tensor_parallel.shard_batch import ShardBatch
 from engines.tensor_parallel.step_commands import parse_insert, parse_step
-from planner.errors import EngineError
+from errors import EngineError
 from tests.helpers.engine import run_one
 from tests.helpers.tensor_parallel import GRAMMAR, PROMPTS
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engines.core.request import GenerationRequest
-from planner.errors import EngineError
+from errors import EngineError
 from tests.helpers.engine import start_batch, step_until_error
 from tests.helpers.tensor_parallel import PROMPTS, close_cluster, open_cluster
 

@@ -19,7 +19,7 @@ from engines.model.info import inspect_model
 from engines.weights.fetch import cached_model, fetch_model
 from engines.weights.manifest import MANIFEST_NAME, Manifest, build_manifest, sha256_of
 from engines.weights.server import WeightServer
-from planner.errors import ModelError
+from errors import ModelError
 from tests.helpers.cluster import wait_until
 from tests.helpers.strangers import open_strangers
 

@@ -8,7 +8,7 @@ DIALECT = Dialect(
     name="anthropic",
     router=create_router,
     generation_paths=("/v1/messages",),
-    error_prefix="/v1/messages",
+    path_prefix="/v1/messages",
     render_error=render_error,
 )
 

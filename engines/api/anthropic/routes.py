@@ -27,7 +27,7 @@ from engines.api.generation import Outcome, serving
 from engines.api.prompts import chat_prompt_tokens
 from engines.api.streaming import STREAMED
 from engines.api.tools import tool_format_for
-from engines.core.served_models import ServedModels
+from engines.core.service_registry import ServiceRegistry
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def message_replies(body: MessagesRequest, message_id: str) -> Replies:
     return Replies(ANTHROPIC_SSE, events, message)
 
 
-def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
+def create_router(models: ServiceRegistry, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
     unknown = UnknownFields()
 

@@ -8,7 +8,7 @@ DIALECT = Dialect(
     name="ollama",
     router=create_router,
     generation_paths=("/api/chat", "/api/generate"),
-    error_prefix="/api",
+    path_prefix="/api",
     render_error=render_error,
 )
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from engines.api.errors import APIError
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
+from engines.core.service_registry import ServiceRegistry
 from engines.model.info import FLOAT_DTYPE_BYTES, read_config, read_tensor_table
-from planner.errors import ModelError
+from errors import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def listed_name(model_id: str) -> str:
     return model_id if ":" in tail else model_id + LATEST
 
 
-def served_model(models: ServedModels, requested: str, param: str = "model") -> Service:
+def served_model(models: ServiceRegistry, requested: str, param: str = "model") -> Service:
     """The served model a request's model names (its id or an alias, with or without
     `:latest`); 404 in tandem's words otherwise."""
     found = models.find(requested)

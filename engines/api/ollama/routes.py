@@ -25,8 +25,8 @@ from engines.api.ollama.models import (
 from engines.api.ollama.options import context_of, sampling_of
 from engines.api.ollama.replies import NDJSON, OllamaReplies, loaded
 from engines.api.ollama.schemas import ChatRequest, GenerateRequest, GenerationFields, ShowRequest
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
+from engines.core.service_registry import ServiceRegistry
 
 ROUTES = {
     "/api/chat": "POST",
@@ -55,7 +55,7 @@ def ollama_replies(body: GenerationFields) -> Replies:
     return Replies(NDJSON, objects, whole)
 
 
-def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
+def create_router(models: ServiceRegistry, max_prompt_tokens: int) -> APIRouter:
     # Not in the OpenAPI document: Ollama's own docs describe these shapes.
     router = APIRouter(include_in_schema=False)
     add_generation_routes(router, models, max_prompt_tokens)
@@ -91,7 +91,9 @@ def job_of(
     return Job(request_id, sampling, context, body.streamed(), chat, raw_prompt, note)
 
 
-def add_generation_routes(router: APIRouter, models: ServedModels, max_prompt_tokens: int) -> None:
+def add_generation_routes(
+    router: APIRouter, models: ServiceRegistry, max_prompt_tokens: int
+) -> None:
     """/api/chat and /api/generate; with nothing to generate each only says it is loaded."""
 
     @router.post("/api/chat")
@@ -113,7 +115,7 @@ def add_generation_routes(router: APIRouter, models: ServedModels, max_prompt_to
         return await generate(request, service, job, ollama_replies(body))
 
 
-def add_model_routes(router: APIRouter, models: ServedModels, max_prompt_tokens: int) -> None:
+def add_model_routes(router: APIRouter, models: ServiceRegistry, max_prompt_tokens: int) -> None:
     """/api/tags, /api/show, /api/ps and /api/version: the served models as Ollama lists them."""
 
     @router.get("/api/tags")

@@ -10,7 +10,7 @@ DIALECT = Dialect(
     name="openai",
     router=create_router,
     generation_paths=("/v1/chat/completions", "/v1/completions"),
-    error_prefix="/v1",
+    path_prefix="/v1",
     render_error=render_error,
     refusal_of=refusal_of,
 )

@@ -22,10 +22,10 @@ from engines.api.openai.schemas import (
     CompletionRequest,
 )
 from engines.api.streaming import STREAMED
-from engines.core.served_models import ServedModels
+from engines.core.service_registry import ServiceRegistry
 
 
-def create_router(models: ServedModels, max_prompt_tokens: int) -> APIRouter:
+def create_router(models: ServiceRegistry, max_prompt_tokens: int) -> APIRouter:
     router = APIRouter()
 
     @router.post(

@@ -9,7 +9,7 @@ DIALECT = Dialect(
     name="responses",
     router=create_router,
     generation_paths=("/v1/responses",),
-    error_prefix="/v1/responses",
+    path_prefix="/v1/responses",
     render_error=render_error,
 )
 

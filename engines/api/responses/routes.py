@@ -30,8 +30,8 @@ from engines.api.responses.schemas import ResponsesRequest
 from engines.api.responses.store import ResponseStore
 from engines.api.shared_path import shared_path_route
 from engines.api.streaming import STREAMED
-from engines.core.served_models import ServedModels
 from engines.core.service import Service
+from engines.core.service_registry import ServiceRegistry
 
 STORED = {**UNAUTHORIZED, 404: documented("no stored response has this id")}
 SEALED_INCLUDE = "reasoning.encrypted_content"
@@ -82,7 +82,7 @@ def response_replies(
 
 
 def create_router(
-    models: ServedModels, max_prompt_tokens: int, store: ResponseStore | None = None
+    models: ServiceRegistry, max_prompt_tokens: int, store: ResponseStore | None = None
 ) -> APIRouter:
     router = APIRouter()
     store = store if store is not None else ResponseStore()
@@ -117,20 +117,25 @@ def create_router(
         replies = response_replies(body, service, response_id, keep)
         return await generate(request, service, job, replies)
 
-    stored_router = APIRouter(route_class=shared_path_route(STORED_METHODS))
+    router.include_router(stored_router(store))
+    return router
 
-    @stored_router.get(STORED_PATH, responses=STORED)
+
+def stored_router(store: ResponseStore) -> APIRouter:
+    """GET and DELETE /v1/responses/{id}: a stored response, by the id it was created with."""
+    router = APIRouter(route_class=shared_path_route(STORED_METHODS))
+
+    @router.get(STORED_PATH, responses=STORED)
     async def retrieve_response(response_id: str) -> JSONResponse:
         stored = store.get(response_id)
         if stored is None:
             raise not_stored(response_id)
         return JSONResponse(stored.response.body())
 
-    @stored_router.delete(STORED_PATH, responses=STORED)
+    @router.delete(STORED_PATH, responses=STORED)
     async def delete_response(response_id: str) -> JSONResponse:
         if not store.delete(response_id):
             raise not_stored(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
-    router.include_router(stored_router)
     return router

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from planner.errors import ModelError
+from errors import ModelError
 
 # Names outside the layers: llama.cpp's -> mlx-lm's.
 GLOBAL_NAMES = {

@@ -9,7 +9,7 @@ import numpy as np
 from engines.model.gguf.architectures import Architecture
 from engines.model.gguf.rope import llama3_rope_scaling
 from engines.model.gguf.source import GGUFSource
-from planner.errors import ModelError
+from errors import ModelError
 
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_RMS_NORM_EPS = 1e-5

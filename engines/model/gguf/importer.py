@@ -21,7 +21,7 @@ from engines.model.gguf.source import GGUFSource, open_source
 from engines.model.gguf.tensors import TensorPlan, convert, plan_tensor
 from engines.model.gguf.writer import ShardWriter, write_json
 from engines.model.precision import on_cpu
-from planner.errors import ModelError
+from errors import ModelError
 
 log = logging.getLogger(__name__)
 

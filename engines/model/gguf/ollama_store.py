@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.errors import ModelError
+from errors import ModelError
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from engines.model.gguf.source import GGUFSource
-from planner.errors import ModelError
+from errors import ModelError
 
 # What the converter's factors are checked against after fitting (float32 stored).
 TOLERANCE = 1e-4

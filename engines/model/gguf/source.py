@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderTensor
 
-from planner.errors import ModelError
+from errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
 # llama.cpp's gguf-split names its parts NAME-00001-of-00003.gguf.

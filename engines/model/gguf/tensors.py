@@ -13,7 +13,7 @@ from engines.model.gguf.affine import decode_affine
 from engines.model.gguf.architectures import Architecture
 from engines.model.gguf.native import repack
 from engines.model.gguf.quantization import Treatment, treatment
-from planner.errors import ModelError
+from errors import ModelError
 
 MLX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

@@ -30,7 +30,7 @@ from tokenizers import (
     processors,
 )
 
-from planner.errors import ModelError
+from errors import ModelError
 
 SPACE_MARK = "\u2581"  # SentencePiece's ▁, which stands for a space inside its pieces
 

@@ -18,7 +18,7 @@ from cli.main import main
 from cli.model_source import resolve_model
 from engines.model.gguf.cache import ensure_imported
 from engines.model.gguf.importer import check_disk_room, import_gguf
-from planner.errors import ModelError
+from errors import ModelError
 from tests.helpers.demo_models import make_demo_model
 from tests.helpers.gguf_export import export_gguf
 from tests.helpers.real_models import smollm2_gguf

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engines.model.gguf.tokenizer import read_vocabulary, write_tokenizer
-from planner.errors import ModelError
+from errors import ModelError
 from tests.helpers.real_models import smollm2_gguf
 from tests.helpers.tokenizer_corpus import CORPUS
 

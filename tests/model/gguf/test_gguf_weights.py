@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, quants
 
 from engines.model.gguf.cache import ensure_imported
 from engines.model.gguf.native import repack
-from planner.errors import ModelError
+from errors import ModelError
 from tests.helpers.gguf_errors import TYPES, measure
 from tests.helpers.gguf_k_quants import quantize_q4_k, quantize_q6_k
 

@@ -1,5 +1,7 @@
-"""ServedModels: every model this server serves, each behind a Service of its own, and the
+"""ServiceRegistry: every model this server serves, each behind a Service of its own, and the
 one question every API route asks of them: which model does a request's `model` name?
+It holds Services (not cli/served_model.py's ServedModel, the coordinator's bundle of a
+Service with its supervisor and weight server).
 
 A model is listed from when it is known until it is unloaded through the API; its Service's
 state says whether it answers ("ok"), is loading ("starting"), re-planning ("degraded"),
@@ -24,7 +26,7 @@ class OnDemand(Protocol):
         ...
 
 
-class ServedModels:
+class ServiceRegistry:
     def __init__(self, services: Iterable[Service] = ()) -> None:
         self.on_demand: OnDemand | None = None  # loads a model a request names (--load-on-demand)
         self.keep_alive_s = 0.0  # --keep-alive: an idle model is unloaded after this; 0: never
