@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers.agent_task import QUIET
 from tests.helpers.cluster import new_key_text
 from tests.helpers.npm_tools import npm_tool
 from tests.helpers.prefetch import NPM_TOOLS
@@ -51,15 +52,6 @@ SERVE_FLAGS = [
 # default set of tools comes to about 31,000 tokens, minutes of prefill for the demo model on
 # a busy CPU.
 CLAUDE_FLAGS = ["--tools", "Read"]
-# Nothing phones home, nothing of the calling environment leaks in (CLAUDECODE, keys).
-QUIET = {
-    "DISABLE_TELEMETRY": "1",
-    "DISABLE_AUTOUPDATER": "1",
-    "DISABLE_ERROR_REPORTING": "1",
-    "DISABLE_BUG_COMMAND": "1",
-    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-    "NO_PROXY": "127.0.0.1,localhost",
-}
 HOP_HEADERS = {"connection", "content-length", "transfer-encoding", "accept-encoding", "host"}
 
 
